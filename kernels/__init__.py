@@ -1,0 +1,1 @@
+"""Triton kernels of oscar-hf, installed as `oscar_hf.kernels` (never a top-level `kernels`)."""

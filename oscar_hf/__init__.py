@@ -1,0 +1,13 @@
+"""oscar-hf: the OScaR 2-bit KV cache (Canalized Rotation + Omni-Token Scaling) for HuggingFace transformers.
+
+Importing the package registers `cache_implementation="oscar"` with `generate` (see `register`/`unregister`).
+"""
+
+from .cache import KVMemory, OscarCache, OscarLayer
+from .config import OscarConfig
+from .integrations.transformers import register, unregister
+
+__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "register", "unregister"]
+__version__ = "0.1.0"
+
+register()

@@ -1,0 +1,90 @@
+"""`OscarConfig`: every knob of the OScaR KV cache, validated once, in one place."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class OscarConfig:
+    """Configuration of an `OscarCache`.
+
+    Args:
+        bits: bits per stored K/V value, 2 (the paper's setting) or 4.
+        group_size: tokens per key quantization group (per channel) and channels per value group (per token).
+        residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
+            quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
+        rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values.
+        token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).
+            With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
+        scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
+            "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
+        attention: "auto" decodes with the fused Triton kernels when they apply (CUDA, supported head_dim) and
+            otherwise with the portable path; "portable" always dequantizes and uses the model's own attention.
+    """
+
+    bits: int = 2
+    group_size: int = 32
+    residual_length: int = 128
+    rotation: bool = True
+    token_scaling: bool = True
+    scale_dtype: str = "float16"
+    attention: str = "auto"
+
+    def __post_init__(self):
+        def check(ok: bool, message: str) -> None:
+            if not ok:
+                raise ValueError(f"OscarConfig: {message}")
+
+        for name in ("bits", "group_size", "residual_length"):
+            value = getattr(self, name)
+            check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {value!r}.")
+        for name in ("rotation", "token_scaling"):
+            value = getattr(self, name)
+            check(isinstance(value, bool), f"{name} must be True or False, got {value!r}.")
+        check(self.bits in (2, 4), f"bits={self.bits} is not supported; use 2 (default) or 4.")
+        check(
+            self.group_size in (32, 64, 128),
+            f"group_size={self.group_size} is not supported; use 32 (default), 64 or 128.",
+        )
+        check(
+            self.residual_length > 0 and self.residual_length % self.group_size == 0,
+            f"residual_length={self.residual_length} must be a positive multiple of group_size={self.group_size} "
+            f"(e.g. {4 * self.group_size}), because whole blocks of it are quantized at once.",
+        )
+        check(
+            self.scale_dtype in _SCALE_DTYPES,
+            f"scale_dtype={self.scale_dtype!r} is not supported; use one of {sorted(_SCALE_DTYPES)}.",
+        )
+        check(
+            self.attention in ("auto", "portable"),
+            f"attention={self.attention!r} is not supported; use 'auto' (fused kernels on CUDA) or 'portable'.",
+        )
+
+    @property
+    def scale_torch_dtype(self) -> torch.dtype:
+        return _SCALE_DTYPES[self.scale_dtype]
+
+    @property
+    def codes_per_word(self) -> int:
+        """How many codes one int32 storage word holds."""
+        return 32 // self.bits
+
+    @classmethod
+    def from_dict(cls, options: dict[str, Any] | None) -> OscarConfig:
+        """Build from a `cache_config` dict (as passed to `generate`); unknown keys are an error, never ignored."""
+        options = dict(options or {})
+        valid = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(options) - set(valid))
+        if unknown:
+            raise ValueError(f"Unknown OscarCache option(s) {unknown}; valid options are {valid}.")
+        return cls(**options)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

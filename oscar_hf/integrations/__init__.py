@@ -1,0 +1,1 @@
+"""Glue between oscar-hf and other libraries (transformers, lm-eval)."""

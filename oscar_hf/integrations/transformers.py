@@ -1,0 +1,71 @@
+"""`model.generate(cache_implementation="oscar", cache_config={...})`.
+
+transformers has no registry of cache implementations: `GenerationConfig.validate()` checks the name against the
+module-level tuple `ALL_CACHE_IMPLEMENTATIONS` (read at call time), and `GenerationMixin._prepare_cache_for_generation`
+is a hard-coded if/else that would silently fall back to a DynamicCache for an unknown name. `register()` therefore
+extends the tuple and wraps that method; every other cache name goes to the original method untouched. Both steps
+are idempotent and undone by `unregister()`. Nothing is written into a model's `generation_config`, so a saved
+generation_config.json never names "oscar".
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+from transformers.generation import configuration_utils
+from transformers.generation.utils import GenerationMixin
+
+from ..cache import OscarCache
+from ..config import OscarConfig
+
+CACHE_IMPLEMENTATION = "oscar"
+_WRAPPED_MARK = "_oscar_original"
+
+
+def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_length: int) -> None:
+    if model_kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            'Passing both `cache_implementation="oscar"` and `past_key_values` is unsupported; use one of the two.'
+        )
+    if self.config.is_encoder_decoder or not self._supports_default_dynamic_cache():
+        raise ValueError(
+            f'cache_implementation="oscar" needs a decoder-only model with a standard KV cache; '
+            f"{type(self).__name__} does not use one."
+        )
+    cache = OscarCache(self.config, OscarConfig.from_dict(generation_config.cache_config))
+    cache.reserve(max_cache_length)
+    if generation_config.is_assistant:
+        cache.activate_past_recording()
+    model_kwargs["past_key_values"] = cache
+
+
+def _wrap(original):
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        if generation_config.cache_implementation != CACHE_IMPLEMENTATION or generation_config.use_cache is False:
+            return original(self, generation_config, model_kwargs, *args, **kwargs)
+        bound = signature.bind(self, generation_config, model_kwargs, *args, **kwargs)
+        return _prepare_oscar_cache(self, generation_config, model_kwargs, bound.arguments["max_cache_length"])
+
+    setattr(_prepare_cache_for_generation, _WRAPPED_MARK, original)
+    return _prepare_cache_for_generation
+
+
+def register() -> None:
+    """Make `cache_implementation="oscar"` available to `generate` (idempotent; `import oscar_hf` calls it)."""
+    if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
+        configuration_utils.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
+    if not hasattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK):
+        GenerationMixin._prepare_cache_for_generation = _wrap(GenerationMixin._prepare_cache_for_generation)
+
+
+def unregister() -> None:
+    """Undo `register()`: transformers behaves exactly as before it."""
+    names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+    configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(n for n in names if n != CACHE_IMPLEMENTATION)
+    original = getattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK, None)
+    if original is not None:
+        GenerationMixin._prepare_cache_for_generation = original

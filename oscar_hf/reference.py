@@ -1,0 +1,199 @@
+"""The OScaR method as plain PyTorch: the executable specification that the cache and every kernel follow.
+
+Shapes: keys/values `[B, Hkv, N, D]` (batch, KV heads, tokens, head_dim). All math runs in float32 (or float64
+when the input is float64), whatever the model dtype.
+
+Storage contract (`QuantizedKV`), for `L` quantized tokens (a multiple of the group size G), b bits and
+`W = 32 // b` codes per int32 word:
+
+    key_codes    int32        [B, Hkv, L // W, D]   codes of u = (k H) / n_t, packed along the token axis
+    key_scale    scale_dtype  [B, Hkv, L // G, D]   per channel, per group of G consecutive tokens
+    key_min      scale_dtype  [B, Hkv, L // G, D]
+    key_norms    float32      [B, 1, L]             n_t, one per token shared by all KV heads (None if no scaling)
+    value_codes  int32        [B, Hkv, L // W, D]   codes of v H, packed along the token axis
+    value_scale  scale_dtype  [B, Hkv, L, D // G]   per token, per group of G consecutive channels
+    value_min    scale_dtype  [B, Hkv, L, D // G]
+
+Packing: word `[b, h, r, d]` holds the codes of tokens `r * W + j`, j = 0..W-1, at bits `[j * b, (j + 1) * b)`
+(token r*W in the least significant bits). Both K and V are packed along tokens, so one row of D words
+(512 bytes at D=128) is a single coalesced load covering W tokens of a head, and a kernel unpacks a
+`[BLOCK_N // W, D]` tile into `[BLOCK_N, D]` with shifts. The cache may allocate more rows than it uses (it
+grows by doubling); kernels take strides and the length. Dequantization: `x = code * scale + min`; a zero
+range stores scale 0, so every code decodes to the minimum.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .config import OscarConfig
+
+
+def rotation_block_size(head_dim: int) -> int:
+    """Size of the Walsh-Hadamard blocks along head_dim: head_dim itself when it is a power of two, otherwise the
+    largest power of two dividing it (a block-diagonal Hadamard, still symmetric and orthogonal)."""
+    return head_dim & -head_dim
+
+
+def check_head_dim(head_dim: int, config: OscarConfig) -> None:
+    """Refuse head dims the storage cannot represent, naming the problem and the fix."""
+    if head_dim % config.group_size != 0:
+        raise ValueError(
+            f"OscarCache cannot quantize head_dim={head_dim}: values are grouped along head_dim in groups of "
+            f"group_size={config.group_size}, which must divide it. Use a group_size that divides {head_dim} "
+            "(32, 64 or 128), or keep this model on DynamicCache."
+        )
+
+
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+    """Normalized fast Walsh-Hadamard transform along the last dim (x H, with H = H^T = H^-1), O(D log D).
+
+    Iterative butterflies: at stride h, pairs (i, i + h) inside each 2h-block become (a + b, a - b).
+    """
+    head_dim = x.shape[-1]
+    block = rotation_block_size(head_dim)
+    y = x.unflatten(-1, (head_dim // block, block))
+    h = 1
+    while h < block:
+        y = y.unflatten(-1, (block // (2 * h), 2, h))
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2).flatten(-3)
+        h *= 2
+    return (y * block**-0.5).flatten(-2)
+
+
+def token_norms(keys: torch.Tensor) -> torch.Tensor:
+    """Omni-Token Scaling factor n_t: the L2 norm of a key token over all KV heads and channels, `[B, 1, N]`.
+
+    Computed in float32 (float64 stays float64); a zero or NaN norm (an all-zero or broken token) becomes 1 so
+    that dividing by it is always safe.
+    """
+    k = keys.float() if keys.dtype != torch.float64 else keys
+    norms = k.square().sum(dim=(1, 3)).sqrt().unsqueeze(1)
+    return torch.where(norms > 0, norms, torch.ones_like(norms))  # NaN > 0 is False
+
+
+def quantize_groups(
+    x: torch.Tensor, bits: int, group_size: int, dim: int, scale_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max quantization in groups of `group_size` consecutive elements along `dim`.
+
+    Returns (codes uint8 shaped like x, scale, min) with `dim` reduced by group_size in scale/min. Scale and min
+    are rounded to `scale_dtype` *before* computing the codes, so the codes are the best ones for the stored
+    parameters and dequantization is within half a step.
+    """
+    levels = 2**bits - 1
+    compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    g = x.to(compute_dtype).movedim(dim, -1)
+    g = g.unflatten(-1, (g.shape[-1] // group_size, group_size))
+    mn = g.amin(-1, keepdim=True).to(scale_dtype).to(compute_dtype)
+    scale = ((g.amax(-1, keepdim=True) - mn) / levels).to(scale_dtype).to(compute_dtype)
+    if not (torch.isfinite(scale).all() and torch.isfinite(mn).all()):
+        raise ValueError(
+            f"OscarCache: a quantization scale or minimum is not finite in {scale_dtype} (the K/V values are too "
+            "large, or NaN/inf). Use scale_dtype='float32', or check the model's activations."
+        )
+    codes = torch.where(scale > 0, (g - mn) / scale, 0.0).round_().clamp_(0, levels).to(torch.uint8)
+    codes = codes.flatten(-2).movedim(-1, dim)
+    scale, mn = (t.squeeze(-1).movedim(-1, dim).to(scale_dtype) for t in (scale, mn))
+    return codes, scale, mn
+
+
+def dequantize_groups(
+    codes: torch.Tensor, scale: torch.Tensor, mn: torch.Tensor, group_size: int, dim: int, dtype=torch.float32
+) -> torch.Tensor:
+    """Inverse of `quantize_groups`: `code * scale + min`, with scale/min broadcast over each group."""
+    scale = scale.to(dtype).repeat_interleave(group_size, dim=dim)
+    mn = mn.to(dtype).repeat_interleave(group_size, dim=dim)
+    return codes.to(dtype) * scale + mn
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[..., N, D]` uint8 codes -> `[..., N // W, D]` int32 words, packed along the token axis (see module doc)."""
+    per_word = 32 // bits
+    grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // per_word, per_word))
+    words = torch.zeros_like(grouped[..., 0, :])
+    for j in range(per_word):
+        words |= grouped[..., j, :] << (j * bits)  # j * bits reaches the sign bit: int32 wraps, bits stay exact
+    return words
+
+
+def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes."""
+    per_word = 32 // bits
+    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(bits).view(per_word, 1)
+    codes = (words.unsqueeze(-2) >> shifts) & (2**bits - 1)  # arithmetic shift; the mask drops the sign bits
+    return codes.flatten(-3, -2).to(torch.uint8)
+
+
+class QuantizedKV(NamedTuple):
+    """Quantized keys and values of one layer, in the storage contract of the module docstring."""
+
+    key_codes: torch.Tensor
+    key_scale: torch.Tensor
+    key_min: torch.Tensor
+    key_norms: torch.Tensor | None
+    value_codes: torch.Tensor
+    value_scale: torch.Tensor
+    value_min: torch.Tensor
+
+
+def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
+    """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size)."""
+    k = keys.float() if keys.dtype != torch.float64 else keys
+    v = values.float() if values.dtype != torch.float64 else values
+    norms = token_norms(k) if config.token_scaling else None
+    if config.rotation:
+        k, v = hadamard_transform(k), hadamard_transform(v)
+    if norms is not None:
+        k = k / norms.unsqueeze(-1)
+    key_codes, key_scale, key_min = quantize_groups(k, config.bits, config.group_size, -2, config.scale_torch_dtype)
+    value_codes, value_scale, value_min = quantize_groups(
+        v, config.bits, config.group_size, -1, config.scale_torch_dtype
+    )
+    return QuantizedKV(
+        pack_codes(key_codes, config.bits),
+        key_scale,
+        key_min,
+        norms,
+        pack_codes(value_codes, config.bits),
+        value_scale,
+        value_min,
+    )
+
+
+def dequantize_kv(
+    qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain."""
+    g = config.group_size
+    k = dequantize_groups(unpack_codes(qkv.key_codes, config.bits), qkv.key_scale, qkv.key_min, g, -2, dtype)
+    v = dequantize_groups(unpack_codes(qkv.value_codes, config.bits), qkv.value_scale, qkv.value_min, g, -1, dtype)
+    if qkv.key_norms is not None:
+        k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
+    if config.rotation:
+        k, v = hadamard_transform(k), hadamard_transform(v)
+    return k, v
+
+
+def empty_quantized_kv(
+    keys_like: torch.Tensor, values_like: torch.Tensor, tokens: int, config: OscarConfig
+) -> QuantizedKV:
+    """Uninitialised storage for `tokens` tokens, shaped after `[B, Hkv, *, D]` keys and values."""
+    (batch, key_heads, _, key_dim), (_, value_heads, _, value_dim) = keys_like.shape, values_like.shape
+    w, g, sd = config.codes_per_word, config.group_size, config.scale_torch_dtype
+
+    def empty(*shape, dtype):
+        return torch.empty(shape, dtype=dtype, device=keys_like.device)
+
+    return QuantizedKV(
+        key_codes=empty(batch, key_heads, tokens // w, key_dim, dtype=torch.int32),
+        key_scale=empty(batch, key_heads, tokens // g, key_dim, dtype=sd),
+        key_min=empty(batch, key_heads, tokens // g, key_dim, dtype=sd),
+        key_norms=empty(batch, 1, tokens, dtype=torch.float32) if config.token_scaling else None,
+        value_codes=empty(batch, value_heads, tokens // w, value_dim, dtype=torch.int32),
+        value_scale=empty(batch, value_heads, tokens, value_dim // g, dtype=sd),
+        value_min=empty(batch, value_heads, tokens, value_dim // g, dtype=sd),
+    )

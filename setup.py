@@ -1,0 +1,9 @@
+# The `kernels/` folder ships as `oscar_hf.kernels`: a top-level `kernels` package would shadow HuggingFace's own
+# `kernels` package, which transformers probes with find_spec("kernels"). pyproject.toml cannot express this
+# package_dir mapping with an explicit package list, hence this file.
+from setuptools import setup
+
+setup(
+    packages=["oscar_hf", "oscar_hf.integrations", "oscar_hf.kernels"],
+    package_dir={"oscar_hf": "oscar_hf", "oscar_hf.kernels": "kernels"},
+)
