@@ -76,8 +76,10 @@ class OscarLayer(CacheLayerMixin):
             self.append(key_states, value_states)
             return key_states, value_states
         past_keys, past_values = self.dense_history()
+        # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
+        keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
         self.append(key_states, value_states)
-        return torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
+        return keys, values
 
     def get_seq_length(self) -> int:
         return self.quantized_length + self.residual_length
@@ -110,7 +112,7 @@ class OscarLayer(CacheLayerMixin):
             self.residual_length = keep - self.quantized_length
             return
         block_start = keep - keep % self.config.residual_length
-        keys, values = dequantize_kv(self._stored(block_start, self.quantized_length), self.config)
+        keys, values = self._dequantize(block_start, self.quantized_length)
         survivors = keep - block_start
         self.residual_keys[:, :, :survivors] = keys[:, :, :survivors]
         self.residual_values[:, :, :survivors] = values[:, :, :survivors]
@@ -166,10 +168,16 @@ class OscarLayer(CacheLayerMixin):
         keys = self.residual_keys[:, :, : self.residual_length]
         values = self.residual_values[:, :, : self.residual_length]
         if self.quantized_length:
-            old_keys, old_values = dequantize_kv(self.quantized(), self.config)
-            keys = torch.cat([old_keys.to(self.dtype), keys], dim=-2)
-            values = torch.cat([old_values.to(self.dtype), values], dim=-2)
+            old_keys, old_values = self._dequantize(0, self.quantized_length)
+            keys = torch.cat([old_keys, keys], dim=-2)
+            values = torch.cat([old_values, values], dim=-2)
         return keys, values
+
+    def _dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype."""
+        math_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        keys, values = dequantize_kv(self._stored(start, end), self.config, math_dtype)
+        return keys.to(self.dtype), values.to(self.dtype)
 
     def reserve(self, tokens: int) -> None:
         """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length)."""
@@ -181,7 +189,7 @@ class OscarLayer(CacheLayerMixin):
         return QuantizedKV(
             *(
                 None if buf is None else buf[:, :, start // rows : end // rows]
-                for buf, rows in zip(self._storage, self._rows, strict=True)
+                for buf, rows in zip(self._storage, self._rows)
             )
         )
 
@@ -189,7 +197,7 @@ class OscarLayer(CacheLayerMixin):
         start = self.quantized_length
         end = start + block.key_scale.shape[2] * self.config.group_size
         self._grow(end)
-        for buf, part, rows in zip(self._storage, block, self._rows, strict=True):
+        for buf, part, rows in zip(self._storage, block, self._rows):
             if buf is not None:
                 buf[:, :, start // rows : end // rows] = part
         self.quantized_length = end
@@ -203,7 +211,7 @@ class OscarLayer(CacheLayerMixin):
         capacity = -(-max(tokens, 2 * capacity, self._reserved_tokens) // window) * window
         new = empty_quantized_kv(self.residual_keys, self.residual_values, capacity, self.config)
         if self._storage is not None:
-            for buf, old in zip(new, self._storage, strict=True):
+            for buf, old in zip(new, self._storage):
                 if buf is not None:
                     buf[:, :, : old.shape[2]] = old
         self._storage = new
@@ -227,7 +235,6 @@ class OscarLayer(CacheLayerMixin):
             allocated += sum(t.nbytes for t in self._storage if t is not None)
         quantized = self.quantized()
         return KVMemory(
-            quantized_tokens=self.quantized_length,
             quantized_bytes=0 if quantized is None else sum(t.nbytes for t in quantized if t is not None),
             quantized_bf16_bytes=2 * elements_per_token * self.quantized_length,
             exact_bytes=self.residual_keys.element_size() * elements_per_token * self.residual_length,
@@ -245,7 +252,6 @@ class KVMemory:
     capacity (buffers grow by doubling; `generate` reserves its maximum length up front).
     """
 
-    quantized_tokens: int = 0
     quantized_bytes: int = 0
     quantized_bf16_bytes: int = 0
     exact_bytes: int = 0
@@ -294,6 +300,8 @@ class OscarCache(DynamicCache):
         >>> model.generate(**inputs, past_key_values=cache)
     """
 
+    layer_class: type[OscarLayer] = OscarLayer
+
     def __init__(self, config: PretrainedConfig, oscar_config: OscarConfig | dict | None = None):
         if not isinstance(oscar_config, OscarConfig):
             oscar_config = OscarConfig.from_dict(oscar_config)
@@ -305,7 +313,9 @@ class OscarCache(DynamicCache):
         if isinstance(head_dim, int):
             check_head_dim(head_dim, oscar_config)
         super().__init__(config=config)
-        self.layers = [OscarLayer(oscar_config) if type(layer) is DynamicLayer else layer for layer in self.layers]
+        self.layers = [
+            self.layer_class(oscar_config) if type(layer) is DynamicLayer else layer for layer in self.layers
+        ]
         if not any(isinstance(layer, OscarLayer) for layer in self.layers):
             raise ValueError(
                 f"OscarCache found no standard full-attention layer in this {type(config).__name__} (layer types: "

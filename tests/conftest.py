@@ -1,0 +1,122 @@
+"""Shared fixtures: a tiny random Llama, the real offline SmolLM2, and an independent float64 oracle of OScaR."""
+
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from oscar_hf import OscarCache, OscarConfig, OscarLayer
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture
+def tiny_llama():
+    """Factory for a tiny random Llama (GQA 2:1, head_dim 32) for plumbing tests."""
+
+    def make(dtype=torch.float32, **overrides) -> LlamaForCausalLM:
+        options = dict(
+            vocab_size=97,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            max_position_embeddings=2048,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+        options.update(overrides)
+        return LlamaForCausalLM(LlamaConfig(**options)).to(dtype).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """SmolLM2-135M-Instruct, float32, offline (installed and converted by oscar_hf.offline_models on first use)."""
+    from oscar_hf.offline_models import load_model
+
+    return load_model("smollm2-135m", dtype=torch.float32)
+
+
+def _sylvester_hadamard(n: int) -> torch.Tensor:
+    h = torch.ones(1, 1, dtype=torch.float64)
+    while h.shape[0] < n:
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    return h / math.sqrt(n)
+
+
+def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig):
+    """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
+    a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
+    rounds (scales/mins to scale_dtype, token norms to float32)."""
+    k, v = keys.double(), values.double()
+    levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
+    rot = _sylvester_hadamard(k.shape[-1]) if config.rotation else torch.eye(k.shape[-1], dtype=torch.float64)
+
+    def fake_quant(x):  # quantize/dequantize groups along the last dim
+        mn = x.amin(-1, keepdim=True).to(sd).double()
+        scale = ((x.amax(-1, keepdim=True) - mn) / levels).to(sd).double()
+        codes = torch.where(scale > 0, ((x - mn) / scale).round().clamp(0, levels), torch.zeros_like(x))
+        return codes * scale + mn
+
+    norms = torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64)
+    if config.token_scaling:
+        norms = k.pow(2).sum(dim=(1, 3)).sqrt()[:, None, :, None]
+        norms = torch.where(norms > 0, norms, torch.ones_like(norms))
+    u = (k @ rot) / norms
+    b, h, n, d = u.shape
+    u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2)).transpose(-1, -2).reshape(b, h, n, d)
+    v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g)).reshape(b, h, n, d)
+    return (u_hat * norms.float().double()) @ rot.T, v_hat @ rot.T
+
+
+@pytest.fixture
+def oracle():
+    return oscar_oracle
+
+
+class ExactOscarLayer(OscarLayer):
+    """Test hook: quantization made lossless. Blocks are still quantized and stored (so storage, growth and the
+    flush schedule run), but reading the quantized region returns the exact tokens that went in. Everything else
+    (residual window, flushes, positions, masks, crop, beam reordering) is the real code."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.exact = None  # (keys, values) of the quantized region, exact
+
+    def _quantize(self, keys, values):
+        start = self.quantized_length  # `append` stores each quantized block right after quantizing it
+        if self.exact is None:
+            self.exact = (keys, values)
+        else:
+            self.exact = tuple(torch.cat([old[:, :, :start], new], 2) for old, new in zip(self.exact, (keys, values)))
+        return super()._quantize(keys, values)
+
+    def _dequantize(self, start, end):
+        return tuple(t[:, :, start:end] for t in self.exact)
+
+    def _apply(self, fn):
+        super()._apply(fn)
+        if self.exact is not None:
+            self.exact = tuple(fn(t) for t in self.exact)
+
+    def reset(self):
+        super().reset()
+        self.exact = None
+
+
+class ExactOscarCache(OscarCache):
+    layer_class = ExactOscarLayer
+
+
+@pytest.fixture
+def exact_oscar_cache():
+    return ExactOscarCache

@@ -1,0 +1,244 @@
+"""Cache mechanics: OscarCache against the independent float64 oracle, and every layer operation transformers uses."""
+
+import pytest
+import torch
+from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+from transformers.cache_utils import DynamicSlidingWindowLayer
+
+from oscar_hf import OscarCache, OscarConfig, OscarLayer
+
+B, HKV, D = 2, 2, 32
+
+
+def _cache(config=None, layers=2, heads=HKV, head_dim=D):
+    model_config = LlamaConfig(
+        num_hidden_layers=layers,
+        num_attention_heads=4 * heads,
+        num_key_value_heads=heads,
+        head_dim=head_dim,
+        hidden_size=4 * heads * head_dim,
+    )
+    return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
+
+
+def _expected_history(oracle, keys, values, config, memo=None):
+    """What the cache must represent for tokens [0, T): the oracle's quantized blocks, then exact tokens.
+    `memo` reuses the oracle's blocks between steps (they only change at a flush)."""
+    quantized = keys.shape[2] // config.residual_length * config.residual_length
+    memo = {} if memo is None else memo
+    if quantized not in memo:
+        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config)
+    k_hat, v_hat = memo[quantized]
+    return torch.cat([k_hat, keys[:, :, quantized:]], 2), torch.cat([v_hat, values[:, :, quantized:]], 2)
+
+
+def _with_new(history, keys, values, start, end):
+    return tuple(torch.cat([h, t[:, :, start:end]], 2) for h, t in zip(history, (keys, values)))
+
+
+def _assert_history(got, want, what):
+    for g, w, name in zip(got, want, ("keys", "values")):
+        assert g.shape == w.shape, (what, name, g.shape, w.shape)
+        # One float32 ulp of the magnitude (scales/mins are stored in float32, see test_reference); a wrong code
+        # or a misplaced token is off by a whole quantization step.
+        torch.testing.assert_close(g, w, rtol=0, atol=2 * torch.finfo(torch.float32).eps * w.abs().amax().item())
+
+
+@pytest.mark.parametrize("prefill", [50, 128, 300])
+@pytest.mark.parametrize(
+    "options", [{}, {"rotation": False, "token_scaling": False}, {"bits": 4, "residual_length": 64}]
+)
+def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
+    config = OscarConfig(scale_dtype="float32", **options)
+    cache = _cache(config)
+    total = prefill + 2 * config.residual_length + 40  # the decode steps cross two flushes whatever the prefill
+    scale = torch.logspace(-1, 1, total, dtype=torch.float64)[:, None]  # token norms spanning 100x
+    keys = torch.randn(B, HKV, total, D, dtype=torch.float64) * scale
+    values = torch.randn(B, HKV, total, D, dtype=torch.float64)
+    flushes, memo = 0, {}
+    for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, total)]:
+        before = cache.layers[0].quantized_length
+        got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
+        flushes += cache.layers[0].quantized_length > before
+        if start == 0:  # a chunk without history attends to its own exact K/V
+            assert torch.equal(got[0], keys[:, :, :end]) and torch.equal(got[1], values[:, :, :end])
+        else:  # the history as stored, then the new exact token
+            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, memo)
+            _assert_history(got, _with_new(want, keys, values, start, end), end)
+        layer = cache.layers[0]
+        assert cache.get_seq_length() == end
+        assert cache.get_mask_sizes(1, 0) == (end + 1, 0)
+        assert layer.quantized_length == end // config.residual_length * config.residual_length
+        assert 0 <= layer.residual_length < config.residual_length
+    assert flushes >= 2
+    _assert_history(cache.layers[0].dense_history(), _expected_history(oracle, keys, values, config), "final")
+
+
+def test_chunks_arriving_with_history_match_oracle(oracle):
+    """Multi-turn / chunked prefill: chunks of any size attend to the stored history plus their own exact tokens."""
+    config = OscarConfig(scale_dtype="float32")
+    cache = _cache(config)
+    chunks = [70, 200, 1, 57, 128, 3]
+    keys = torch.randn(B, HKV, sum(chunks), D, dtype=torch.float64)
+    values = torch.randn_like(keys)
+    start = 0
+    for size in chunks:
+        end = start + size
+        got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=1)
+        if start:
+            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config)
+            _assert_history(got, _with_new(want, keys, values, start, end), end)
+        start = end
+    assert cache.get_seq_length(1) == sum(chunks) and cache.get_seq_length(0) == 0
+
+
+def test_bf16_prefill_returns_exact_tokens_and_stores_packed_blocks():
+    cache = _cache(OscarConfig())
+    keys = torch.randn(1, HKV, 300, D, dtype=torch.bfloat16)
+    values = torch.randn_like(keys)
+    got_k, got_v = cache.update(keys, values, layer_idx=0)
+    assert got_k is keys and got_v is values
+    layer = cache.layers[0]
+    stored = layer.quantized()
+    assert stored.key_codes.shape == (1, HKV, 256 // 16, D) and stored.key_codes.dtype == torch.int32
+    assert stored.key_scale.dtype == torch.float16 and stored.key_norms.shape == (1, 1, 256)
+    dense_k, _ = layer.dense_history()
+    assert dense_k.dtype == torch.bfloat16 and dense_k.shape == keys.shape
+    assert torch.equal(dense_k[:, :, 256:], keys[:, :, 256:])
+    rel = (dense_k[:, :, :256].float() - keys[:, :, :256].float()).norm() / keys[:, :, :256].float().norm()
+    assert 0 < rel < 0.5  # 2-bit keys of Gaussian data: lossy but bounded
+
+
+def test_storage_grows_by_doubling_and_reserve_preallocates():
+    cache = _cache(OscarConfig())
+    layer = cache.layers[0]
+    capacities = []
+    for _ in range(9):
+        cache.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
+        capacities.append(layer._storage.key_scale.shape[2] * 32)
+    assert capacities == [128, 256, 512, 512, 1024, 1024, 1024, 1024, 2048]
+    reserved = _cache(OscarConfig())
+    reserved.reserve(1000)
+    reserved.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
+    assert reserved.layers[0]._storage.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
+
+
+@pytest.mark.parametrize("scale_dtype,min_ratio", [("float16", 5.2), ("float32", 3.9)])
+def test_memory_footprint_counts_real_bytes(scale_dtype, min_ratio):
+    heads, dim, tokens = 8, 128, 1000
+    cache = _cache(OscarConfig(scale_dtype=scale_dtype), heads=heads, head_dim=dim)
+    for layer_idx in range(2):
+        kv = torch.randn(1, heads, tokens, dim, dtype=torch.bfloat16)
+        cache.update(kv, kv.clone(), layer_idx)
+    mem = cache.memory_footprint()
+    quantized, exact = 896, tokens - 896
+    param_bytes = 2 if scale_dtype == "float16" else 4
+    # Per token and head: K and V codes (2 bits each), K scale+min per channel per 32 tokens, V scale+min per 32
+    # channels; plus one float32 norm per token shared by all heads.
+    per_token = heads * (2 * dim * 2 // 8 + 2 * 2 * param_bytes * dim // 32) + 4
+    assert mem.quantized_bytes == 2 * quantized * per_token
+    assert mem.quantized_bf16_bytes == 2 * quantized * heads * dim * 2 * 2
+    assert mem.exact_bytes == mem.exact_bf16_bytes == 2 * exact * heads * dim * 2 * 2
+    assert mem.quantized_ratio_vs_bf16 > min_ratio
+    assert mem.allocated_bytes >= mem.total_bytes
+
+
+def _gemma3_config():
+    return Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+
+
+def test_memory_counts_layers_left_in_full_precision():
+    cache = OscarCache(_gemma3_config(), OscarConfig())
+    for layer_idx in range(len(cache.layers)):
+        cache.update(torch.randn(1, 1, 200, 64), torch.randn(1, 1, 200, 64), layer_idx)
+    mem = cache.memory_footprint()
+    others = [layer for layer in cache.layers if not isinstance(layer, OscarLayer)]
+    sliding_bytes = sum(layer.keys.nbytes + layer.values.nbytes for layer in others)
+    residual_bytes = sum(layer.residual_length for layer in cache.layers if isinstance(layer, OscarLayer)) * 2 * 64 * 4
+    assert sliding_bytes > 0 and mem.exact_bytes == sliding_bytes + residual_bytes
+
+
+def _filled(tokens=300, batch=4):
+    cache = _cache()
+    for layer_idx in range(2):
+        cache.update(*torch.randn(2, batch, HKV, tokens, D, dtype=torch.float64), layer_idx)
+    return cache
+
+
+@pytest.mark.parametrize(
+    "operation,index",
+    [
+        (lambda c: c.reorder_cache(torch.tensor([2, 0, 0, 3])), lambda t: t[[2, 0, 0, 3]]),
+        (lambda c: c.batch_select_indices(torch.tensor([1, 3])), lambda t: t[[1, 3]]),
+        (lambda c: c.batch_repeat_interleave(2), lambda t: t.repeat_interleave(2, 0)),
+    ],
+    ids=["reorder_cache", "batch_select_indices", "batch_repeat_interleave"],
+)
+def test_batch_operations_are_lossless(operation, index):
+    cache = _filled()
+    before = [layer.dense_history() for layer in cache.layers]
+    operation(cache)
+    for layer, (k, v) in zip(cache.layers, before):
+        got_k, got_v = layer.dense_history()
+        assert torch.equal(got_k, index(k)) and torch.equal(got_v, index(v))
+    # the cache keeps working afterwards, across a flush
+    cache.update(*torch.randn(2, got_k.shape[0], HKV, 200, D, dtype=torch.float64), layer_idx=0)
+    assert cache.get_seq_length() == 500
+
+
+@pytest.mark.parametrize("remove", [1, 43, 44, 45, 172, 300])
+def test_crop_keeps_what_attention_saw(remove):
+    cache = _filled(tokens=300)  # 256 quantized + 44 exact
+    before = cache.layers[0].dense_history()
+    cache.crop(-remove)
+    layer = cache.layers[0]
+    assert cache.get_seq_length() == 300 - remove
+    assert layer.quantized_length % 128 == 0 and layer.residual_length < 128
+    after = layer.dense_history()
+    kept = 300 - remove
+    assert torch.equal(after[0], before[0][:, :, :kept]) and torch.equal(after[1], before[1][:, :, :kept])
+    cache.update(*torch.randn(2, 4, HKV, 130, D, dtype=torch.float64), layer_idx=0)
+    assert cache.get_seq_length() == kept + 130
+
+
+def test_crop_rejects_positive_lengths():
+    with pytest.raises(ValueError, match="negative"):
+        _filled().crop(10)
+
+
+def test_reset_and_reuse():
+    cache = _filled()
+    cache.reset()
+    assert cache.get_seq_length() == 0 and cache.memory_footprint().total_bytes == 0
+    cache.update(torch.randn(1, HKV, 5, D), torch.randn(1, HKV, 5, D), 0)
+    assert cache.get_seq_length() == 5
+
+
+def test_offload_and_prefetch_round_trip():
+    cache = _filled()
+    before = cache.layers[0].dense_history()
+    cache.layers[0].offload()
+    cache.layers[0].prefetch()
+    assert torch.equal(cache.layers[0].dense_history()[0], before[0])
+
+
+def test_hybrid_model_quantizes_only_full_attention_layers():
+    cache = OscarCache(_gemma3_config(), OscarConfig())
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds == [DynamicSlidingWindowLayer, OscarLayer, DynamicSlidingWindowLayer, OscarLayer]
+
+
+def test_model_without_full_attention_is_refused():
+    config = MistralConfig(num_hidden_layers=2, sliding_window=64, head_dim=64, hidden_size=128, num_attention_heads=2)
+    with pytest.raises(ValueError, match="no standard full-attention layer"):
+        OscarCache(config, OscarConfig())

@@ -1,0 +1,138 @@
+"""The reference math (oscar_hf.reference) against first principles and an independent float64 oracle."""
+
+import pytest
+import torch
+
+from oscar_hf import OscarConfig
+from oscar_hf.reference import (
+    dequantize_groups,
+    dequantize_kv,
+    hadamard_transform,
+    pack_codes,
+    quantize_groups,
+    quantize_kv,
+    token_norms,
+    unpack_codes,
+)
+
+
+@pytest.mark.parametrize("head_dim", [32, 64, 128, 256])
+def test_hadamard_is_symmetric_orthogonal_and_sylvester(head_dim):
+    eye = torch.eye(head_dim, dtype=torch.float64)
+    h = hadamard_transform(eye)  # rows of I H = H
+    assert torch.allclose(h, h.T, atol=0)
+    assert torch.allclose(h @ h.T, eye, atol=1e-12)
+    assert torch.allclose(h.abs(), torch.full_like(h, head_dim**-0.5), atol=1e-15)
+    # Sylvester ordering: H[i, j] = (-1)^popcount(i & j) / sqrt(D)
+    parity = torch.tensor([[bin(i & j).count("1") % 2 for j in range(head_dim)] for i in range(head_dim)])
+    assert torch.equal(torch.sign(h), (1 - 2 * parity).to(h.dtype))
+
+
+def test_hadamard_preserves_dot_products_and_inverts():
+    q, k = torch.randn(3, 5, 7, 128, dtype=torch.float64), torch.randn(3, 5, 11, 128, dtype=torch.float64)
+    qr, kr = hadamard_transform(q), hadamard_transform(k)
+    torch.testing.assert_close(qr @ kr.transpose(-1, -2), q @ k.transpose(-1, -2), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(hadamard_transform(qr), q, rtol=1e-12, atol=1e-12)
+
+
+def test_hadamard_block_rotation_for_non_power_of_two_head_dim():
+    x = torch.randn(4, 96, dtype=torch.float64)  # 96 = 3 blocks of 32
+    y = hadamard_transform(x)
+    torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
+    torch.testing.assert_close(y[:, 32:64], hadamard_transform(x[:, 32:64]), rtol=0, atol=1e-15)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_unpack_round_trips_every_code(bits):
+    per_word = 32 // bits
+    every = torch.arange(2**bits, dtype=torch.uint8).repeat(per_word * 2)[: per_word * 2]
+    codes = torch.cat(
+        [every.view(-1, 1).expand(-1, 5), torch.randint(0, 2**bits, (per_word * 6, 5), dtype=torch.uint8)]
+    )
+    codes[:per_word, 0] = 2**bits - 1  # all-ones word: the sign bit is set
+    words = pack_codes(codes.view(1, 1, -1, 5), bits)
+    assert words.dtype == torch.int32 and words.shape == (1, 1, codes.shape[0] // per_word, 5)
+    assert torch.equal(unpack_codes(words, bits), codes.view(1, 1, -1, 5))
+    assert words[0, 0, 0, 0].item() == -1
+
+
+def test_pack_bit_order_is_token_major_in_low_bits():
+    codes = torch.zeros(1, 1, 16, 1, dtype=torch.uint8)
+    codes[0, 0, 1, 0] = 3  # token 1 -> bits [2, 4)
+    codes[0, 0, 15, 0] = 1  # token 15 -> bit 30
+    assert pack_codes(codes, 2).item() == (3 << 2) | (1 << 30)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("dim", [-2, -1])
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+def test_quantization_error_within_half_a_step(bits, dim, scale_dtype):
+    x = torch.randn(2, 3, 64, 96, dtype=torch.float64) * torch.rand(2, 3, 64, 1, dtype=torch.float64) * 5
+    codes, scale, mn = quantize_groups(x, bits, 32, dim, scale_dtype)
+    assert codes.dtype == torch.uint8 and codes.max() <= 2**bits - 1 and codes.shape == x.shape
+    assert scale.dtype == scale_dtype and scale.shape[dim] == x.shape[dim] // 32
+    x_hat = dequantize_groups(codes, scale, mn, 32, dim, torch.float64)
+    step = scale.double().repeat_interleave(32, dim=dim)
+    # Half a step, plus the rounding of the stored scale/min to scale_dtype (relative eps of the range).
+    eps = torch.finfo(scale_dtype).eps
+    slack = eps * (x.abs().amax() + step * 2**bits)
+    assert ((x_hat - x).abs() <= step / 2 + slack).all()
+
+
+def test_quantization_zero_range_decodes_to_the_minimum():
+    x = torch.randn(1, 1, 32, 32, dtype=torch.float64)
+    x[..., 0] = 0.75  # a constant channel, exactly representable in the scale dtype: its key group has no range
+    codes, scale, mn = quantize_groups(x, 2, 32, -2, torch.float16)
+    assert (scale[..., 0] == 0).all() and (codes[..., 0] == 0).all() and (scale[..., 1:] > 0).all()
+    assert torch.equal(dequantize_groups(codes, scale, mn, 32, -2, torch.float64)[..., 0], x[..., 0])
+
+
+def test_token_norms_over_all_heads_with_guard():
+    k = torch.randn(2, 4, 6, 32)
+    k[0, :, 2] = 0  # an all-zero token
+    k[1, 1, 3, 5] = float("nan")  # a broken token
+    n = token_norms(k)
+    assert n.shape == (2, 1, 6) and n.dtype == torch.float32
+    torch.testing.assert_close(n[0, 0, 0], k[0, :, 0].pow(2).sum().sqrt())
+    assert n[0, 0, 2] == 1 and n[1, 0, 3] == 1
+
+
+def test_token_norms_fp32_from_bf16():
+    k = (torch.randn(1, 2, 4, 64) * 300).to(torch.bfloat16)
+    torch.testing.assert_close(
+        token_norms(k)[:, 0], k.double().pow(2).sum(dim=(1, 3)).sqrt().float(), rtol=1e-6, atol=0
+    )
+
+
+@pytest.mark.parametrize("rotation", [True, False])
+@pytest.mark.parametrize("token_scaling", [True, False])
+@pytest.mark.parametrize("bits", [2, 4])
+def test_quantize_kv_matches_independent_oracle(oracle, rotation, token_scaling, bits):
+    config = OscarConfig(bits=bits, rotation=rotation, token_scaling=token_scaling, scale_dtype="float32")
+    k = torch.randn(2, 3, 96, 64, dtype=torch.float64) * torch.logspace(-2, 2, 96, dtype=torch.float64)[:, None]
+    v = torch.randn(2, 3, 96, 64, dtype=torch.float64)
+    k_hat, v_hat = dequantize_kv(quantize_kv(k, v, config), config, torch.float64)
+    k_ref, v_ref = oracle(k, v, config)
+    # Scales/mins are rounded to float32 from float64 values that differ in their last bits between the butterflies
+    # and the oracle's dense matrix, so they may land one float32 ulp apart: allow one ulp of the magnitude. A wrong
+    # code would be off by a whole step (a third of the group's range), far beyond this.
+    for got, want in ((k_hat, k_ref), (v_hat, v_ref)):
+        torch.testing.assert_close(
+            got, want, rtol=0, atol=2 * torch.finfo(torch.float32).eps * want.abs().amax().item()
+        )
+
+
+def test_token_scaling_removes_token_norm_imbalance():
+    """The point of the method: a 100x-norm token in a key group ruins per-channel quantization of its neighbours
+    unless keys are scaled per token first."""
+    k = torch.randn(1, 2, 128, 64, dtype=torch.float64)
+    k[:, :, 5] *= 100
+    v = torch.randn_like(k)
+    errors = {}
+    for scaling in (True, False):
+        config = OscarConfig(token_scaling=scaling, scale_dtype="float32")
+        k_hat, _ = dequantize_kv(quantize_kv(k, v, config), config, torch.float64)
+        others = torch.ones(128, dtype=torch.bool)
+        others[5] = False
+        errors[scaling] = ((k_hat - k)[:, :, others].norm() / k[:, :, others].norm()).item()
+    assert errors[True] < errors[False] / 2, errors
