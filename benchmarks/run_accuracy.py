@@ -1,0 +1,238 @@
+"""Side-by-side accuracy of KV cache methods on real offline models, through lm-eval with the oscar-hf wrapper.
+
+    python eval_configs/build_data.py                     # once: the offline tasks
+    python benchmarks/run_accuracy.py                     # the default plan below (hours on 2 CPU cores)
+    python benchmarks/run_accuracy.py --models smollm2-135m --tasks oscar_passkey_1k --limit 4
+    python benchmarks/run_accuracy.py --plot-only         # redraw the plot and print the tables from the JSONs
+
+Results go to benchmarks/results/accuracy_<model>.json, one entry per (method, task), written as soon as it is
+measured: a rerun skips what is there, so a crash loses one entry. All methods of a model share one exact prefill
+per context (see `PrefillStore`), which is what makes several methods affordable on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import statistics
+import subprocess
+from pathlib import Path
+
+import lm_eval
+import matplotlib
+import torch
+import transformers
+from lm_eval import simple_evaluate
+from lm_eval.tasks import TaskManager
+from tqdm import tqdm
+
+from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM, PrefillStore
+from oscar_hf.offline_models import load_model
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+EVAL_CONFIGS = ROOT / "eval_configs"
+
+ALL_METHODS = list(METHODS)
+CORE_METHODS = ["bf16", "oscar-int2", "oscar-int4", "kivi-int2", "hf-quanto-int2"]
+RETRIEVAL = ("passkey", "niah", "multikey")
+
+
+def retrieval(*lengths: str) -> list[str]:
+    return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
+
+
+# What fits in about 45 minutes of 2 *shared* CPU cores (prefill cost grows with params x length; every method then
+# re-quantizes and scores each context): (tasks, documents per task, methods). Ablations only on the smallest model.
+PLAN = {
+    "smollm2-135m": (retrieval("2k") + ["oscar_pg_ppl_1k"], 5, ALL_METHODS),
+    "qwen2.5-0.5b": (retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
+    # HF QuantizedCache refuses models with sliding-window layers: gemma-3 runs without the hf-quanto methods.
+    "gemma-3-270m": (retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
+    "qwen2.5-1.5b": (
+        retrieval("1k")[1:] + ["oscar_pg_ppl_1k"],
+        3,
+        ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"],
+    ),
+}
+# The metrics kept from lm-eval's results, by task family.
+METRICS = {"ppl": ("word_perplexity", "bits_per_byte"), "retrieval": ("acc", "perplexity"), "gen": ("exact_match",)}
+
+
+def task_metrics(task: str) -> tuple[str, ...]:
+    if "_ppl_" in task:
+        return METRICS["ppl"]
+    return METRICS["gen"] if "_gen_" in task else METRICS["retrieval"]
+
+
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
+def context_tokens(task: str, tokenizer, limit: int) -> int:
+    """Mean prompt (or document) length in this model's tokens over the first `limit` documents."""
+    name = task.removeprefix("oscar_").replace("passkey_gen", "passkey")
+    rows = [json.loads(line) for line in (EVAL_CONFIGS / "data" / f"{name}.jsonl").read_text().splitlines()[:limit]]
+    return round(statistics.mean(len(tokenizer(r.get("context", r.get("text"))).input_ids) for r in rows))
+
+
+@torch.no_grad()
+def key_norm_stats(model, tokenizer, text: str) -> dict:
+    """Token Norm Imbalance of the keys: per layer, n_t = ||k_t|| over all KV heads (OScaR's scaling factor); the
+    median over layers of max/median and min/median of n_t, and of the first token's n_t / median."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    cache = DynamicCache(config=model.config)
+    model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], past_key_values=cache, logits_to_keep=1)
+    ratios = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
+    for layer in cache.layers:
+        if type(layer) is not DynamicLayer:
+            continue
+        norms = layer.keys.float().square().sum(dim=(1, 3)).sqrt()[0]
+        median = norms.median()
+        ratios["max_over_median"].append(float(norms.max() / median))
+        ratios["min_over_median"].append(float(norms.min() / median))
+        ratios["first_over_median"].append(float(norms[0] / median))
+    return {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+
+
+def load_results(model_name: str) -> dict:
+    path = RESULTS / f"accuracy_{model_name}.json"
+    return json.loads(path.read_text()) if path.exists() else {"model": model_name, "entries": {}}
+
+
+def save_results(results: dict) -> None:
+    path = RESULTS / f"accuracy_{results['model']}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+
+
+def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str], dtype: torch.dtype) -> None:
+    results = load_results(model_name)
+    todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"]]
+    if not todo:
+        return
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    results.update(
+        model=model_name,
+        dtype=str(dtype).removeprefix("torch."),
+        head_dim=model.config.get_text_config().head_dim,
+        versions={
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "lm_eval": lm_eval.__version__,
+            "python": platform.python_version(),
+        },
+        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+    )
+    if "key_norm_stats" not in results:
+        text = (EVAL_CONFIGS / "data" / "pg_ppl_1k.jsonl").read_text().splitlines()[0]
+        results["key_norm_stats"] = key_norm_stats(model, tokenizer, json.loads(text)["text"])
+    task_manager = TaskManager(include_path=str(EVAL_CONFIGS))
+    store = PrefillStore(max_entries=None)  # shared by every method of this model, cleared per task
+    wrappers = {m: OscarHFLM(pretrained=model, tokenizer=tokenizer, method=m, prefill_store=store) for m in methods}
+    current_task = None
+    for task, method in tqdm(todo, desc=model_name):  # task-major: one task's prefills are in memory at a time
+        if task != current_task:
+            store.clear()
+            current_task = task
+        out = simple_evaluate(
+            model=wrappers[method], tasks=[task], limit=limit, task_manager=task_manager, bootstrap_iters=1000
+        )
+        metrics = out["results"][task]
+        entry = {
+            "n": out["n-samples"][task]["effective"],
+            "context_tokens": context_tokens(task, tokenizer, limit),
+            "cache_config": wrappers[method].cache_config,
+            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "commit": git_commit(),
+        }
+        for name in task_metrics(task):
+            entry[name] = metrics[f"{name},none" if "_gen_" not in task else f"{name},first_number"]
+            stderr = metrics.get(f"{name}_stderr,none")
+            entry[f"{name}_stderr"] = stderr if isinstance(stderr, float) else None
+        results["entries"][f"{method}|{task}"] = entry
+        save_results(results)
+
+
+def plot(model_names: list[str]) -> Path:
+    """Left: retrieval accuracy (mean over the retrieval tasks run) per method; right: perplexity change vs bf16."""
+    fig, (ax_acc, ax_ppl) = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / max(len(model_names), 1)
+    for i, name in enumerate(model_names):
+        entries = load_results(name)["entries"]
+        acc, ppl = {}, {}
+        for key, entry in entries.items():
+            method, task = key.split("|")
+            if "_ppl_" in task:
+                ppl[method] = entry["word_perplexity"]
+            elif "acc" in entry:
+                acc.setdefault(method, []).append(entry["acc"])
+        xs = [j + i * width for j, m in enumerate(ALL_METHODS)]
+        ax_acc.bar(xs, [statistics.mean(acc[m]) if m in acc else 0 for m in ALL_METHODS], width, label=name)
+        base = ppl.get("bf16")
+        ax_ppl.bar(xs, [100 * (ppl[m] / base - 1) if base and m in ppl else 0 for m in ALL_METHODS], width, label=name)
+    for ax, title in (
+        (ax_acc, "retrieval accuracy (mean of passkey, niah, multikey)"),
+        (ax_ppl, "word perplexity vs bf16 (%), scored through the cache"),
+    ):
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ALL_METHODS))], ALL_METHODS, rotation=30, ha="right")
+        ax.set_title(title)
+        ax.grid(axis="y", alpha=0.3)
+    ax_ppl.set_yscale("symlog", linthresh=1)
+    ax_acc.legend()
+    fig.tight_layout()
+    path = RESULTS / "accuracy.png"
+    fig.savefig(path, dpi=110)
+    return path
+
+
+def markdown_table(model_name: str) -> str:
+    results = load_results(model_name)
+    tasks = sorted({k.split("|")[1] for k in results["entries"]})
+    methods = [m for m in ALL_METHODS if any(k.startswith(f"{m}|") for k in results["entries"])]
+    header = "| method | " + " | ".join(
+        f"{t.removeprefix('oscar_')} ({'word ppl' if '_ppl_' in t else 'acc'})" for t in tasks
+    )
+    lines = [header + " |", "|" + "---|" * (len(tasks) + 1)]
+    for m in methods:
+        cells = []
+        for t in tasks:
+            e = results["entries"].get(f"{m}|{t}")
+            cells.append("" if e is None else f"{e['word_perplexity']:.2f}" if "_ppl_" in t else f"{e['acc']:.2f}")
+        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    ns = sorted({(t, e["n"], e["context_tokens"]) for k, e in results["entries"].items() for t in [k.split("|")[1]]})
+    lines.append("")
+    lines.append("n / mean tokens per task: " + ", ".join(f"{t.removeprefix('oscar_')} {n} / {c}" for t, n, c in ns))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(PLAN), choices=list(PLAN))
+    parser.add_argument("--tasks", nargs="+", help="override the plan's tasks")
+    parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, help="override the plan's methods")
+    parser.add_argument("--limit", type=int, help="override the plan's documents per task")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--plot-only", action="store_true")
+    args = parser.parse_args()
+    if not args.plot_only:
+        for name in args.models:
+            tasks, limit, methods = PLAN[name]
+            dtype = getattr(torch, args.dtype)
+            run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
+    done = [n for n in PLAN if (RESULTS / f"accuracy_{n}.json").exists()]
+    print(f"plot: {plot(done)}")
+    for name in done:
+        print(f"\n### {name}\n\n{markdown_table(name)}")
+
+
+if __name__ == "__main__":
+    main()

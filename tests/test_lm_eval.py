@@ -1,0 +1,210 @@
+"""The lm-eval wrapper: scoring through the cache, agreement with lm-eval's HFLM, and the oscar-eval CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from lm_eval.api.instance import Instance
+from lm_eval.models.huggingface import HFLM
+from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+
+from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
+from oscar_hf.offline_models import model_path
+
+EVAL_CONFIGS = Path(__file__).resolve().parents[1] / "eval_configs"
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "judge",
+    "boxing",
+    "matches",
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(model_path("smollm2-135m"))
+
+
+def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=4096,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def tiny_gemma3(vocab_size: int) -> Gemma3ForCausalLM:
+    """Hybrid layers: one sliding-window (kept by OscarCache as transformers' own layer), one full attention."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=vocab_size,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=64,
+        layer_types=["sliding_attention", "full_attention"],
+        max_position_embeddings=4096,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def model(tokenizer):
+    return tiny_llama(len(tokenizer))
+
+
+def text(n_words: int, seed: int) -> str:
+    g = torch.Generator().manual_seed(seed)
+    return " ".join(WORDS[i] for i in torch.randint(len(WORDS), (n_words,), generator=g).tolist())
+
+
+def requests(kind: str, pairs) -> list[Instance]:
+    return [Instance(request_type=kind, doc={}, arguments=args, idx=i) for i, args in enumerate(pairs)]
+
+
+# Contexts past the 128-token residual window (so oscar quantizes some of them), one sharing a context twice, and
+# continuations of one token (scored from the prefill alone) and several tokens (scored through the cache).
+PAIRS = [(text(300, 0), " " + text(6, 1)), (text(300, 0), " " + text(1, 2)), (text(150, 3), " " + text(9, 4))]
+
+
+def test_bf16_loglikelihood_matches_hflm(model, tokenizer):
+    expected = HFLM(pretrained=model, tokenizer=tokenizer).loglikelihood(requests("loglikelihood", PAIRS))
+    got = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16").loglikelihood(
+        requests("loglikelihood", PAIRS)
+    )
+    for (ll, greedy), (ll_ref, greedy_ref) in zip(got, expected, strict=True):
+        assert ll == pytest.approx(ll_ref, abs=1e-4)
+        assert greedy == greedy_ref
+
+
+def test_bf16_rolling_matches_hflm(model, tokenizer):
+    # max_length 256 splits the document into several windows; each goes through the cache in 128-token chunks.
+    docs = requests("loglikelihood_rolling", [(text(700, 5),)])
+    expected = HFLM(pretrained=model, tokenizer=tokenizer, max_length=256).loglikelihood_rolling(docs)
+    got = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", max_length=256).loglikelihood_rolling(docs)
+    assert got == pytest.approx(expected, abs=1e-3)
+
+
+@pytest.mark.parametrize("method", ["oscar-int2", "kivi-int2", "hf-quanto-int2"])
+def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
+    base = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
+    quantized = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
+    ll_base = [ll for ll, _ in base.loglikelihood(requests("loglikelihood", PAIRS))]
+    ll_quant = [ll for ll, _ in quantized.loglikelihood(requests("loglikelihood", PAIRS))]
+    assert all(math.isfinite(x) for x in ll_quant)
+    assert ll_quant[1] == pytest.approx(ll_base[1], abs=1e-5)  # one token: the exact prefill's prediction
+    assert ll_quant[0] != pytest.approx(ll_base[0], abs=1e-4)  # later tokens attend to the quantized context
+    docs = requests("loglikelihood_rolling", [(text(500, 6),)])
+    (rolled,) = quantized.loglikelihood_rolling(docs)
+    (rolled_base,) = base.loglikelihood_rolling(docs)
+    assert math.isfinite(rolled) and rolled != pytest.approx(rolled_base, abs=1e-4)
+
+
+@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-hybrid"])
+def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, build):
+    """The wrapper fills each method's cache from one exact prefill: that must equal prefilling the cache itself."""
+    model = build(len(tokenizer))
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2")
+    context = tokenizer(PAIRS[0][0]).input_ids
+    continuation = tokenizer(PAIRS[0][1]).input_ids
+    got = wrapper._continuation_logprobs(context, continuation)
+    with torch.no_grad():
+        cache = OscarCache(model.config, OscarConfig(bits=2))
+        first = model(torch.tensor([context]), past_key_values=cache).logits[0, -1:]
+        rest = model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
+    expected = torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("method", "implementation"), [("oscar-int2", "oscar"), ("hf-quanto-int4", "quantized"), ("bf16", None)]
+)
+def test_generate_until_uses_the_method_cache(model, tokenizer, monkeypatch, method, implementation):
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
+    seen = {}
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    (out,) = wrapper.generate_until(
+        requests("generate_until", [(PAIRS[0][0], {"until": ["\n"], "max_gen_toks": 4, "do_sample": False})])
+    )
+    assert isinstance(out, str)
+    assert seen.get("cache_implementation") == implementation
+    assert seen.get("cache_config") == (METHODS[method][1] or None)
+
+
+def test_bad_method_or_option_fails_early(model, tokenizer):
+    with pytest.raises(ValueError, match="Unknown method"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="int2")
+    with pytest.raises(ValueError, match="Unknown OscarCache option"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2", cache_config={"bitz": 2})
+
+
+@pytest.mark.slow
+def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
+    """The console script on the real SmolLM2, offline, one document each of a likelihood and a generation task."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    subprocess.run([sys.executable, str(EVAL_CONFIGS / "build_data.py"), "--lengths", "1k", "--docs", "5"], check=True)
+    script = Path(sys.executable).with_name("oscar-eval")
+    command = [str(script)] if script.exists() else [sys.executable, "-c", "from oscar_hf.eval import main; main()"]
+    subprocess.run(
+        [
+            *command,
+            "--model_args",
+            "pretrained=smollm2-135m",
+            "--method",
+            "oscar-int2",
+            "--cache_config",
+            '{"residual_length": 64}',
+            "--include_path",
+            str(EVAL_CONFIGS),
+            "--tasks",
+            "oscar_niah_1k,oscar_passkey_gen_1k",
+            "--limit",
+            "1",
+            "--output_path",
+            str(tmp_path),
+        ],
+        check=True,
+        cwd=tmp_path,  # the task data must load from anywhere, not only from the repository root
+    )
+    (result_file,) = tmp_path.rglob("results_*.json")
+    results = json.loads(result_file.read_text())
+    assert results["config"]["model"] == "oscar-hf"
+    assert results["config"]["model_args"]["cache_config"] == {"residual_length": 64}
+    assert 0.0 <= results["results"]["oscar_niah_1k"]["acc,none"] <= 1.0
+    assert 0.0 <= results["results"]["oscar_passkey_gen_1k"]["exact_match,first_number"] <= 1.0
