@@ -4,7 +4,7 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
 
@@ -36,6 +36,22 @@ def tiny_llama():
         return LlamaForCausalLM(LlamaConfig(**options)).to(dtype).eval()
 
     return make
+
+
+@pytest.fixture
+def gemma3_config():
+    """A tiny Gemma-3-style hybrid: sliding-window and full-attention layers alternate."""
+    return Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
 import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, MistralConfig
+from transformers import LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
@@ -143,22 +143,8 @@ def test_memory_footprint_counts_real_bytes(scale_dtype, min_ratio):
     assert mem.allocated_bytes >= mem.total_bytes
 
 
-def _gemma3_config():
-    return Gemma3TextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-    )
-
-
-def test_memory_counts_layers_left_in_full_precision():
-    cache = OscarCache(_gemma3_config(), OscarConfig())
+def test_memory_counts_layers_left_in_full_precision(gemma3_config):
+    cache = OscarCache(gemma3_config, OscarConfig())
     for layer_idx in range(len(cache.layers)):
         cache.update(torch.randn(1, 1, 200, 64), torch.randn(1, 1, 200, 64), layer_idx)
     mem = cache.memory_footprint()
@@ -232,8 +218,8 @@ def test_offload_and_prefetch_round_trip():
     assert torch.equal(cache.layers[0].dense_history()[0], before[0])
 
 
-def test_hybrid_model_quantizes_only_full_attention_layers():
-    cache = OscarCache(_gemma3_config(), OscarConfig())
+def test_hybrid_model_quantizes_only_full_attention_layers(gemma3_config):
+    cache = OscarCache(gemma3_config, OscarConfig())
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, OscarLayer, DynamicSlidingWindowLayer, OscarLayer]
 

@@ -1,0 +1,211 @@
+"""`generate()` end to end: registration, plumbing proven lossless, and a real offline model."""
+
+import json
+
+import pytest
+import torch
+from transformers import DynamicCache, Gemma3ForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers.generation import configuration_utils
+
+import oscar_hf
+from oscar_hf import OscarCache, OscarLayer
+
+GREEDY = dict(do_sample=False, return_dict_in_generate=True)
+
+
+def _left_padded(lengths, vocab=97, pad=0):
+    """A left-padded batch of random prompts of the given lengths (token ids avoid pad/bos/eos)."""
+    width = max(lengths)
+    ids = torch.full((len(lengths), width), pad)
+    mask = torch.zeros(len(lengths), width, dtype=torch.long)
+    for row, length in enumerate(lengths):
+        ids[row, width - length :] = torch.randint(3, vocab, (length,))
+        mask[row, width - length :] = 1
+    return ids, mask
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plumbing with quantization made lossless (tests/conftest.py: ExactOscarCache): positions, masks, flushes,
+# residual window, crop and beam reordering must reproduce DynamicCache token for token.
+
+
+@pytest.mark.parametrize("lengths", [[150], [150, 90, 20]], ids=["single", "left-padded-batch"])
+def test_exact_cache_generate_equals_dynamic_cache(tiny_llama, exact_oscar_cache, lengths):
+    model = tiny_llama()
+    ids, mask = _left_padded(lengths)
+    options = dict(max_new_tokens=150, min_new_tokens=150, **GREEDY)  # 150 + 150 tokens: flushes at 128 and 256
+    want = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **options)
+    cache = exact_oscar_cache(model.config)
+    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+    assert torch.equal(got.sequences, want.sequences)
+    assert cache.layers[0].quantized_length == 256 and cache.get_seq_length() == ids.shape[1] + 149
+
+
+def test_exact_cache_multi_turn_equals_dynamic_cache(tiny_llama, exact_oscar_cache):
+    """A second prompt arriving with history attends to the stored history plus its own exact tokens."""
+    model = tiny_llama()
+    first, follow_up = torch.randint(3, 97, (1, 100)), torch.randint(3, 97, (1, 70))
+    results = []
+    for cache in (DynamicCache(config=model.config), exact_oscar_cache(model.config)):
+        out = model.generate(first, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, **GREEDY)
+        second = torch.cat([out.sequences, follow_up], dim=1)  # 140 cached + 70 new
+        out = model.generate(second, past_key_values=cache, max_new_tokens=30, min_new_tokens=30, **GREEDY)
+        results.append(out.sequences)
+    assert torch.equal(results[0], results[1])
+
+
+def test_exact_cache_beam_search_equals_dynamic_cache(tiny_llama, exact_oscar_cache):
+    model = tiny_llama()
+    ids = torch.randint(3, 97, (2, 140))
+    options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=20, min_new_tokens=20, **GREEDY)
+    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+    got = model.generate(ids, past_key_values=exact_oscar_cache(model.config), **options)
+    assert torch.equal(got.sequences, want.sequences)
+
+
+def test_exact_cache_prompt_lookup_decoding_crops_and_equals_greedy(tiny_llama, exact_oscar_cache, monkeypatch):
+    """Prompt-lookup (assisted) decoding verifies candidate tokens and crops the rejected ones from the cache."""
+    model = tiny_llama()
+    crops = []
+    original = OscarLayer.crop
+    monkeypatch.setattr(OscarLayer, "crop", lambda self, n: (crops.append(n), original(self, n))[1])
+    pattern = torch.randint(3, 97, (1, 9))
+    ids = torch.cat([pattern.repeat(1, 14), pattern[:, :4]], dim=1)  # repeats give the lookup candidates
+    options = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
+    want = model.generate(ids, **options)
+    got = model.generate(ids, past_key_values=exact_oscar_cache(model.config), prompt_lookup_num_tokens=5, **options)
+    assert torch.equal(got, want)
+    assert any(n < 0 for n in crops)
+
+
+def test_exact_cache_hybrid_sliding_model_equals_dynamic_cache(exact_oscar_cache, gemma3_config):
+    model = Gemma3ForCausalLM(gemma3_config).eval()
+    ids = torch.randint(3, 97, (1, 140))
+    options = dict(max_new_tokens=130, min_new_tokens=130, **GREEDY)
+    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+    cache = exact_oscar_cache(model.config)
+    got = model.generate(ids, past_key_values=cache, **options)
+    assert torch.equal(got.sequences, want.sequences)
+    assert [type(layer).__name__ for layer in cache.layers][:2] == ["DynamicSlidingWindowLayer", "ExactOscarLayer"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Registration
+
+
+def test_generate_builds_an_oscar_cache_from_cache_config(tiny_llama, tmp_path):
+    model = tiny_llama()
+    out = model.generate(
+        torch.randint(3, 97, (1, 140)),
+        max_new_tokens=4,
+        min_new_tokens=4,
+        cache_implementation="oscar",
+        cache_config={"bits": 4, "residual_length": 64},
+        **GREEDY,
+    )
+    cache = out.past_key_values
+    assert isinstance(cache, OscarCache) and cache.oscar_config.bits == 4
+    assert cache.layers[0].quantized_length == 128 and cache.get_seq_length() == 143
+    # generate(cache_implementation=...) leaves the model's own generation config alone: nothing to save or leak
+    assert model.generation_config.cache_implementation is None
+    model.generation_config.save_pretrained(tmp_path)
+    assert "oscar" not in json.dumps(json.loads((tmp_path / "generation_config.json").read_text()))
+
+
+def test_other_cache_implementations_are_untouched(tiny_llama):
+    model = tiny_llama()
+    ids = torch.randint(3, 97, (1, 20))
+    for options in ({}, {"cache_implementation": "dynamic"}):
+        out = model.generate(ids, max_new_tokens=3, **options, **GREEDY)
+        assert type(out.past_key_values) is DynamicCache
+
+
+def test_register_is_idempotent_and_unregister_restores_transformers(tiny_llama):
+    from transformers.generation.utils import GenerationMixin
+
+    wrapped = GenerationMixin._prepare_cache_for_generation
+    oscar_hf.register()
+    assert GenerationMixin._prepare_cache_for_generation is wrapped
+    assert configuration_utils.ALL_CACHE_IMPLEMENTATIONS.count("oscar") == 1
+    model = tiny_llama()
+    try:
+        oscar_hf.unregister()
+        assert "oscar" not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
+        assert not hasattr(GenerationMixin._prepare_cache_for_generation, "_oscar_original")
+        with pytest.raises(ValueError, match="cache_implementation"):
+            model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar")
+    finally:
+        oscar_hf.register()
+    assert GenerationMixin._prepare_cache_for_generation is not wrapped  # a fresh wrapper of the original
+    out = model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar", **GREEDY)
+    assert isinstance(out.past_key_values, OscarCache)
+
+
+def test_bad_generate_arguments_are_refused(tiny_llama):
+    model = tiny_llama()
+    ids = torch.randint(3, 97, (1, 5))
+    with pytest.raises(ValueError, match=r"Unknown OscarCache option\(s\) \['nbits'\]; valid options are"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"nbits": 2})
+    with pytest.raises(ValueError, match="bits=3"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"bits": 3})
+    with pytest.raises(ValueError, match="past_key_values"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", past_key_values=DynamicCache())
+
+
+def test_encoder_decoder_model_is_refused():
+    config = T5Config(vocab_size=50, d_model=32, d_kv=16, d_ff=64, num_layers=1, num_heads=2, decoder_start_token_id=0)
+    model = T5ForConditionalGeneration(config).eval()
+    with pytest.raises(ValueError, match="decoder-only"):
+        model.generate(torch.randint(3, 50, (1, 5)), max_new_tokens=2, cache_implementation="oscar")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# A real model, offline: SmolLM2-135M-Instruct (head_dim 64, 3 KV heads), float32 on the CPU.
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def _passkey_prompt(key: str, repeats: int) -> str:
+    return (
+        f"There is an important pass key hidden in this text. Remember it. The pass key is {key}. "
+        + FILLER * repeats
+        + "What is the pass key? The pass key is"
+    )
+
+
+def test_real_model_retrieves_a_passkey_from_quantized_history(smollm2):
+    model, tokenizer = smollm2
+    inputs = tokenizer(_passkey_prompt("71432", 14), return_tensors="pt")
+    assert inputs.input_ids.shape[1] > 300  # the passkey sits in the quantized blocks, far from the residual
+    options = dict(max_new_tokens=8, **GREEDY)
+    baseline = model.generate(**inputs, **options)
+    out = model.generate(**inputs, cache_implementation="oscar", **options)
+    new = slice(inputs.input_ids.shape[1], None)
+    assert "71432" in tokenizer.decode(baseline.sequences[0, new])  # the task is within the model's reach
+    assert "71432" in tokenizer.decode(out.sequences[0, new])
+    memory = out.past_key_values.memory_footprint()
+    assert out.past_key_values.layers[0].quantized_length == 256
+    assert memory.quantized_ratio_vs_bf16 >= 4  # 5.19x at head_dim 64 with fp16 scales and 3 KV heads
+
+
+def test_real_model_left_padded_batch_answers_like_each_row_alone(smollm2):
+    """Rows of a left-padded batch give the same answer as alone. Plumbing equality is exact (see the exact-cache
+    tests); with real 2-bit codes the padding shifts which tokens share a key quantization group, so later tokens
+    may differ slightly, as they would between any two quantization layouts."""
+    model, tokenizer = smollm2
+    prompts = [_passkey_prompt("71432", 14), _passkey_prompt("5809", 9)]
+    tokenizer.padding_side = "left"
+    batch = tokenizer(prompts, return_tensors="pt", padding=True)
+    options = dict(max_new_tokens=5, cache_implementation="oscar", do_sample=False)
+    together = model.generate(**batch, **options)[:, batch.input_ids.shape[1] :]
+    for row, prompt in enumerate(prompts):
+        inputs = tokenizer(prompt, return_tensors="pt")
+        alone = model.generate(**inputs, **options)[0, inputs.input_ids.shape[1] :]
+        assert torch.equal(together[row], alone), (tokenizer.decode(together[row]), tokenizer.decode(alone))
+
+
+def test_real_model_beam_search_runs(smollm2):
+    model, tokenizer = smollm2
+    inputs = tokenizer(_passkey_prompt("2718", 12), return_tensors="pt")
+    out = model.generate(**inputs, num_beams=2, max_new_tokens=6, cache_implementation="oscar", **GREEDY)
+    assert "2718" in tokenizer.decode(out.sequences[0, inputs.input_ids.shape[1] :])
