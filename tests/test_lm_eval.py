@@ -19,24 +19,7 @@ from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
 from oscar_hf.offline_models import model_path
 
 EVAL_CONFIGS = Path(__file__).resolve().parents[1] / "eval_configs"
-WORDS = [
-    "the",
-    "quick",
-    "brown",
-    "fox",
-    "jumps",
-    "over",
-    "a",
-    "lazy",
-    "dog",
-    "while",
-    "seven",
-    "wizards",
-    "quietly",
-    "judge",
-    "boxing",
-    "matches",
-]
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "seven", "wizards", "judge", "boxing"]
 
 
 @pytest.fixture(scope="module")
