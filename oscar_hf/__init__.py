@@ -3,11 +3,11 @@
 Importing the package registers `cache_implementation="oscar"` with `generate` (see `register`/`unregister`).
 """
 
-from .cache import KVMemory, OscarCache, OscarLayer
+from .cache import KVMemory, OscarCache, OscarLayer, kv_memory
 from .config import OscarConfig
 from .integrations.transformers import register, unregister
 
-__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "register", "unregister"]
+__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "kv_memory", "register", "unregister"]
 __version__ = "0.1.0"
 
 register()

@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .config import OscarConfig
 from .reference import QuantizedKV, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
@@ -280,11 +280,17 @@ class KVMemory:
         return self.quantized_bf16_bytes / self.quantized_bytes if self.quantized_bytes else float("nan")
 
 
-def _exact_layer_memory(layer) -> KVMemory:
-    """Memory of a layer OScaR does not quantize (kept as transformers made it)."""
-    tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
-    held = sum(t.nbytes for t in tensors)
-    return KVMemory(exact_bytes=held, exact_bf16_bytes=sum(2 * t.numel() for t in tensors), allocated_bytes=held)
+def kv_memory(cache: Cache) -> KVMemory:
+    """Bytes a cache holds now (any transformers `Cache`; OScaR layers report their quantized region separately)."""
+    total = KVMemory()
+    for layer in cache.layers:
+        if isinstance(layer, OscarLayer):
+            total += layer.memory()
+            continue
+        tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
+        held = sum(t.nbytes for t in tensors)
+        total += KVMemory(exact_bytes=held, exact_bf16_bytes=sum(2 * t.numel() for t in tensors), allocated_bytes=held)
+    return total
 
 
 class OscarCache(DynamicCache):
@@ -325,10 +331,7 @@ class OscarCache(DynamicCache):
 
     def memory_footprint(self) -> KVMemory:
         """Bytes this cache holds now, and the ratio to a bf16 cache of the same tokens."""
-        total = KVMemory()
-        for layer in self.layers:
-            total += layer.memory() if isinstance(layer, OscarLayer) else _exact_layer_memory(layer)
-        return total
+        return kv_memory(self)
 
     def reserve(self, tokens: int) -> None:
         """Pre-allocate quantized storage for `tokens` tokens in every initialized OScaR layer."""

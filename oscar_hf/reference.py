@@ -40,10 +40,11 @@ def rotation_block_size(head_dim: int) -> int:
 def check_head_dim(head_dim: int, config: OscarConfig) -> None:
     """Refuse head dims the storage cannot represent, naming the problem and the fix."""
     if head_dim % config.group_size != 0:
+        fits = [g for g in (32, 64, 128) if head_dim % g == 0]
+        fix = f"use group_size={fits[0]}" if fits else "keep this model on its default cache"
         raise ValueError(
             f"OscarCache cannot quantize head_dim={head_dim}: values are grouped along head_dim in groups of "
-            f"group_size={config.group_size}, which must divide it. Use a group_size that divides {head_dim} "
-            "(32, 64 or 128), or keep this model on DynamicCache."
+            f"group_size={config.group_size}, which must divide it; {fix}."
         )
 
 

@@ -1,0 +1,61 @@
+"""Quickstart: the same greedy generation with transformers' default cache and with the OScaR 2-bit cache.
+
+    python examples/quickstart.py [--model smollm2-135m] [--repeats 40] [--max-new-tokens 24]
+
+Runs offline on a CPU: the model is a GGUF shipped in a PyPI package (see oscar_hf/offline_models.py). The prompt
+hides a pass key at its start, so the answer must come from the quantized part of the cache.
+"""
+
+import argparse
+import time
+
+import torch
+
+import oscar_hf  # registers cache_implementation="oscar"
+from oscar_hf.offline_models import MODELS, load_model
+
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="smollm2-135m", choices=sorted(MODELS))
+    parser.add_argument("--repeats", type=int, default=40, help="filler sentences between the key and the question")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    args = parser.parse_args()
+
+    model, tokenizer = load_model(args.model, dtype=torch.float32)
+    prompt = (
+        "There is an important pass key hidden in this text. Remember it. The pass key is 68217. "
+        + FILLER * args.repeats
+        + "What is the pass key? The pass key is"
+    )
+    inputs = tokenizer(prompt, return_tensors="pt")
+    print(f"model: {args.model}  prompt: {inputs.input_ids.shape[1]} tokens\n")
+
+    runs = {
+        "DynamicCache (transformers' default)": {},
+        "OScaR 2-bit (cache_implementation='oscar')": {"cache_implementation": "oscar", "cache_config": {"bits": 2}},
+    }
+    for name, options in runs.items():
+        start = time.perf_counter()
+        out = model.generate(
+            **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True, **options
+        )
+        seconds = time.perf_counter() - start
+        memory = oscar_hf.kv_memory(out.past_key_values)
+        text = tokenizer.decode(out.sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
+        print(f"== {name}  ({seconds:.1f} s)")
+        print(f"   output: {text!r}")
+        print(
+            f"   KV cache: {memory.total_bytes / 2**20:.2f} MiB = {memory.quantized_bytes / 2**20:.2f} MiB 2-bit "
+            f"+ {memory.exact_bytes / 2**20:.2f} MiB exact ({model.dtype}); the same tokens in bf16: "
+            f"{memory.bf16_bytes / 2**20:.2f} MiB"
+        )
+        if memory.quantized_bytes:
+            print(f"   2-bit region: {memory.quantized_ratio_vs_bf16:.2f}x smaller than bf16")
+        print()
+
+
+if __name__ == "__main__":
+    main()

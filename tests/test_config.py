@@ -1,0 +1,67 @@
+"""Bad input gets a clear error naming the problem and the fix, never a silent wrong answer."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from oscar_hf import OscarCache, OscarConfig
+
+
+@pytest.mark.parametrize(
+    "field,value,message",
+    [
+        ("bits", 3, r"bits=3 is not supported; use 2 \(default\) or 4"),
+        ("bits", 2.0, "bits must be an int"),
+        ("group_size", 48, "group_size=48 is not supported"),
+        ("residual_length", 100, "residual_length=100 must be a positive multiple of group_size=32"),
+        ("residual_length", 0, "residual_length=0 must be a positive multiple"),
+        ("rotation", "yes", "rotation must be True or False"),
+        ("token_scaling", 1, "token_scaling must be True or False"),
+        ("scale_dtype", "bfloat16", "scale_dtype='bfloat16' is not supported"),
+        ("attention", "flash", "attention='flash' is not supported"),
+    ],
+)
+def test_invalid_field_is_refused(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        OscarConfig(**{field: value})
+
+
+def test_unknown_keys_are_refused_with_the_valid_ones():
+    with pytest.raises(ValueError, match=r"Unknown OscarCache option\(s\) \['q_group_size', 'residual'\]") as err:
+        OscarConfig.from_dict({"bits": 2, "residual": 64, "q_group_size": 32})
+    assert "valid options are ['bits', 'group_size', 'residual_length'" in str(err.value)
+
+
+def test_from_dict_round_trip():
+    config = OscarConfig(bits=4, group_size=64, residual_length=256, rotation=False, scale_dtype="float32")
+    assert OscarConfig.from_dict(config.to_dict()) == config and OscarConfig.from_dict(None) == OscarConfig()
+
+
+def test_unsupported_head_dim_is_refused_at_construction():
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=48, hidden_size=192
+    )
+    with pytest.raises(ValueError, match=r"cannot quantize head_dim=48.*keep this model on its default cache"):
+        OscarCache(config, OscarConfig())
+    config.head_dim = 96
+    with pytest.raises(ValueError, match=r"cannot quantize head_dim=96.*group_size=64.*use group_size=32"):
+        OscarCache(config, OscarConfig(group_size=64))
+
+
+def test_unsupported_value_head_dim_is_refused_at_first_update():
+    """K and V head dims can differ (e.g. MLA models): the real shapes are checked when the first tokens arrive."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256
+    )
+    cache = OscarCache(config, OscarConfig())
+    with pytest.raises(ValueError, match="cannot quantize head_dim=40"):
+        cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 40), 0)
+
+
+def test_values_too_large_for_fp16_scales_are_refused():
+    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_size=64)
+    cache = OscarCache(config, OscarConfig(rotation=False, token_scaling=False))
+    huge = torch.randn(1, 1, 128, 32) * 1e6
+    with pytest.raises(ValueError, match="scale_dtype='float32'"):
+        cache.update(huge, huge, 0)
+    OscarCache(config, OscarConfig(rotation=False, token_scaling=False, scale_dtype="float32")).update(huge, huge, 0)

@@ -1,0 +1,54 @@
+"""The built wheel (not only the editable install) ships `oscar_hf.kernels` and no top-level `kernels` package,
+which would shadow HuggingFace's own `kernels` that transformers probes with find_spec("kernels")."""
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheel")
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, ROOT],
+        check=True,
+    )
+    (path,) = out.glob("oscar_hf-*.whl")
+    return path
+
+
+def test_wheel_ships_kernels_inside_oscar_hf(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    assert "oscar_hf/kernels/__init__.py" in names
+    assert not [n for n in names if n.startswith("kernels/")]
+    top_level = [n for n in names if n.endswith("top_level.txt")]
+    assert top_level and zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["oscar_hf"]
+
+
+def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
+    env = tmp_path / "venv"
+    venv.create(env, system_site_packages=True, with_pip=False)  # torch/transformers come from the system
+    python = env / "bin" / "python"
+    site = subprocess.run(
+        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
+    ).stdout.strip()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site, wheel], check=True
+    )
+    probe = (
+        "import importlib.util, oscar_hf, oscar_hf.kernels; "
+        "spec = importlib.util.find_spec('kernels'); "
+        "print(oscar_hf.__file__); print(oscar_hf.kernels.__file__); "
+        "print(spec.origin if spec else None)"
+    )
+    lines = subprocess.run(
+        [python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert lines[0].startswith(site) and lines[1].startswith(site)
+    assert lines[2] == "None" or not lines[2].startswith(str(ROOT)) and "oscar_hf" not in lines[2]
