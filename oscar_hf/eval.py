@@ -30,6 +30,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--method")
     parser.add_argument("--cache_config", type=json.loads)
     ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
+    if any(arg in ("-h", "--help") for arg in rest):
+        print(__doc__)  # our two options, before lm-eval's own help
     if not rest or rest[0] not in ("ls", "validate"):  # an evaluation ("run", explicit or implied)
         extra = {key: value for key, value in vars(ours).items() if value is not None}
         if not any(arg in ("--model", "-M") or arg.startswith("--model=") for arg in rest):
