@@ -1,0 +1,339 @@
+"""Decode attention per layer on the GPU: bf16 SDPA vs the portable path vs the fused OScaR kernel.
+
+    python benchmarks/bench_decode_attention.py [--out benchmarks/results] [--quick] [--sweep]
+
+Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B), one query token, residual window of 64 exact tokens, B in
+{1, 8, 32}, quantized context in {4K, 32K, 128K} plus the largest that fits per B. For each shape:
+
+- `sdpa_bf16`: torch SDPA on bf16 K/V of the same length (the baseline; the faster of `enable_gqa=True` and the
+  query heads of a group folded into the query-length axis, which reads each K/V head once);
+- `portable`: `oscar_hf.reference.dequantize_kv` (float32) cast to bf16 + SDPA, as the cache does without the
+  fused kernel;
+- `fused`: `decode_attention_triton`.
+
+Every variant is timed with `triton.testing.do_bench` (median, eager launches) and with CUDA-graph replays
+(`do_bench_cudagraph`, median: kernel time without Python launch overhead); ratios use the graph times. Small
+shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
+copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
+prefill with the same heads. `--sweep` times launch variants of the fused kernel on a few shapes.
+
+Correctness is checked in the same run: fused vs the float32 reference where it fits in memory, else vs portable.
+Writes `decode_attention_<gpu>.json` under --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import math
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+import triton
+from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
+from oscar_hf.kernels.decode_attention import _decode_attention, _default_tuning, decode_attention_reference
+from triton.testing import do_bench, do_bench_cudagraph
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.reference import dequantize_kv
+
+Q_HEADS, KV_HEADS, HEAD_DIM, RESIDUAL = 32, 8, 128, 64
+BATCHES = (1, 8, 32)
+CONTEXTS = (4096, 32768, 131072)
+LARGEST = {1: 1 << 20, 8: 1 << 19, 32: 1 << 18}  # tried after CONTEXTS; skipped if it does not fit
+DTYPE = torch.bfloat16
+
+
+def nbytes(*tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def timed(fn, sets: int) -> dict:
+    """Median microseconds per call of fn (which runs `sets` calls), eager and CUDA-graph replays."""
+    out = {"us": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3 / sets}
+    try:
+        out["us_graph"] = do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3 / sets
+    except Exception as exc:  # a variant that cannot be captured still gets its eager time
+        out["us_graph"] = None
+        out["graph_error"] = repr(exc)[:200]
+    return out
+
+
+def copy_bandwidth() -> dict:
+    src = torch.randn(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
+    moved = 2 * nbytes(src)
+    return {"bytes": moved, "us": ms * 1e3, "GBps": moved / ms / 1e6}
+
+
+def make_sets(batch: int, context: int, config: OscarConfig, sets: int, gen: torch.Generator):
+    """`sets` independent inputs: query, bf16 K/V (for SDPA), their quantization, residual K/V."""
+    out = []
+    for _ in range(sets):
+        q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        k = torch.randn(batch, KV_HEADS, context + RESIDUAL, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        v = torch.randn(batch, KV_HEADS, context + RESIDUAL, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        quantized = quantize_kv_triton(k[:, :, :context], v[:, :, :context], config)
+        rk, rv = k[:, :, context:], v[:, :, context:]
+        out.append({"q": q, "k": k, "v": v, "quantized": quantized, "rk": rk, "rv": rv})
+    return out
+
+
+def sdpa_gqa(q, k, v, scale):
+    return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
+
+
+def sdpa_folded(q, k, v, scale):
+    """The g query heads of a KV head as g query rows of one head: each K/V head is read once."""
+    b, hq, _, d = q.shape
+    out = F.scaled_dot_product_attention(q.view(b, k.shape[1], hq // k.shape[1], d), k, v, scale=scale)
+    return out.view(b, hq, 1, d)
+
+
+def portable(s, config, scale):
+    """As OscarCache's portable path: dequantize in float32, cast to the model dtype, append the residual, SDPA."""
+    k_q, v_q = dequantize_kv(s["quantized"], config, torch.float32)
+    k = torch.cat((k_q.to(DTYPE), s["rk"]), dim=2)
+    v = torch.cat((v_q.to(DTYPE), s["rv"]), dim=2)
+    return sdpa_gqa(s["q"], k, v, scale)
+
+
+def fused(s, config, scale, tuning=None):
+    if tuning is None:
+        return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
+    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, tuning)
+
+
+def rel_err(out, ref) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> dict:
+    scale = 1 / math.sqrt(HEAD_DIM)
+    probe = make_sets(batch, context, config, 1, gen)[0]
+    fused_bytes = nbytes(probe["q"], probe["rk"], probe["rv"], *probe["quantized"]) + nbytes(probe["q"])
+    sdpa_bytes = nbytes(probe["q"], probe["k"], probe["v"]) + nbytes(probe["q"])
+    sets = max(1, min(64, math.ceil(4 * l2_bytes / fused_bytes)))
+    del probe
+    data = make_sets(batch, context, config, sets, gen)
+    entry = {
+        "batch": batch,
+        "context": context,
+        "residual": RESIDUAL,
+        "input_sets": sets,
+        "bytes": {"sdpa_bf16": sdpa_bytes, "fused": fused_bytes, "portable": fused_bytes},
+    }
+
+    def run_all(fn):
+        def call():
+            for s in data:
+                fn(s)
+
+        return call
+
+    results = {}
+    gqa = timed(run_all(lambda s: sdpa_gqa(s["q"], s["k"], s["v"], scale)), sets)
+    folded = timed(run_all(lambda s: sdpa_folded(s["q"], s["k"], s["v"], scale)), sets)
+    results["sdpa_bf16_enable_gqa"] = gqa
+    results["sdpa_bf16_folded"] = folded
+    results["sdpa_bf16"] = min((gqa, folded), key=lambda r: r["us_graph"] or r["us"])
+    results["fused"] = timed(run_all(lambda s: fused(s, config, scale)), sets)
+    if with_portable:
+        try:
+            results["portable"] = timed(run_all(lambda s: portable(s, config, scale)), sets)
+        except torch.OutOfMemoryError:
+            results["portable"] = {"us": None, "us_graph": None, "error": "out of memory"}
+            torch.cuda.empty_cache()
+    else:
+        results["portable"] = {"us": None, "us_graph": None, "error": "skipped: would not fit"}
+
+    for name in ("sdpa_bf16", "fused", "portable"):
+        r = results[name]
+        t = r.get("us_graph") or r.get("us")
+        if t:
+            r["GBps"] = entry["bytes"][name] / t / 1e3
+    base = results["sdpa_bf16"].get("us_graph") or results["sdpa_bf16"]["us"]
+    for name in ("fused", "portable"):
+        t = results[name].get("us_graph") or results[name].get("us")
+        results[name]["speedup_vs_sdpa_bf16"] = base / t if t else None
+    entry["results"] = results
+    entry["speedup_vs_sdpa_bf16"] = results["fused"]["speedup_vs_sdpa_bf16"]
+
+    # correctness on the first input set
+    s = data[0]
+    out = fused(s, config, scale)
+    if batch * context <= 8 * 32768:
+        ref = decode_attention_reference(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
+        entry["fused_rel_err_vs_fp32_reference"] = rel_err(out, ref)
+    if results["portable"].get("us"):
+        entry["fused_rel_err_vs_portable"] = rel_err(out, portable(s, config, scale))
+    return entry
+
+
+def quantize_vs_prefill(config, gen) -> dict:
+    """Quantize/pack of a 32K-token prefill (one layer) vs that prefill's causal bf16 SDPA attention."""
+    n = 32768
+    q = torch.randn(1, Q_HEADS, n, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    k = torch.randn(1, KV_HEADS, n, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    v = torch.randn(1, KV_HEADS, n, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+    quant_us = do_bench(lambda: quantize_kv_triton(k, v, config), warmup=25, rep=200, return_mode="median") * 1e3
+
+    def prefill():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+    attn_us = do_bench(prefill, warmup=25, rep=200, return_mode="median") * 1e3
+    moved = nbytes(k, v) + nbytes(*quantize_kv_triton(k, v, config))
+    return {
+        "tokens": n,
+        "quantize_us": quant_us,
+        "quantize_bytes": moved,
+        "quantize_GBps": moved / quant_us / 1e3,
+        "prefill_attention_us": attn_us,
+        "fraction": quant_us / attn_us,
+    }
+
+
+def sweep(config, gen, shapes) -> list:
+    """Fused-kernel launch variants on a few shapes (graph medians)."""
+    scale = 1 / math.sqrt(HEAD_DIM)
+    base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
+    variants = [base]
+    for block_n, warps, stages in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2), (64, 4, 1)):
+        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
+    for per_sm in (2, 8):
+        variants.append(dataclasses.replace(base, programs_per_sm=per_sm))
+
+    def time_variants(batch, context):
+        data = make_sets(batch, context, config, 1, gen)[0]
+        for tuning in variants:
+            try:
+                r = timed(lambda t=tuning: fused(data, config, scale, t), 1)
+            except Exception as exc:  # e.g. out of shared memory for a tile size
+                r = {"error": repr(exc)[:200]}
+            yield {"batch": batch, "context": context, **dataclasses.asdict(tuning), **r}
+
+    rows = []
+    for batch, context in shapes:
+        for row in time_variants(batch, context):
+            rows.append(row)
+            print("sweep", row, flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
+    except Exception:
+        return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--quick", action="store_true", help="only B=8 at 32K (a smoke run)")
+    parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
+    args = parser.parse_args()
+
+    props = torch.cuda.get_device_properties(0)
+    gpu = torch.cuda.get_device_name(0)
+    l2 = getattr(props, "L2_cache_size", 50 << 20)
+    config = OscarConfig()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    record = {
+        "device": gpu,
+        "sms": props.multi_processor_count,
+        "l2_bytes": l2,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "python": sys.version.split()[0],
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "config": config.to_dict(),
+        "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
+        "timing": "median microseconds; us = eager do_bench, us_graph = do_bench_cudagraph; ratios use us_graph",
+    }
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
+    path = out_dir / f"decode_attention_{slug}.json"
+
+    def save():
+        path.write_text(json.dumps(record, indent=1))
+
+    record["copy_bandwidth"] = copy_bandwidth()
+    print("copy bandwidth", record["copy_bandwidth"], flush=True)
+    record["quantize_vs_prefill"] = quantize_vs_prefill(config, gen)
+    print("quantize vs prefill", record["quantize_vs_prefill"], flush=True)
+    save()
+
+    shapes = [(8, 32768)] if args.quick else [(b, c) for b in BATCHES for c in (*CONTEXTS, LARGEST[b])]
+    record["shapes"] = []
+    free_total = torch.cuda.mem_get_info()[0]
+    for batch, context in shapes:
+        kv_bytes = 2 * batch * KV_HEADS * (context + RESIDUAL) * HEAD_DIM * 2
+        if kv_bytes * 1.3 > free_total:
+            record["shapes"].append({"batch": batch, "context": context, "skipped": "bf16 K/V does not fit"})
+            continue
+        start = time.time()
+        try:
+            entry = bench_shape(batch, context, config, l2, gen, with_portable=kv_bytes * 6 < free_total)
+        except torch.OutOfMemoryError:
+            torch.cuda.empty_cache()
+            entry = {"batch": batch, "context": context, "skipped": "out of memory"}
+        entry["wall_s"] = round(time.time() - start, 1)
+        record["shapes"].append(entry)
+        print("shape", json.dumps(entry), flush=True)
+        save()
+
+    if args.sweep:
+        record["sweep"] = sweep(config, gen, [(8, 32768), (1, 32768), (32, 131072)])
+        save()
+
+    copy = record["copy_bandwidth"]["GBps"]
+    for entry in record["shapes"]:
+        if "results" in entry:
+            entry["fused_fraction_of_copy_bandwidth"] = entry["results"]["fused"]["GBps"] / copy
+    save()
+
+    print(
+        f"\n{gpu}: copy {copy:.0f} GB/s; quantize 32K = {record['quantize_vs_prefill']['quantize_us']:.0f} us = "
+        f"{100 * record['quantize_vs_prefill']['fraction']:.2f}% of 32K causal prefill attention"
+    )
+    header = (
+        f"{'B':>3} {'context':>8} | {'sdpa us':>9} {'portable us':>11} {'fused us':>9} | {'fused GB/s':>10} "
+        f"{'% copy':>7} | {'x sdpa':>7} {'eager fused/sdpa us':>20}"
+    )
+    print(header)
+    print("-" * len(header))
+    for entry in record["shapes"]:
+        if "results" not in entry:
+            print(f"{entry['batch']:>3} {entry['context']:>8} | {entry.get('skipped')}")
+            continue
+        r = entry["results"]
+        sd, fu, po = r["sdpa_bf16"], r["fused"], r["portable"]
+
+        def fmt(x, width, digits=1):
+            return f"{x:>{width}.{digits}f}" if x is not None else f"{'-':>{width}}"
+
+        copy_pct = 100 * entry["fused_fraction_of_copy_bandwidth"]
+        print(
+            f"{entry['batch']:>3} {entry['context']:>8} | {fmt(sd['us_graph'], 9)} {fmt(po.get('us_graph'), 11)} "
+            f"{fmt(fu['us_graph'], 9)} | {fmt(fu['GBps'], 10, 0)} {fmt(copy_pct, 7)} "
+            f"| {fmt(entry['speedup_vs_sdpa_bf16'], 7, 2)} {fu['us']:>9.1f}/{sd['us']:<10.1f}"
+        )
+    print(f"saved {path}")
+
+
+if __name__ == "__main__":
+    main()

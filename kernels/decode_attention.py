@@ -1,0 +1,776 @@
+"""Fused decode attention over the OScaR 2/4-bit KV cache (flash-decoding: split-K + log-sum-exp merge).
+
+`decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`:
+
+    query             [B, Hq, Tq, D]      bf16 / fp16 / fp32; Hq = g * Hkv (GQA), 1 <= Tq <= R (speculative decoding)
+    quantized         QuantizedKV or None, L quantized tokens (storage contract of `oscar_hf.reference`; tensors may
+                      be views of larger capacity buffers, any strides), L a multiple of group_size
+    residual_keys     [B, Hkv, R, D]      raw post-RoPE keys, query dtype (not rotated, not scaled), 1 <= R
+    residual_values   [B, Hkv, R, D]
+    key_padding_mask  None or bool [B, L + R] (True = attend)
+    returns           [B, Hq, Tq, D]      query dtype
+
+Query i (0-based, of Tq) sees every quantized token and residual tokens 0 .. R - Tq + i (the queries are the last
+Tq residual tokens). Scores: `(q H . deq(u_t)) * n_t * scaling` for quantized tokens, `q . k_t * scaling` for
+residual ones. Nothing proportional to the context is materialised: the split kernel reads the packed codes.
+
+Kernel 1, grid (B * Hkv, S + 1): program (bh, s < S) runs an online softmax over its range of quantized blocks for
+all g * Tq query rows of KV head bh (each K/V tile is loaded once and used by the g heads), starting from the
+rotated query, and un-rotates its accumulator (o = o~ H, exact since H is linear); program (bh, S) does the same
+over the residual tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer
+[B * Hkv, S + 1, g * Tq, (D)]. Kernel 2, grid (B * Hkv * g * Tq,), merges the S + 1 partials by log-sum-exp.
+
+Dequantization in registers: a word holds the codes of tokens j and j + H (H = W / 2) at bits j*b and j*b + 16, so
+one shift and one mask turn it into two fp16 `1024 + code` (exact; no int-to-float conversion), and packed fp16
+arithmetic subtracts 1024 and applies scale/min two values at a time. The tile's token order is therefore permuted
+(column (r * H + j) * 2 + t holds token r * W + t * H + j); softmax is order-free, and norms, V parameters and the
+padding mask are read in the same order. Dot operands are fp16 (the default fp16 scales bound every dequantized
+value; the rotated query is divided by its max so it cannot overflow) or bf16 with fp32 scales; accumulation fp32.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.reference import QuantizedKV, dequantize_kv
+
+from .quantize_pack import _add, _fwht_rows, _maximum
+
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2E = 1.4426950408889634
+_MAX_TQ = 16  # query tokens per call (speculative decoding) ...
+_MAX_ROWS = 64  # ... and query rows per KV head, (Hq / Hkv) * Tq
+# Triton's CPU interpreter (3.9) multiplies raw bf16 bit patterns in tl.dot: upcast dot operands there.
+_UPCAST_DOTS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+@triton.jit
+def _unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+    """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j."""
+    W: tl.constexpr = 32 // BITS
+    H: tl.constexpr = W // 2
+    MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+    shifts = tl.arange(0, H) * BITS
+    x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
+    pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+    return tl.reshape(pairs, (HEAD_DIM, ROWS * W)) - 1024.0
+
+
+@triton.jit
+def _dot(a, b, PRECISION: tl.constexpr = "tf32"):
+    if _UPCAST_DOTS:
+        a, b = a.to(tl.float32), b.to(tl.float32)
+    return tl.dot(a, b, input_precision=PRECISION)
+
+
+@triton.jit
+def _online_softmax_step(s, m_i, l_i):
+    """One online-softmax update for base-2 scores s [M, N] (-inf = masked); rows may be fully masked."""
+    m_new = tl.maximum(m_i, tl.reduce(s, 1, _maximum))
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_use[:, None])
+    alpha = tl.exp2(m_i - m_use)
+    return p, alpha, m_new, l_i * alpha + tl.reduce(p, 1, _add)
+
+
+@triton.jit
+def _quantized_block(
+    acc,
+    m_i,
+    l_i,
+    b_q,
+    qk_scale,
+    p_kw,
+    p_ks,
+    p_km,
+    p_kn,
+    p_vw,
+    p_vs,
+    p_vm,
+    p_mask,
+    tokens_left,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    MASKED: tl.constexpr,
+):
+    """One BLOCK_N-token step of the online softmax over quantized tokens, from tile pointers; MASKED: the last,
+    partial block (tokens_left < BLOCK_N valid tokens)."""
+    W: tl.constexpr = 32 // BITS
+    H: tl.constexpr = W // 2
+    ROWS: tl.constexpr = BLOCK_N // W
+    SCALE_DTYPE: tl.constexpr = p_ks.dtype.element_ty
+    DOT_DTYPE: tl.constexpr = b_q.dtype
+    o_c = tl.arange(0, BLOCK_N)
+    if MASKED:
+        m_w = (tl.arange(0, ROWS) * W < tokens_left)[None, :]
+        m_t = ((o_c // W) * W + (o_c % 2) * H + (o_c % W) // 2) < tokens_left
+    else:  # constant masks: folded away by the compiler
+        m_w = tl.full([1, ROWS], True, tl.int1)
+        m_t = tl.full([BLOCK_N], True, tl.int1)
+    m_c = m_t[None, :]
+
+    b_ks = tl.load(p_ks, mask=m_c, other=0.0)
+    b_km = tl.load(p_km, mask=m_c, other=0.0)
+    b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    s = _dot(b_q, (b_kt * b_ks + b_km).to(DOT_DTYPE)) * qk_scale
+    if TOKEN_SCALING:
+        s *= tl.load(p_kn, mask=m_t, other=1.0)[None, :]
+    if HAS_MASK:
+        s = tl.where((tl.load(p_mask, mask=m_t, other=0) != 0)[None, :], s, float("-inf"))
+    elif MASKED:
+        s = tl.where(m_c, s, float("-inf"))
+    p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i)
+
+    b_vs = tl.load(p_vs, mask=m_c, other=0.0)
+    b_vm = tl.load(p_vm, mask=m_c, other=0.0)
+    b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans((b_vt * b_vs + b_vm).to(DOT_DTYPE)))
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _quantized_part(
+    q,
+    kc_ptr,
+    ks_ptr,
+    km_ptr,
+    kn_ptr,
+    vc_ptr,
+    vs_ptr,
+    vm_ptr,
+    mask_ptr,
+    block_lo,
+    block_hi,
+    num_quantized,
+    qk_scale,
+    stride_kcr,
+    stride_kcd,
+    stride_ksg,
+    stride_ksd,
+    stride_kmg,
+    stride_kmd,
+    stride_knt,
+    stride_vcr,
+    stride_vcd,
+    stride_vst,
+    stride_vsg,
+    stride_vmt,
+    stride_vmg,
+    stride_mt,
+    HEAD_DIM: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    ROTATION: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Online softmax over quantized blocks [block_lo, block_hi); returns the un-rotated (acc, m, l)."""
+    W: tl.constexpr = 32 // BITS
+    H: tl.constexpr = W // 2
+    ROWS: tl.constexpr = BLOCK_N // W
+    DOT_DTYPE: tl.constexpr = ks_ptr.dtype.element_ty  # fp16 scales: fp16 operands; fp32 scales: tf32
+
+    q = q.to(tl.float32)
+    if ROTATION:
+        q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
+    q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
+    q_max = tl.where(q_max > 0, q_max, 1.0)
+    b_q = (q / q_max).to(DOT_DTYPE)
+    qk_scale = qk_scale * q_max
+
+    # offsets inside a block (loop-invariant); column c of a tile holds token (c // W) * W + (c % 2) * H + (c % W) // 2
+    o_d = tl.arange(0, HEAD_DIM)[:, None]
+    o_c = tl.arange(0, BLOCK_N)
+    tok = (o_c // W) * W + (o_c % 2) * H + (o_c % W) // 2
+    o_w = tl.arange(0, ROWS)[None, :]
+    off_kw = o_w * stride_kcr + o_d * stride_kcd
+    off_vw = o_w * stride_vcr + o_d * stride_vcd
+    off_ks = (tok // GROUP)[None, :] * stride_ksg + o_d * stride_ksd
+    off_km = (tok // GROUP)[None, :] * stride_kmg + o_d * stride_kmd
+    off_vs = tok[None, :] * stride_vst + (o_d // GROUP) * stride_vsg
+    off_vm = tok[None, :] * stride_vmt + (o_d // GROUP) * stride_vmg
+    off_kn = tok * stride_knt
+    off_mask = tok * stride_mt
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+    full_hi = tl.minimum(block_hi, num_quantized // BLOCK_N)
+    for block in range(block_lo, full_hi):
+        t0 = block * BLOCK_N
+        acc, m_i, l_i = _quantized_block(
+            acc, m_i, l_i, b_q, qk_scale,
+            kc_ptr + (t0 // W) * stride_kcr + off_kw,
+            ks_ptr + (t0 // GROUP) * stride_ksg + off_ks,
+            km_ptr + (t0 // GROUP) * stride_kmg + off_km,
+            kn_ptr + t0 * stride_knt + off_kn,
+            vc_ptr + (t0 // W) * stride_vcr + off_vw,
+            vs_ptr + t0 * stride_vst + off_vs,
+            vm_ptr + t0 * stride_vmt + off_vm,
+            mask_ptr + t0 * stride_mt + off_mask,
+            BLOCK_N, HEAD_DIM, BITS, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
+        )  # fmt: skip
+    if full_hi < block_hi:  # the last block of the cache is partial
+        t0 = full_hi * BLOCK_N
+        acc, m_i, l_i = _quantized_block(
+            acc, m_i, l_i, b_q, qk_scale,
+            kc_ptr + (t0 // W) * stride_kcr + off_kw,
+            ks_ptr + (t0 // GROUP) * stride_ksg + off_ks,
+            km_ptr + (t0 // GROUP) * stride_kmg + off_km,
+            kn_ptr + t0 * stride_knt + off_kn,
+            vc_ptr + (t0 // W) * stride_vcr + off_vw,
+            vs_ptr + t0 * stride_vst + off_vs,
+            vm_ptr + t0 * stride_vmt + off_vm,
+            mask_ptr + t0 * stride_mt + off_mask,
+            num_quantized - t0, HEAD_DIM, BITS, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
+        )  # fmt: skip
+    if ROTATION:
+        acc = _fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D)
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _residual_part(
+    q,
+    rk_ptr,
+    rv_ptr,
+    mask_ptr,
+    num_residual,
+    qk_scale,
+    stride_rkt,
+    stride_rkd,
+    stride_rvt,
+    stride_rvd,
+    stride_mt,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    """Online softmax of the query rows over the full-precision residual tokens, causal for the last TQ."""
+    PRECISION: tl.constexpr = "ieee" if rk_ptr.dtype.element_ty == tl.float32 else "tf32"
+    o_d = tl.arange(0, HEAD_DIM)
+    last = num_residual - TQ + tl.arange(0, BLOCK_M) % TQ  # last residual index each row may see
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+    for start in range(0, num_residual, BLOCK_R):
+        o_j = start + tl.arange(0, BLOCK_R)
+        m_j = o_j < num_residual
+        b_k = tl.load(rk_ptr + o_j[:, None] * stride_rkt + o_d[None, :] * stride_rkd, mask=m_j[:, None], other=0.0)
+        s = _dot(q, tl.trans(b_k), PRECISION) * qk_scale
+        m_s = m_j
+        if HAS_MASK:
+            m_s &= tl.load(mask_ptr + o_j * stride_mt, mask=m_j, other=0) != 0
+        s = tl.where(m_s[None, :] & (o_j[None, :] <= last[:, None]), s, float("-inf"))
+        p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i)
+        b_v = tl.load(rv_ptr + o_j[:, None] * stride_rvt + o_d[None, :] * stride_rvd, mask=m_j[:, None], other=0.0)
+        acc = acc * alpha[:, None] + _dot(p.to(b_v.dtype), b_v, PRECISION)
+    return acc, m_i, l_i
+
+
+@triton.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_splits"])
+def _split_kernel(
+    # pointers
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    km_ptr,
+    kn_ptr,
+    vc_ptr,
+    vs_ptr,
+    vm_ptr,
+    rk_ptr,
+    rv_ptr,
+    mask_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    # sizes
+    num_kv_heads,
+    num_quantized,
+    num_residual,
+    blocks_per_split,
+    num_splits,
+    qk_scale,
+    # strides
+    stride_qb,
+    stride_qh,
+    stride_qt,
+    stride_qd,
+    stride_kcb,
+    stride_kch,
+    stride_kcr,
+    stride_kcd,
+    stride_ksb,
+    stride_ksh,
+    stride_ksg,
+    stride_ksd,
+    stride_kmb,
+    stride_kmh,
+    stride_kmg,
+    stride_kmd,
+    stride_knb,
+    stride_knt,
+    stride_vcb,
+    stride_vch,
+    stride_vcr,
+    stride_vcd,
+    stride_vsb,
+    stride_vsh,
+    stride_vst,
+    stride_vsg,
+    stride_vmb,
+    stride_vmh,
+    stride_vmt,
+    stride_vmg,
+    stride_rkb,
+    stride_rkh,
+    stride_rkt,
+    stride_rkd,
+    stride_rvb,
+    stride_rvh,
+    stride_rvt,
+    stride_rvd,
+    stride_mb,
+    stride_mt,
+    # meta-parameters
+    GQA: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROTATION: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+):
+    ROWS_USED: tl.constexpr = GQA * TQ
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    h = pid_bh % num_kv_heads
+
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < ROWS_USED
+    o_d = tl.arange(0, HEAD_DIM)
+    p_q = q_ptr + b * stride_qb + (h * GQA + o_m // TQ) * stride_qh + (o_m % TQ) * stride_qt
+    q = tl.load(p_q[:, None] + o_d[None, :] * stride_qd, mask=m_m[:, None], other=0.0)
+
+    if pid_s == num_splits:
+        acc, m_i, l_i = _residual_part(
+            q,
+            rk_ptr + b * stride_rkb + h * stride_rkh,
+            rv_ptr + b * stride_rvb + h * stride_rvh,
+            mask_ptr + b * stride_mb + num_quantized * stride_mt,
+            num_residual,
+            qk_scale,
+            stride_rkt,
+            stride_rkd,
+            stride_rvt,
+            stride_rvd,
+            stride_mt,
+            TQ,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_R,
+            HAS_MASK,
+        )
+    else:
+        block_lo = pid_s * blocks_per_split
+        block_hi = tl.minimum(block_lo + blocks_per_split, (num_quantized + BLOCK_N - 1) // BLOCK_N)
+        acc, m_i, l_i = _quantized_part(
+            q,
+            kc_ptr + b * stride_kcb + h * stride_kch,
+            ks_ptr + b * stride_ksb + h * stride_ksh,
+            km_ptr + b * stride_kmb + h * stride_kmh,
+            kn_ptr + b * stride_knb,
+            vc_ptr + b * stride_vcb + h * stride_vch,
+            vs_ptr + b * stride_vsb + h * stride_vsh,
+            vm_ptr + b * stride_vmb + h * stride_vmh,
+            mask_ptr + b * stride_mb,
+            block_lo,
+            block_hi,
+            num_quantized,
+            qk_scale,
+            stride_kcr,
+            stride_kcd,
+            stride_ksg,
+            stride_ksd,
+            stride_kmg,
+            stride_kmd,
+            stride_knt,
+            stride_vcr,
+            stride_vcd,
+            stride_vst,
+            stride_vsg,
+            stride_vmt,
+            stride_vmg,
+            stride_mt,
+            HEAD_DIM,
+            LOG2_D,
+            BITS,
+            GROUP,
+            BLOCK_M,
+            BLOCK_N,
+            ROTATION,
+            TOKEN_SCALING,
+            HAS_MASK,
+        )
+
+    # partials: part_o [B * Hkv, S + 1, GQA * TQ, D], part_ml [B * Hkv, S + 1, GQA * TQ, 2] (m, l), fp32
+    o_part = (pid_bh * (num_splits + 1) + pid_s) * ROWS_USED + o_m
+    tl.store(part_o_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], acc, mask=m_m[:, None])
+    tl.store(part_ml_ptr + o_part * 2, m_i, mask=m_m)
+    tl.store(part_ml_ptr + o_part * 2 + 1, l_i, mask=m_m)
+
+
+@triton.jit(do_not_specialize=["num_parts"])
+def _merge_kernel(
+    # pointers
+    part_o_ptr,
+    part_ml_ptr,
+    out_ptr,
+    # sizes
+    num_kv_heads,
+    num_parts,
+    # strides
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    # meta-parameters
+    GQA: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    ROWS_USED: tl.constexpr = GQA * TQ
+    pid = tl.program_id(0).to(tl.int64)  # (b * Hkv + h) * GQA * TQ + row
+    bh = pid // ROWS_USED
+    row = pid % ROWS_USED
+    o_d = tl.arange(0, HEAD_DIM)
+    p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
+
+    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for start in range(0, num_parts, BLOCK_S):
+        o_s = start + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.load(p_ml + o_s * ROWS_USED * 2, mask=o_s < num_parts, other=float("-inf")))
+    m_all = tl.reduce(m_max, 0, _maximum)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+
+    l_sum = tl.full([BLOCK_S], 0.0, tl.float32)
+    acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
+    for start in range(0, num_parts, BLOCK_S):
+        o_s = start + tl.arange(0, BLOCK_S)
+        m_s = o_s < num_parts
+        m_p = tl.load(p_ml + o_s * ROWS_USED * 2, mask=m_s, other=float("-inf"))
+        l_p = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=m_s, other=0.0)
+        scale = tl.exp2(m_p - m_all)
+        l_sum += scale * l_p
+        p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
+        acc += scale[:, None] * tl.load(p_o, mask=m_s[:, None], other=0.0)
+    l_all = tl.reduce(l_sum, 0, _add)
+    out = tl.reduce(acc, 0, _add) / tl.where(l_all > 0, l_all, 1.0)
+
+    b = bh // num_kv_heads
+    head = (bh % num_kv_heads) * GQA + row // TQ
+    p_out = out_ptr + b * stride_ob + head * stride_oh + (row % TQ) * stride_ot + o_d * stride_od
+    tl.store(p_out, out.to(out_ptr.dtype.element_ty))
+
+
+def _interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, the CPU CI)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+@dataclass(frozen=True)
+class _Tuning:
+    """Launch choices of the split kernel; `_default_tuning` picks them, the benchmark sweeps them."""
+
+    block_n: int  # quantized tokens per inner step (a multiple of 16)
+    num_warps: int
+    num_stages: int
+    programs_per_sm: int  # splits are sized to launch about this many programs per SM ...
+    min_blocks_per_split: int  # ... but no split gets fewer blocks than this
+
+
+def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
+    """64-token steps keep the two dequantized [D, 64] fp16 tiles in registers up to D = 128; wider tiles (D = 256,
+    fp32 scales, 64+ query rows) get 32-token steps or 8 warps instead of spilling."""
+    wide = head_dim > 128 or scale_dtype == torch.float32
+    return _Tuning(
+        block_n=32 if wide else 64,
+        num_warps=8 if head_dim > 128 or rows > 32 else 4,
+        num_stages=2,
+        programs_per_sm=4,
+        min_blocks_per_split=4,
+    )
+
+
+def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning: _Tuning) -> int:
+    """Splits of the quantized blocks of each KV head (0 without quantized blocks).
+
+    Under the interpreter: as if there were 4 SMs, one block per split (tests then cross split boundaries).
+    """
+    if num_blocks == 0:
+        return 0
+    if device.type == "cuda":
+        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+        min_blocks = tuning.min_blocks_per_split
+    else:
+        sms, min_blocks = 4, 1
+    return max(1, min(math.ceil(tuning.programs_per_sm * sms / batch_heads), num_blocks // min_blocks))
+
+
+def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config) -> int:
+    """Check shapes/dtypes/devices; return the number of quantized tokens."""
+    if query.dim() != 4:
+        raise ValueError(f"decode_attention_triton: query must be [B, Hq, Tq, D], got {tuple(query.shape)}.")
+    batch, q_heads, q_len, head_dim = query.shape
+    if query.dtype not in _MODEL_DTYPES:
+        raise ValueError(f"decode_attention_triton: query dtype {query.dtype} is not one of {_MODEL_DTYPES}.")
+    if query.device.type != "cuda" and not _interpreting():
+        raise ValueError(
+            f"decode_attention_triton: tensors must be on a CUDA device, got {query.device}; use "
+            "decode_attention_reference (or the portable path) elsewhere."
+        )
+    if head_dim not in (64, 128, 256) or head_dim % config.group_size:
+        raise ValueError(
+            f"decode_attention_triton: head_dim={head_dim} is not supported (64, 128 or 256, a multiple of "
+            f"group_size={config.group_size}); use the portable attention path for this model."
+        )
+    if residual_keys.dim() != 4 or residual_keys.shape != residual_values.shape:
+        raise ValueError(
+            "decode_attention_triton: residual keys/values must both be [B, Hkv, R, D], got "
+            f"{tuple(residual_keys.shape)} and {tuple(residual_values.shape)}."
+        )
+    _, kv_heads, residual, _ = residual_keys.shape
+    if residual_keys.shape[0] != batch or residual_keys.shape[3] != head_dim or kv_heads == 0 or q_heads % kv_heads:
+        raise ValueError(
+            f"decode_attention_triton: residual K/V {tuple(residual_keys.shape)} do not match query "
+            f"{tuple(query.shape)} (same B and D, Hq a multiple of Hkv)."
+        )
+    if residual_keys.dtype != query.dtype or residual_values.dtype != query.dtype:
+        raise ValueError(
+            f"decode_attention_triton: residual K/V dtype ({residual_keys.dtype}, {residual_values.dtype}) must be "
+            f"the query dtype {query.dtype}."
+        )
+    if not 1 <= q_len <= min(residual, _MAX_TQ) or q_heads // kv_heads * q_len > _MAX_ROWS:
+        raise ValueError(
+            f"decode_attention_triton: Tq={q_len} must be in 1..min(R={residual}, {_MAX_TQ}) (the queries are the "
+            f"last residual tokens) with (Hq / Hkv) * Tq <= {_MAX_ROWS}."
+        )
+    num_quantized = 0
+    if quantized is not None:
+        per_word, group = config.codes_per_word, config.group_size
+        num_quantized = quantized.value_scale.shape[2]
+        expected = {
+            "key_codes": (batch, kv_heads, num_quantized // per_word, head_dim),
+            "key_scale": (batch, kv_heads, num_quantized // group, head_dim),
+            "key_min": (batch, kv_heads, num_quantized // group, head_dim),
+            "key_norms": (batch, 1, num_quantized) if config.token_scaling else None,
+            "value_codes": (batch, kv_heads, num_quantized // per_word, head_dim),
+            "value_scale": (batch, kv_heads, num_quantized, head_dim // group),
+            "value_min": (batch, kv_heads, num_quantized, head_dim // group),
+        }
+        for name, shape in expected.items():
+            tensor = getattr(quantized, name)
+            got = None if tensor is None else tuple(tensor.shape)
+            if got != shape:
+                raise ValueError(f"decode_attention_triton: quantized.{name} has shape {got}, expected {shape}.")
+            if tensor is not None and tensor.device != query.device:
+                raise ValueError(
+                    f"decode_attention_triton: quantized.{name} is on {tensor.device}, not {query.device}."
+                )
+        if num_quantized % group:
+            raise ValueError(f"decode_attention_triton: {num_quantized} quantized tokens is not a multiple of {group}.")
+        for name in ("key_scale", "key_min", "value_scale", "value_min"):
+            if getattr(quantized, name).dtype != config.scale_torch_dtype:
+                raise ValueError(f"decode_attention_triton: quantized.{name} must be {config.scale_torch_dtype}.")
+    if key_padding_mask is not None and (
+        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, num_quantized + residual)
+    ):
+        raise ValueError(
+            f"decode_attention_triton: key_padding_mask must be bool [B, L + R] = {(batch, num_quantized + residual)}, "
+            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}."
+        )
+    return num_quantized
+
+
+def decode_attention_triton(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: OscarConfig,
+) -> torch.Tensor:
+    """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D]."""
+    rows = query.shape[1] // max(1, residual_keys.shape[1]) * query.shape[2]
+    tuning = _default_tuning(query.shape[-1], rows, config.scale_torch_dtype)
+    return _decode_attention(
+        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, tuning
+    )
+
+
+def _decode_attention(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: OscarConfig,
+    tuning: _Tuning,
+) -> torch.Tensor:
+    num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config)
+    if num_quantized == 0:
+        quantized = None
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads, residual = residual_keys.shape[1], residual_keys.shape[2]
+    gqa = q_heads // kv_heads
+    rows = gqa * q_len
+    block_n = tuning.block_n
+    num_blocks = triton.cdiv(num_quantized, block_n)
+    num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning)
+    blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
+    if num_splits:
+        num_splits = triton.cdiv(num_blocks, blocks_per_split)
+
+    device = query.device
+    out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    part_o = torch.empty((batch * kv_heads, num_splits + 1, rows, head_dim), dtype=torch.float32, device=device)
+    part_ml = torch.empty((batch * kv_heads, num_splits + 1, rows, 2), dtype=torch.float32, device=device)
+    if quantized is None:  # nothing to read: empty tensors of the right dtypes, never dereferenced
+        int32, sdt = (
+            torch.empty(0, dtype=torch.int32, device=device),
+            torch.empty(0, dtype=config.scale_torch_dtype, device=device),
+        )
+        quantized = QuantizedKV(int32, sdt, sdt, None, int32, sdt, sdt)
+    strides = [t.stride() if t is not None and t.dim() == 4 else (0, 0, 0, 0) for t in quantized]
+    key_norms = quantized.key_norms if quantized.key_norms is not None else quantized.key_scale
+    kn_strides = quantized.key_norms.stride() if quantized.key_norms is not None else (0, 0, 0)
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else residual_keys
+    mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
+
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _split_kernel[(batch * kv_heads, num_splits + 1)](
+            query,
+            quantized.key_codes,
+            quantized.key_scale,
+            quantized.key_min,
+            key_norms,
+            quantized.value_codes,
+            quantized.value_scale,
+            quantized.value_min,
+            residual_keys,
+            residual_values,
+            mask,
+            part_o,
+            part_ml,
+            kv_heads,
+            num_quantized,
+            residual,
+            blocks_per_split,
+            num_splits,
+            scaling * _LOG2E,
+            *query.stride(),
+            *strides[0],
+            *strides[1],
+            *strides[2],
+            kn_strides[0],
+            kn_strides[-1],
+            *strides[4],
+            *strides[5],
+            *strides[6],
+            *residual_keys.stride(),
+            *residual_values.stride(),
+            *mask_strides,
+            GQA=gqa,
+            TQ=q_len,
+            HEAD_DIM=head_dim,
+            LOG2_D=head_dim.bit_length() - 1,
+            BITS=config.bits,
+            GROUP=config.group_size,
+            BLOCK_M=max(16, triton.next_power_of_2(rows)),
+            BLOCK_N=block_n,
+            BLOCK_R=64,
+            ROTATION=config.rotation,
+            TOKEN_SCALING=config.token_scaling,
+            HAS_MASK=key_padding_mask is not None,
+            num_warps=tuning.num_warps,
+            num_stages=tuning.num_stages,
+        )
+        _merge_kernel[(batch * kv_heads * rows,)](
+            part_o,
+            part_ml,
+            out,
+            kv_heads,
+            num_splits + 1,
+            *out.stride(),
+            GQA=gqa,
+            TQ=q_len,
+            HEAD_DIM=head_dim,
+            BLOCK_S=16,
+            num_warps=4,
+        )
+    return out
+
+
+def decode_attention_reference(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: OscarConfig,
+    compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Same contract as `decode_attention_triton`, by dequantization + plain softmax attention in `compute_dtype`.
+
+    Materialises the whole dequantized cache: the executable definition the fused kernel is tested against.
+    The result is cast to `out_dtype` (default: the query dtype).
+    """
+    q_heads, q_len, kv_heads = query.shape[1], query.shape[2], residual_keys.shape[1]
+    keys, values = residual_keys.to(compute_dtype), residual_values.to(compute_dtype)
+    if quantized is not None and quantized.value_scale.shape[2] > 0:
+        k_q, v_q = dequantize_kv(quantized, config, compute_dtype)
+        keys, values = torch.cat((k_q, keys), dim=2), torch.cat((v_q, values), dim=2)
+    total = keys.shape[2]
+    keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
+    values = values.repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = torch.matmul(query.to(compute_dtype), keys.transpose(-1, -2)) * scaling
+    # query i is kv position total - q_len + i: it sees positions 0 .. total - q_len + i
+    positions = torch.arange(total, device=query.device)
+    allowed = (positions[None, :] <= positions[total - q_len :, None])[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :].to(query.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values).to(out_dtype or query.dtype)

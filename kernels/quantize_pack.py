@@ -1,0 +1,277 @@
+"""Fused rotate + token-scale + quantize + pack of post-RoPE keys and values, in the OScaR storage contract.
+
+`quantize_kv_triton(keys, values, config)` computes exactly `oscar_hf.reference.quantize_kv`:
+
+    inputs   keys, values   [B, Hkv, N, D]   bf16 / fp16 / fp32, any strides; N a multiple of G = group_size,
+                                             D a power of two that G divides (64, 128, 256)
+    outputs  (new contiguous tensors; b = bits, W = 32 // b codes per int32 word, sdt = config.scale_torch_dtype)
+    key_codes    int32  [B, Hkv, N // W, D]   codes of u = (k H) / n_t
+    key_scale    sdt    [B, Hkv, N // G, D]   per channel, per group of G consecutive tokens
+    key_min      sdt    [B, Hkv, N // G, D]
+    key_norms    fp32   [B, 1, N]             n_t over all KV heads (None without token scaling)
+    value_codes  int32  [B, Hkv, N // W, D]   codes of v H
+    value_scale  sdt    [B, Hkv, N, D // G]   per token, per group of G consecutive channels
+    value_min    sdt    [B, Hkv, N, D // G]
+
+Packing: word `[b, h, r, d]` holds the codes of tokens `r * W + j` at bits `[j * b, (j + 1) * b)`. As in the
+reference, scale and min are rounded to sdt before the codes are computed, so the codes are the best ones for
+the stored parameters; divisions and square roots are IEEE-rounded and the Walsh-Hadamard butterflies run in the
+reference's order, so codes differ from the reference only on exact rounding ties of summation order.
+
+One program per (group of G tokens, batch row) loops over the KV heads twice: first the token norms (a norm
+needs every head of the token), then, per head, rotation (fp32 butterflies in registers), scaling, the two kinds
+of min/max groups, rounding and packing. The second read of K hits L2 (G * D * Hkv elements per program).
+Non-finite inputs produce non-finite scales here; the reference raises instead (checking would need a host
+synchronisation).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.reference import QuantizedKV, check_head_dim
+
+_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@triton.jit
+def _fwht_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Normalized Walsh-Hadamard transform of each row of an fp32 [ROWS, D] tile (x H), butterflies in registers.
+
+    Same pairing and order as `oscar_hf.reference.hadamard_transform`: at stride h, (i, i + h) -> (a + b, a - b).
+    """
+    for i in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, (ROWS, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
+    return x * (D**-0.5)
+
+
+# Reductions through tl.reduce with combine functions of this module rather than tl.max/tl.sum: those are
+# @triton.jit functions of Triton itself, decorated once when Triton is imported, so they would stay compiled-mode
+# functions when Triton was imported before TRITON_INTERPRET was set (as under a test suite that imports
+# transformers first); the kernels here are re-decorated by re-importing this module.
+@triton.jit
+def _bit_or(a, b):
+    return a | b
+
+
+@triton.jit
+def _add(a, b):
+    return a + b
+
+
+@triton.jit
+def _maximum(a, b):
+    return tl.maximum(a, b)
+
+
+@triton.jit
+def _minimum(a, b):
+    return tl.minimum(a, b)
+
+
+@triton.jit
+def _quantize(x, mn, mx, LEVELS: tl.constexpr, SCALE_DTYPE: tl.constexpr):
+    """Codes (int32, same shape as x) for groups with min `mn` and max `mx` (broadcast against x).
+
+    Returns (codes, scale, min) with scale/min rounded to SCALE_DTYPE first, as `reference.quantize_groups` does.
+    """
+    mn = mn.to(SCALE_DTYPE).to(tl.float32)
+    scale = tl.div_rn(mx - mn, tl.full(mx.shape, LEVELS, tl.float32)).to(SCALE_DTYPE).to(tl.float32)
+    q = tl.where(scale > 0, tl.div_rn(x - mn, tl.where(scale > 0, scale, 1.0)), 0.0)
+    q = (q + 12582912.0) - 12582912.0  # round half to even (1.5 * 2**23 trick, exact for |q| < 2**22)
+    codes = tl.minimum(tl.maximum(q, 0.0), LEVELS).to(tl.int32)
+    return codes, scale.to(SCALE_DTYPE), mn.to(SCALE_DTYPE)
+
+
+@triton.jit
+def _pack_tokens(codes, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """[G, D] int32 codes -> [G // W, D] int32 words, token r * W + j at bits [j * BITS, (j + 1) * BITS) of row r."""
+    W: tl.constexpr = 32 // BITS
+    shifts = tl.arange(0, W) * BITS
+    return tl.reduce(tl.reshape(codes, (G // W, W, D)) << shifts[None, :, None], 1, _bit_or)
+
+
+@triton.jit
+def _quantize_pack_kernel(
+    # pointers
+    k_ptr,
+    v_ptr,
+    key_codes_ptr,
+    key_scale_ptr,
+    key_min_ptr,
+    key_norms_ptr,
+    value_codes_ptr,
+    value_scale_ptr,
+    value_min_ptr,
+    # sizes
+    num_kv_heads,
+    # strides of the inputs
+    stride_kb,
+    stride_kh,
+    stride_kt,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vt,
+    stride_vd,
+    # strides of the (contiguous) outputs, per batch row and per head
+    stride_codes_b,
+    stride_codes_h,
+    stride_kparam_b,
+    stride_kparam_h,
+    stride_vparam_b,
+    stride_vparam_h,
+    stride_norms_b,
+    # meta-parameters
+    HEAD_DIM: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    GROUP: tl.constexpr,
+    BITS: tl.constexpr,
+    ROTATION: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+):
+    W: tl.constexpr = 32 // BITS
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    NUM_VGROUPS: tl.constexpr = HEAD_DIM // GROUP
+    SCALE_DTYPE: tl.constexpr = key_scale_ptr.dtype.element_ty
+
+    pid_g = tl.program_id(0).to(tl.int64)
+    pid_b = tl.program_id(1).to(tl.int64)
+    o_t = pid_g * GROUP + tl.arange(0, GROUP)
+    o_d = tl.arange(0, HEAD_DIM)
+    o_w = pid_g * (GROUP // W) + tl.arange(0, GROUP // W)
+    o_vg = tl.arange(0, NUM_VGROUPS)
+    p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
+    p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
+
+    if TOKEN_SCALING:
+        sum_sq = tl.full([GROUP], 0.0, tl.float32)
+        for h in range(num_kv_heads):
+            b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
+            sum_sq += tl.reduce(b_k * b_k, 1, _add)
+        norms = tl.sqrt_rn(sum_sq)
+        norms = tl.where(norms > 0, norms, 1.0)  # NaN > 0 is False
+        tl.store(key_norms_ptr + pid_b * stride_norms_b + o_t, norms)
+
+    for h in range(num_kv_heads):
+        b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
+        b_v = tl.load(p_v + h * stride_vh).to(tl.float32)
+        if ROTATION:
+            b_k = _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D)
+            b_v = _fwht_rows(b_v, GROUP, HEAD_DIM, LOG2_D)
+        if TOKEN_SCALING:
+            b_k = tl.div_rn(b_k, norms[:, None])
+
+        # keys: per channel, over the G tokens of this program
+        codes, scale, mn = _quantize(
+            b_k, tl.reduce(b_k, 0, _minimum)[None, :], tl.reduce(b_k, 0, _maximum)[None, :], LEVELS, SCALE_DTYPE
+        )
+        p_codes = pid_b * stride_codes_b + h * stride_codes_h + o_w[:, None] * HEAD_DIM + o_d[None, :]
+        tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
+        o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + pid_g * HEAD_DIM + o_d[None, :]
+        tl.store(key_scale_ptr + o_kparam, scale)
+        tl.store(key_min_ptr + o_kparam, mn)
+
+        # values: per token, over groups of G channels
+        b_v3 = tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP))
+        codes, scale, mn = _quantize(
+            b_v3,
+            tl.reduce(b_v3, 2, _minimum)[:, :, None],
+            tl.reduce(b_v3, 2, _maximum)[:, :, None],
+            LEVELS,
+            SCALE_DTYPE,
+        )
+        codes = tl.reshape(codes, (GROUP, HEAD_DIM))
+        tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
+        o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t[:, None] * NUM_VGROUPS + o_vg[None, :]
+        tl.store(value_scale_ptr + o_vparam, tl.reshape(scale, (GROUP, NUM_VGROUPS)))
+        tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))
+
+
+def _interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, the CPU CI)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _check_inputs(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> None:
+    if keys.dim() != 4 or keys.shape != values.shape:
+        raise ValueError(
+            f"quantize_kv_triton: keys and values must both be [B, Hkv, N, D], got {tuple(keys.shape)} and "
+            f"{tuple(values.shape)}."
+        )
+    if keys.dtype not in _MODEL_DTYPES or values.dtype != keys.dtype:
+        raise ValueError(
+            f"quantize_kv_triton: keys/values must share one of {_MODEL_DTYPES}, got {keys.dtype} and {values.dtype}."
+        )
+    if keys.device != values.device or (keys.device.type != "cuda" and not _interpreting()):
+        raise ValueError(
+            f"quantize_kv_triton: keys and values must be on one CUDA device (got {keys.device} and "
+            f"{values.device}); use oscar_hf.reference.quantize_kv elsewhere."
+        )
+    head_dim, tokens = keys.shape[-1], keys.shape[-2]
+    check_head_dim(head_dim, config)
+    if head_dim & (head_dim - 1):
+        raise ValueError(
+            f"quantize_kv_triton: head_dim={head_dim} is not a power of two; the fused kernels support 64, 128 and "
+            "256. Use oscar_hf.reference.quantize_kv for this model."
+        )
+    if tokens % config.group_size:
+        raise ValueError(
+            f"quantize_kv_triton: the token count N={tokens} must be a multiple of group_size={config.group_size}."
+        )
+
+
+def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
+    """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel."""
+    _check_inputs(keys, values, config)
+    batch, heads, tokens, head_dim = keys.shape
+    group, per_word, sdt = config.group_size, config.codes_per_word, config.scale_torch_dtype
+    device = keys.device
+    key_codes = torch.empty((batch, heads, tokens // per_word, head_dim), dtype=torch.int32, device=device)
+    value_codes = torch.empty_like(key_codes)
+    key_scale = torch.empty((batch, heads, tokens // group, head_dim), dtype=sdt, device=device)
+    key_min = torch.empty_like(key_scale)
+    value_scale = torch.empty((batch, heads, tokens, head_dim // group), dtype=sdt, device=device)
+    value_min = torch.empty_like(value_scale)
+    key_norms = torch.empty((batch, 1, tokens), dtype=torch.float32, device=device) if config.token_scaling else None
+    if tokens == 0 or batch == 0:
+        return QuantizedKV(key_codes, key_scale, key_min, key_norms, value_codes, value_scale, value_min)
+
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        _quantize_pack_kernel[(tokens // group, batch)](
+            keys,
+            values,
+            key_codes,
+            key_scale,
+            key_min,
+            key_norms if key_norms is not None else key_scale,  # unused pointer without token scaling
+            value_codes,
+            value_scale,
+            value_min,
+            heads,
+            *keys.stride(),
+            *values.stride(),
+            key_codes.stride(0),
+            key_codes.stride(1),
+            key_scale.stride(0),
+            key_scale.stride(1),
+            value_scale.stride(0),
+            value_scale.stride(1),
+            tokens,
+            HEAD_DIM=head_dim,
+            LOG2_D=head_dim.bit_length() - 1,
+            GROUP=group,
+            BITS=config.bits,
+            ROTATION=config.rotation,
+            TOKEN_SCALING=config.token_scaling,
+            num_warps=4,
+        )
+    return QuantizedKV(key_codes, key_scale, key_min, key_norms, value_codes, value_scale, value_min)

@@ -1,0 +1,222 @@
+"""Fused decode attention vs the float64 reference (dequantize + plain softmax attention).
+
+The quantized inputs come from `oscar_hf.reference.quantize_kv`, so these tests check the attention kernel alone.
+Small shapes run everywhere (CPU CI: Triton's interpreter); `gpu`-marked ones need CUDA.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import pytest
+import torch
+from oscar_hf.kernels import decode_attention_triton
+from oscar_hf.kernels.decode_attention import decode_attention_reference
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.reference import QuantizedKV, quantize_kv
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# Tolerances against the float64 reference computed from the same stored codes, so they only cover arithmetic:
+# quantized-part dot operands are fp16 (relative rounding 2^-11 ~ 5e-4 per operand), residual operands and the
+# probabilities are in the model dtype (bf16: 2^-8 ~ 4e-3), and the output is rounded once to the model dtype.
+# Relative RMSE bounds are ~3x the errors observed; max-abs bounds are relative to the largest reference value.
+TOLERANCES = {  # dtype: (relative RMSE, max-abs / max|ref|)
+    torch.bfloat16: (1.2e-2, 3e-2),
+    torch.float16: (2e-3, 6e-3),
+    torch.float32: (2e-3, 6e-3),
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 2
+    kv_heads: int = 2
+    gqa: int = 4
+    q_len: int = 1
+    head_dim: int = 64
+    quantized: int = 96
+    residual: int = 5
+    dtype: torch.dtype = torch.bfloat16
+    bits: int = 2
+    rotation: bool = True
+    token_scaling: bool = True
+    group_size: int = 32
+    scale_dtype: str = "float16"
+    left_pad: int = 0
+    extreme_norms: bool = False
+    views: bool = False
+
+    @property
+    def id(self) -> str:
+        flags = "".join(
+            f
+            for f, on in (
+                ("-noRot", not self.rotation),
+                ("-noScale", not self.token_scaling),
+                (f"-pad{self.left_pad}", self.left_pad),
+                ("-extreme", self.extreme_norms),
+                ("-views", self.views),
+                (f"-G{self.group_size}", self.group_size != 32),
+                ("-fp32scales", self.scale_dtype != "float16"),
+            )
+            if on
+        )
+        dtype = str(self.dtype).removeprefix("torch.")
+        return (
+            f"B{self.batch}-Hkv{self.kv_heads}-g{self.gqa}-Tq{self.q_len}-D{self.head_dim}-L{self.quantized}-"
+            f"R{self.residual}-{dtype}-{self.bits}bit{flags}"
+        )
+
+
+BASE = Case()
+CASES = [
+    # every head_dim in both 16-bit dtypes
+    *(replace(BASE, head_dim=d, dtype=dt) for d in (64, 128, 256) for dt in (torch.bfloat16, torch.float16)),
+    # GQA ratios 1 / 4 / 8 and an odd head count
+    replace(BASE, gqa=1),
+    replace(BASE, gqa=8, batch=1),
+    replace(BASE, kv_heads=3, gqa=3, batch=1),
+    # bits and the two method switches
+    replace(BASE, bits=4, head_dim=128),
+    replace(BASE, rotation=False, token_scaling=False),
+    replace(BASE, rotation=True, token_scaling=False),
+    replace(BASE, rotation=False, token_scaling=True, bits=4),
+    # residual lengths 1 .. residual_length
+    *(replace(BASE, residual=r, batch=1) for r in (1, 127, 128)),
+    # quantized lengths: none, one group, two blocks, across block and split boundaries
+    *(replace(BASE, quantized=n, batch=1) for n in (0, 32, 128, 320)),
+    replace(BASE, quantized=544, batch=1, kv_heads=1, dtype=torch.float16),
+    # left padding (masking a prefix that crosses a block), speculative queries (causal residual)
+    replace(BASE, quantized=320, left_pad=77),
+    replace(BASE, q_len=3, residual=7, left_pad=5),
+    replace(BASE, q_len=8, residual=9, gqa=8, batch=1, quantized=64),
+    # token-norm imbalance: one key token 100x smaller, one 100x larger
+    replace(BASE, extreme_norms=True, quantized=128),
+    replace(BASE, extreme_norms=True, quantized=128, token_scaling=False),
+    # strided views of capacity buffers (as the cache stores them) and an HF-layout query
+    replace(BASE, views=True, quantized=160, q_len=2, residual=4),
+    # other storage options and model dtypes
+    replace(BASE, group_size=64, quantized=192, head_dim=128),
+    replace(BASE, scale_dtype="float32"),
+    replace(BASE, dtype=torch.float32),
+]
+
+
+def _capacity_view(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
+    """`t` copied into a larger buffer (garbage beyond it) and returned as a view with the buffer's strides."""
+    shape = list(t.shape)
+    shape[dim] += extra
+    if t.is_floating_point():
+        buf = torch.randn(shape, device=t.device).to(t.dtype)
+    else:
+        buf = torch.full(shape, 0x12345678, dtype=t.dtype, device=t.device)
+    view = buf.narrow(dim, 0, t.shape[dim])
+    view.copy_(t)
+    return view
+
+
+def make_inputs(case: Case, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=case.dtype)
+
+    config = OscarConfig(
+        bits=case.bits,
+        rotation=case.rotation,
+        token_scaling=case.token_scaling,
+        group_size=case.group_size,
+        scale_dtype=case.scale_dtype,
+    )
+    q_heads = case.kv_heads * case.gqa
+    if case.views:  # HF's layout: [B, T, H, D] transposed to [B, H, T, D]
+        query = randn(case.batch, case.q_len, q_heads, case.head_dim).transpose(1, 2)
+    else:
+        query = randn(case.batch, q_heads, case.q_len, case.head_dim)
+    quantized = None
+    if case.quantized:
+        keys = randn(case.batch, case.kv_heads, case.quantized, case.head_dim)
+        values = randn(case.batch, case.kv_heads, case.quantized, case.head_dim)
+        if case.extreme_norms:
+            keys[:, :, 3] *= 0.01
+            keys[:, :, case.quantized // 2 + 1] *= 100.0
+        quantized = quantize_kv(keys, values, config)
+        if case.views:
+            quantized = QuantizedKV(*(None if t is None else _capacity_view(t, 2, 48) for t in quantized))
+    residual_keys = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
+    residual_values = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
+    if case.views:
+        residual_keys = _capacity_view(residual_keys, 2, 128 - case.residual)
+        residual_values = _capacity_view(residual_values, 2, 128 - case.residual)
+    mask = None
+    if case.left_pad:
+        mask = torch.ones(case.batch, case.quantized + case.residual, dtype=torch.bool, device=DEVICE)
+        mask[0, : case.left_pad] = False
+        if case.batch > 1:
+            mask[1, : case.left_pad // 2] = False
+    return query, quantized, residual_keys, residual_values, mask, 1.0 / math.sqrt(case.head_dim), config
+
+
+def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, label: str) -> None:
+    rmse_tol, max_tol = TOLERANCES[dtype]
+    out64 = out.double()
+    assert torch.isfinite(out64).all(), f"{label}: non-finite outputs at {torch.nonzero(~torch.isfinite(out64))[:8]}"
+    err = out64 - ref
+    rel_rmse = (err.norm() / ref.norm()).item()
+    max_abs = err.abs().max().item()
+    scale = ref.abs().max().item()
+    worst = torch.nonzero(err.abs() > max_tol * scale)[:8].tolist()
+    assert rel_rmse <= rmse_tol and max_abs <= max_tol * scale, (
+        f"{label}: relative RMSE {rel_rmse:.3e} (tol {rmse_tol:.1e}), max-abs {max_abs:.3e} "
+        f"(tol {max_tol * scale:.3e}); worst [b, h, t, d]: {worst}"
+    )
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_decode_attention_matches_reference(case: Case):
+    inputs = make_inputs(case)
+    out = decode_attention_triton(*inputs)
+    assert out.shape == inputs[0].shape and out.dtype == case.dtype
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
+def test_quantized_none_equals_zero_tokens():
+    query, quantized, rk, rv, mask, scaling, config = make_inputs(replace(BASE, quantized=32, batch=1))
+    empty = QuantizedKV(*(None if t is None else t[..., :0, :] if t.dim() == 4 else t[..., :0] for t in quantized))
+    a = decode_attention_triton(query, None, rk, rv, None, scaling, config)
+    b = decode_attention_triton(query, empty, rk, rv, None, scaling, config)
+    torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_rejects_bad_inputs():
+    query, quantized, rk, rv, mask, scaling, config = make_inputs(replace(BASE, quantized=32, batch=1))
+    with pytest.raises(ValueError, match="Tq"):
+        decode_attention_triton(query.expand(-1, -1, 6, -1), quantized, rk, rv, None, scaling, config)
+    with pytest.raises(ValueError, match="key_padding_mask"):
+        decode_attention_triton(query, quantized, rk, rv, torch.ones(1, 3, dtype=torch.bool), scaling, config)
+    with pytest.raises(ValueError, match="head_dim"):
+        decode_attention_triton(query[..., :48], None, rk[..., :48], rv[..., :48], None, scaling, config)
+    with pytest.raises(ValueError, match="key_codes"):
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, bits=4))
+
+
+GPU_CASES = [
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
+    Case(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
+    Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, bits=4, dtype=torch.float16),
+    Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
+    Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_decode_attention_large(case: Case):
+    inputs = make_inputs(case, seed=1)
+    out = decode_attention_triton(*inputs)
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, case.dtype, case.id)

@@ -1,0 +1,146 @@
+"""Fused rotate/scale/quantize/pack kernel vs `oscar_hf.reference.quantize_kv`.
+
+Codes may differ from the reference only where a value sits on a rounding tie whose side depends on summation order
+(the token norm, the butterflies): at most 0.1% of codes, each by one level. Scales and minimums are rounded to
+the scale dtype from the same min/max, so they match to one unit in the last place of that dtype.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from oscar_hf.kernels import quantize_kv_triton
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.reference import quantize_kv, unpack_codes
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@dataclass(frozen=True)
+class Case:
+    batch: int = 1
+    heads: int = 2
+    tokens: int = 64
+    head_dim: int = 64
+    dtype: torch.dtype = torch.bfloat16
+    bits: int = 2
+    rotation: bool = True
+    token_scaling: bool = True
+    group_size: int = 32
+    scale_dtype: str = "float16"
+    extreme_norms: bool = False
+    transposed: bool = False
+
+    @property
+    def id(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.")
+        flags = "".join(
+            f
+            for f, on in (
+                ("-noRot", not self.rotation),
+                ("-noScale", not self.token_scaling),
+                (f"-G{self.group_size}", self.group_size != 32),
+                ("-fp32scales", self.scale_dtype != "float16"),
+                ("-extreme", self.extreme_norms),
+                ("-transposed", self.transposed),
+            )
+            if on
+        )
+        return f"B{self.batch}-H{self.heads}-N{self.tokens}-D{self.head_dim}-{dtype}-{self.bits}bit{flags}"
+
+
+CASES = [
+    *(Case(head_dim=d, bits=b) for d in (64, 128, 256) for b in (2, 4)),
+    Case(dtype=torch.float16, batch=2, heads=3),
+    Case(dtype=torch.float32),
+    Case(rotation=False, token_scaling=False),
+    Case(rotation=True, token_scaling=False, bits=4),
+    Case(rotation=False, token_scaling=True),
+    Case(group_size=64, head_dim=128, tokens=128),
+    Case(scale_dtype="float32"),
+    Case(extreme_norms=True, tokens=96),
+    Case(extreme_norms=True, tokens=96, token_scaling=False, rotation=False),
+    Case(transposed=True, heads=3, tokens=32),
+]
+
+
+def make_inputs(case: Case, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    shape = (case.batch, case.tokens, case.heads, case.head_dim) if case.transposed else None
+    if case.transposed:  # HF's [B, T, H, D] layout seen as [B, H, T, D]
+        keys, values = (torch.randn(*shape, generator=gen).transpose(1, 2) for _ in range(2))
+    else:
+        keys, values = (
+            torch.randn(case.batch, case.heads, case.tokens, case.head_dim, generator=gen) for _ in range(2)
+        )
+    if case.extreme_norms:
+        keys[:, :, 5] *= 0.01
+        keys[:, :, case.tokens - 7] *= 100.0
+    config = OscarConfig(
+        bits=case.bits,
+        rotation=case.rotation,
+        token_scaling=case.token_scaling,
+        group_size=case.group_size,
+        scale_dtype=case.scale_dtype,
+    )
+    return keys.to(DEVICE, case.dtype), values.to(DEVICE, case.dtype), config
+
+
+def assert_matches_reference(out, ref, config: OscarConfig, label: str) -> None:
+    for name in ("key_codes", "value_codes"):
+        got, want = getattr(out, name), getattr(ref, name)
+        assert got.shape == want.shape and got.dtype == torch.int32, f"{label}: {name} {got.shape} {got.dtype}"
+        codes, codes_ref = unpack_codes(got, config.bits).int(), unpack_codes(want, config.bits).int()
+        diff = (codes - codes_ref).abs()
+        where = torch.nonzero(diff)[:8].tolist()
+        assert (diff == 0).float().mean().item() >= 0.999 and diff.max().item() <= 1, (
+            f"{label}: {name}: {(diff != 0).sum().item()} of {diff.numel()} codes differ, max {diff.max().item()}; "
+            f"first [b, h, token, d]: {where}"
+        )
+    # one unit in the last place of the scale dtype (fp16: 2^-10 relative), plus subnormal-sized absolute slack
+    rtol = 2**-10 if config.scale_dtype == "float16" else 2**-22
+    for name in ("key_scale", "key_min", "value_scale", "value_min", "key_norms"):
+        got, want = getattr(out, name), getattr(ref, name)
+        if want is None:
+            assert got is None, f"{label}: {name} should be None without token scaling"
+            continue
+        assert got.shape == want.shape and got.dtype == want.dtype, f"{label}: {name} {got.shape} {got.dtype}"
+        torch.testing.assert_close(got, want, rtol=rtol, atol=1e-6, msg=lambda m, n=name: f"{label}: {n}: {m}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
+def test_quantize_matches_reference(case: Case):
+    keys, values, config = make_inputs(case)
+    out = quantize_kv_triton(keys, values, config)
+    ref = quantize_kv(keys, values, config)
+    assert_matches_reference(out, ref, config, case.id)
+
+
+def test_rejects_bad_inputs():
+    keys, values, config = make_inputs(Case())
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        quantize_kv_triton(keys[:, :, :40], values[:, :, :40], config)
+    with pytest.raises(ValueError, match="power of two"):
+        quantize_kv_triton(keys[..., :48].repeat(1, 1, 1, 2), values[..., :48].repeat(1, 1, 1, 2), config)
+    with pytest.raises(ValueError, match="share one of"):
+        quantize_kv_triton(keys, values.half(), config)
+
+
+GPU_CASES = [
+    Case(batch=2, heads=8, tokens=4096, head_dim=128),
+    Case(batch=1, heads=8, tokens=2048, head_dim=128, bits=4, dtype=torch.float16),
+    Case(batch=1, heads=4, tokens=1024, head_dim=256, extreme_norms=True),
+    Case(batch=3, heads=2, tokens=512, head_dim=64, transposed=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
+def test_quantize_large(case: Case):
+    keys, values, config = make_inputs(case, seed=1)
+    assert_matches_reference(
+        quantize_kv_triton(keys, values, config), quantize_kv(keys, values, config), config, case.id
+    )
