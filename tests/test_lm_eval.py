@@ -97,8 +97,9 @@ def test_bf16_rolling_matches_hflm(model, tokenizer):
     assert got == pytest.approx(expected, abs=1e-3)
 
 
-@pytest.mark.parametrize("method", ["oscar-int2", "kivi-int2", "hf-quanto-int2"])
+@pytest.mark.parametrize("method", ["oscar-int2", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"])
 def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
+    pytest.importorskip({"hf-quanto-int2": "optimum.quanto", "hf-hqq-int2": "hqq"}.get(method, "oscar_hf"))
     base = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
     quantized = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
     ll_base = [ll for ll, _ in base.loglikelihood(requests("loglikelihood", PAIRS))]

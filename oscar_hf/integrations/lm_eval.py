@@ -44,6 +44,7 @@ from ..config import OscarConfig
 from ..offline_models import MODELS, load_model
 
 # method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
+# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
 METHODS: dict[str, tuple[str | None, dict]] = {
     "bf16": (None, {}),
     "oscar-int2": ("oscar", {"bits": 2}),
@@ -53,6 +54,7 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
     "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
     "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
+    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
 }
 
 
