@@ -28,6 +28,7 @@ from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
+from oscar_hf import OscarConfig
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM, PrefillStore
 from oscar_hf.offline_models import load_model
 
@@ -39,27 +40,31 @@ RESULTS = ROOT / "benchmarks" / "results"
 EVAL_CONFIGS = ROOT / "eval_configs"
 
 ALL_METHODS = list(METHODS)
-CORE_METHODS = ["bf16", "oscar-int2", "oscar-int4", "kivi-int2", "hf-quanto-int2"]
+CORE_METHODS = ["bf16", "oscar-int2", "oscar-int4", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"]
 RETRIEVAL = ("passkey", "niah", "multikey")
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 
 
 def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
-# What fits in about 45 minutes of 2 *shared* CPU cores (prefill cost grows with params x length; every method then
-# re-quantizes and scores each context): (tasks, documents per task, methods). Ablations only on the smallest model.
-PLAN = {
-    "smollm2-135m": (retrieval("2k") + ["oscar_pg_ppl_1k"], 5, ALL_METHODS),
-    "qwen2.5-0.5b": (retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
-    # HF QuantizedCache refuses models with sliding-window layers: gemma-3 runs without the hf-quanto methods.
-    "gemma-3-270m": (retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
-    "qwen2.5-1.5b": (
+# What fits in about 80 minutes of 2 *shared* CPU cores (prefill cost grows with params x length; every method then
+# re-quantizes and scores each context): runs of (model, tasks, documents per task, methods), in priority order.
+# Ablations and the context sweep only on the smallest model. HF QuantizedCache refuses models with sliding-window
+# layers, so gemma-3 runs without the hf-* methods.
+PLAN = [
+    ("smollm2-135m", retrieval("2k") + ["oscar_pg_ppl_1k"], 5, ALL_METHODS),
+    ("qwen2.5-0.5b", retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
+    ("gemma-3-270m", retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
+    (
+        "qwen2.5-1.5b",
         retrieval("1k")[1:] + ["oscar_pg_ppl_1k"],
         3,
         ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"],
     ),
-}
+    ("smollm2-135m", retrieval("1k", "4k"), 5, ["bf16", "oscar-int2", "kivi-int2"]),
+]
 # The metrics kept from lm-eval's results, by task family.
 METRICS = {"ppl": ("word_perplexity", "bits_per_byte"), "retrieval": ("acc", "perplexity"), "gen": ("exact_match",)}
 
@@ -83,24 +88,43 @@ def context_tokens(task: str, tokenizer, limit: int) -> int:
 
 
 @torch.no_grad()
-def key_norm_stats(model, tokenizer, text: str) -> dict:
-    """Token Norm Imbalance of the keys: per layer, n_t = ||k_t|| over all KV heads (OScaR's scaling factor); the
-    median over layers of max/median and min/median of n_t, and of the first token's n_t / median."""
+def kv_stats(model, tokenizer, text: str) -> dict:
+    """What the cache has to quantize, from one exact prefill of (up to) 1024 tokens of `text`, over the full-attention
+    layers (median over layers):
+    - key_norms: Token Norm Imbalance, n_t = ||k_t|| over all KV heads (OScaR's scale): max/median, min/median, and
+      the first (attention-sink) token's n_t / median;
+    - relative_error: ||x^ - x|| / ||x|| after quantize + dequantize (oscar_hf.reference, the cache's own math) for
+      each OScaR-family method, for keys, values, and the first token's key alone."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
+    from oscar_hf.reference import dequantize_kv, quantize_kv
+
     cache = DynamicCache(config=model.config)
     model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], past_key_values=cache, logits_to_keep=1)
-    ratios = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
-    for layer in cache.layers:
-        if type(layer) is not DynamicLayer:
-            continue
-        norms = layer.keys.float().square().sum(dim=(1, 3)).sqrt()[0]
-        median = norms.median()
-        ratios["max_over_median"].append(float(norms.max() / median))
-        ratios["min_over_median"].append(float(norms.min() / median))
-        ratios["first_over_median"].append(float(norms[0] / median))
-    return {k: round(statistics.median(v), 3) for k, v in ratios.items()}
+    layers = [layer for layer in cache.layers if type(layer) is DynamicLayer]
+    group = OscarConfig().group_size
+    norms = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
+    configs = {m: OscarConfig(**options) for m, (impl, options) in METHODS.items() if impl == "oscar"}
+    errors = {m: {"keys": [], "values": [], "first_token_keys": []} for m in configs}
+    for layer in layers:
+        n = layer.keys.shape[-2] // group * group
+        keys, values = layer.keys[..., :n, :].float(), layer.values[..., :n, :].float()
+        n_t = keys.square().sum(dim=(1, 3)).sqrt()[0]
+        norms["max_over_median"].append(float(n_t.max() / n_t.median()))
+        norms["min_over_median"].append(float(n_t.min() / n_t.median()))
+        norms["first_over_median"].append(float(n_t[0] / n_t.median()))
+        for method, config in configs.items():
+            k, v = dequantize_kv(quantize_kv(keys, values, config), config)
+            errors[method]["keys"].append(float((k - keys).norm() / keys.norm()))
+            errors[method]["values"].append(float((v - values).norm() / values.norm()))
+            first = keys[..., :1, :]
+            errors[method]["first_token_keys"].append(float((k[..., :1, :] - first).norm() / first.norm()))
+
+    def median(d):
+        return {k: round(statistics.median(v), 4) for k, v in d.items()}
+
+    return {"key_norms": median(norms), "relative_error": {m: median(e) for m, e in errors.items()}}
 
 
 def load_results(model_name: str) -> dict:
@@ -117,7 +141,7 @@ def save_results(results: dict) -> None:
 def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str], dtype: torch.dtype) -> None:
     results = load_results(model_name)
     todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"]]
-    if not todo:
+    if not todo and "kv_stats" in results:
         return
     model, tokenizer = load_model(model_name, dtype=dtype)
     results.update(
@@ -132,9 +156,11 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
         },
         machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
     )
-    if "key_norm_stats" not in results:
+    if "kv_stats" not in results:
         text = (EVAL_CONFIGS / "data" / "pg_ppl_1k.jsonl").read_text().splitlines()[0]
-        results["key_norm_stats"] = key_norm_stats(model, tokenizer, json.loads(text)["text"])
+        results["kv_stats"] = kv_stats(model, tokenizer, json.loads(text)["text"])
+        results.pop("key_norm_stats", None)  # the norms alone, as the first runs recorded them
+        save_results(results)
     task_manager = TaskManager(include_path=str(EVAL_CONFIGS))
     store = PrefillStore(max_entries=None)  # shared by every method of this model, cleared per task
     wrappers = {m: OscarHFLM(pretrained=model, tokenizer=tokenizer, method=m, prefill_store=store) for m in methods}
@@ -163,9 +189,11 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
 
 
 def plot(model_names: list[str]) -> Path:
-    """Left: retrieval accuracy (mean over the retrieval tasks run) per method; right: perplexity change vs bf16."""
-    fig, (ax_acc, ax_ppl) = plt.subplots(1, 2, figsize=(14, 5))
+    """(a) retrieval accuracy per method, mean over the tasks of each model's main run; (b) word perplexity change
+    vs bf16; (c) retrieval accuracy vs context length on the model of the context sweep (the last PLAN run)."""
+    fig, (ax_acc, ax_ppl, ax_len) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     width = 0.8 / max(len(model_names), 1)
+    main_tasks = {name: tasks for name, tasks, _, _ in reversed(PLAN)}  # the first run of each model wins
     for i, name in enumerate(model_names):
         entries = load_results(name)["entries"]
         acc, ppl = {}, {}
@@ -173,24 +201,41 @@ def plot(model_names: list[str]) -> Path:
             method, task = key.split("|")
             if "_ppl_" in task:
                 ppl[method] = entry["word_perplexity"]
-            elif "acc" in entry:
+            elif task in main_tasks[name] and "acc" in entry:
                 acc.setdefault(method, []).append(entry["acc"])
-        xs = [j + i * width for j, m in enumerate(ALL_METHODS)]
+        xs = [j + i * width for j in range(len(ALL_METHODS))]
         ax_acc.bar(xs, [statistics.mean(acc[m]) if m in acc else 0 for m in ALL_METHODS], width, label=name)
         base = ppl.get("bf16")
         ax_ppl.bar(xs, [100 * (ppl[m] / base - 1) if base and m in ppl else 0 for m in ALL_METHODS], width, label=name)
     for ax, title in (
-        (ax_acc, "retrieval accuracy (mean of passkey, niah, multikey)"),
-        (ax_ppl, "word perplexity vs bf16 (%), scored through the cache"),
+        (ax_acc, "(a) retrieval accuracy, mean of the model's tasks"),
+        (ax_ppl, "(b) word perplexity vs bf16 (%), through the cache"),
     ):
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ALL_METHODS))], ALL_METHODS, rotation=30, ha="right")
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ALL_METHODS))], ALL_METHODS, rotation=35, ha="right")
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
-    ax_ppl.set_yscale("symlog", linthresh=1)
-    ax_acc.legend()
+    ax_ppl.set_yscale("symlog", linthresh=10)
+    ax_acc.legend(fontsize=8)
+    sweep_model, sweep_tasks, _, sweep_methods = PLAN[-1]
+    if sweep_model in model_names:
+        entries = load_results(sweep_model)["entries"]
+        lengths = sorted({t.rsplit("_", 1)[1] for t in sweep_tasks} | {"2k"}, key=lambda x: int(x[:-1]))
+        for method in sweep_methods:
+            points = [
+                (int(length[:-1]), statistics.mean(entries[f"{method}|oscar_{t}_{length}"]["acc"] for t in RETRIEVAL))
+                for length in lengths
+                if all(f"{method}|oscar_{t}_{length}" in entries for t in RETRIEVAL)
+            ]
+            if points:
+                ax_len.plot(*zip(*points, strict=True), marker="o", label=method)
+        ax_len.set_xscale("log", base=2)
+        ax_len.set_xlabel("context (k tokens, nominal)")
+        ax_len.set_title(f"(c) {sweep_model}: retrieval acc vs context")
+        ax_len.grid(alpha=0.3)
+        ax_len.legend(fontsize=8)
     fig.tight_layout()
     path = RESULTS / "accuracy.png"
-    fig.savefig(path, dpi=110)
+    fig.savefig(path, dpi=100)
     return path
 
 
@@ -216,7 +261,7 @@ def markdown_table(model_name: str) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--models", nargs="+", default=list(PLAN), choices=list(PLAN))
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--tasks", nargs="+", help="override the plan's tasks")
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, help="override the plan's methods")
     parser.add_argument("--limit", type=int, help="override the plan's documents per task")
@@ -224,11 +269,12 @@ def main() -> None:
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     if not args.plot_only:
-        for name in args.models:
-            tasks, limit, methods = PLAN[name]
+        for name, tasks, limit, methods in PLAN:
+            if name not in args.models:
+                continue
             dtype = getattr(torch, args.dtype)
             run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
-    done = [n for n in PLAN if (RESULTS / f"accuracy_{n}.json").exists()]
+    done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
     print(f"plot: {plot(done)}")
     for name in done:
         print(f"\n### {name}\n\n{markdown_table(name)}")
