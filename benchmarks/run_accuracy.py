@@ -267,7 +267,15 @@ def main() -> None:
     parser.add_argument("--limit", type=int, help="override the plan's documents per task")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch threads; 1 by default: on a shared 2-core machine two threads wait on each other at every small "
+        "op (measured 10-30x slower here), while one thread loses at most 2x on the large matmuls",
+    )
     args = parser.parse_args()
+    torch.set_num_threads(args.threads)
     if not args.plot_only:
         for name, tasks, limit, methods in PLAN:
             if name not in args.models:
