@@ -5,12 +5,14 @@ Each `OscarLayer` holds two regions of one layer's history, oldest first:
 * the quantized region: `quantized_length` tokens (a multiple of `residual_length`) in the storage contract of
   `oscar_hf.reference` (packed codes, scales/mins, token norms), in buffers that grow by doubling so that a
   flush copies one block, never the whole history;
-* the residual window: the latest `residual_length - 1` tokens at most, exact, in the model dtype, as the model
-  produced them (post-RoPE, neither rotated nor scaled), in a fixed buffer of `residual_length` tokens.
+* the residual window: the latest 1 to `residual_length` tokens, exact, in the model dtype, as the model produced
+  them (post-RoPE, neither rotated nor scaled), in a fixed buffer of `residual_length` tokens.
 
-Appending tokens fills the residual; whenever it reaches `residual_length` tokens, that block is rotated, scaled,
-quantized and moved to the quantized region (after a prefill of S tokens, the first `S - S % residual_length` are
-quantized). Attention therefore always sees 1 to `residual_length` exact recent tokens.
+Appending tokens fills the residual; complete blocks of R = residual_length tokens are rotated, scaled, quantized and
+moved to the quantized region, the newest block once the next update begins (after a prefill of S tokens,
+`(S - 1) // R * R` are quantized). Every attention call therefore sees all complete blocks of its history quantized,
+the rest of the history exact, and its own tokens exact; the fused decode kernel finds a step's own tokens at the end
+of the residual.
 
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
@@ -19,6 +21,8 @@ chunked prefill, scoring) attends to the dequantized history plus its own exact 
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from dataclasses import dataclass, fields
 
 import torch
@@ -26,10 +30,14 @@ from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .config import OscarConfig
+from .integrations import fused_attention
 from .reference import QuantizedKV, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
+# The fused decode kernel's limits: head dims it is compiled for, and query tokens per step (speculative decoding).
+_FUSED_HEAD_DIMS = (64, 128, 256)
+_FUSED_MAX_QUERY_TOKENS = 16
 
 
 def _tokens_per_row(config: OscarConfig) -> QuantizedKV:
@@ -43,6 +51,9 @@ class OscarLayer(CacheLayerMixin):
 
     is_sliding = False
     is_croppable = True
+    # Set by `OscarCache` at the first update when the Triton path applies (CUDA, sdpa model, supported shapes):
+    # then blocks are quantized by the Triton kernel and decode steps attend with the fused kernel.
+    use_kernels = False
 
     def __init__(self, config: OscarConfig):
         super().__init__()
@@ -74,6 +85,20 @@ class OscarLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         if self.get_seq_length() == 0:
             self.append(key_states, value_states)
+            return key_states, value_states
+        if self.residual_length == self.config.residual_length:  # a complete block: quantized before it is read
+            self._store(self._quantize(self.residual_keys, self.residual_values))
+            self.residual_length = 0
+        new = key_states.shape[-2]
+        if (
+            self.use_kernels
+            and new <= _FUSED_MAX_QUERY_TOKENS
+            and self.residual_length + new <= self.config.residual_length
+        ):
+            # Fused decode: the kernel reads the storage itself (integrations/fused_attention.py), so only the new
+            # tokens are returned, as the handle the wrapped sdpa recognises.
+            self.append(key_states, value_states)
+            fused_attention.expect_fused_decode(self, key_states)
             return key_states, value_states
         past_keys, past_values = self.dense_history()
         # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
@@ -137,10 +162,12 @@ class OscarLayer(CacheLayerMixin):
     # ----------------------------------------------------------------------------------------------------------
     # storage
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Add tokens to the residual window, quantizing every full `residual_length` block that forms."""
+        """Add tokens to the residual window, quantizing whole `residual_length` blocks but the newest: the residual
+        keeps the last 1..R tokens (a complete last block is quantized when the next update begins), so a fused
+        decode step finds its own tokens in the residual."""
         window = self.config.residual_length
         held, new = self.residual_length, key_states.shape[-2]
-        to_quantize = (held + new) // window * window
+        to_quantize = (held + new - 1) // window * window
         if to_quantize == 0:
             self.residual_keys[:, :, held : held + new] = key_states
             self.residual_values[:, :, held : held + new] = value_states
@@ -157,7 +184,28 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
+        if self.use_kernels:
+            from .kernels import quantize_kv_triton
+
+            return quantize_kv_triton(keys, values, self.config)
         return quantize_kv(keys, values, self.config)
+
+    def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
+        the fused Triton kernel: `[B, Hq, Tq, D]`."""
+        from .kernels import decode_attention_triton
+
+        padding = None
+        if attention_mask is not None:  # [B or 1, 1, Tq, kv]: the last query row masks exactly the padding
+            padding = attention_mask[:, 0, -1, : self.get_seq_length()]
+            if padding.dtype != torch.bool:  # an additive float mask: 0 where attending
+                padding = padding == 0
+            padding = padding.expand(query.shape[0], -1)
+        held = self.residual_length
+        residual_keys, residual_values = self.residual_keys[:, :, :held], self.residual_values[:, :, :held]
+        return decode_attention_triton(
+            query, self.quantized(), residual_keys, residual_values, padding, scaling, self.config
+        )
 
     def quantized(self) -> QuantizedKV | None:
         """Views of the quantized region (`quantized_length` tokens), or None when it is empty."""
@@ -313,6 +361,7 @@ class OscarCache(DynamicCache):
             oscar_config = OscarConfig.from_dict(oscar_config)
         self.oscar_config = oscar_config
         text_config = config.get_text_config(decoder=True)
+        self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
             raise ValueError("OscarCache supports decoder-only models; this model is an encoder-decoder.")
         head_dim = getattr(text_config, "head_dim", None)
@@ -328,6 +377,46 @@ class OscarCache(DynamicCache):
                 f"{sorted({type(layer).__name__ for layer in self.layers})}); nothing would be quantized. Use the "
                 "model's default cache."
             )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, OscarLayer) and not layer.is_initialized:
+            layer.use_kernels = self._kernels_apply(key_states, value_states)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _kernels_apply(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
+        """Whether a layer seeing these K/V uses the Triton kernels. With attention="auto" the portable path runs
+        where they do not apply (same storage, same results up to rounding); attention="fused" demands them."""
+        mode = self.oscar_config.attention
+        if mode == "portable":
+            return False
+        interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors
+        implementation = getattr(self._text_config, "_attn_implementation", None)
+        reasons = [
+            reason
+            for failed, reason in (
+                (self.offloading, "cache offloading is on"),
+                (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
+                (
+                    not (key_states.is_cuda or (mode == "fused" and interpreting)),
+                    f"K/V are on {key_states.device} (CUDA needed; CPU only under TRITON_INTERPRET=1)",
+                ),
+                (
+                    not key_states.shape[-1] == value_states.shape[-1] in _FUSED_HEAD_DIMS,
+                    f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {_FUSED_HEAD_DIMS}",
+                ),
+                (importlib.util.find_spec("triton") is None, "triton is not installed"),
+            )
+            if failed
+        ]
+        if reasons and mode == "fused":
+            raise ValueError(
+                f"OscarConfig(attention='fused') cannot use the Triton kernels: {'; '.join(reasons)}. "
+                "Use attention='auto' (kernels where they apply) or 'portable'."
+            )
+        if not reasons:
+            fused_attention.install()
+        return not reasons
 
     def memory_footprint(self) -> KVMemory:
         """Bytes this cache holds now, and the ratio to a bf16 cache of the same tokens."""

@@ -25,8 +25,10 @@ class OscarConfig:
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
         scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
             "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
-        attention: "auto" decodes with the fused Triton kernels when they apply (CUDA, supported head_dim) and
-            otherwise with the portable path; "portable" always dequantizes and uses the model's own attention.
+        attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
+            head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
+            what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and
+            uses the model's own attention, for comparison.
     """
 
     bits: int = 2
@@ -63,8 +65,9 @@ class OscarConfig:
             f"scale_dtype={self.scale_dtype!r} is not supported; use one of {sorted(_SCALE_DTYPES)}.",
         )
         check(
-            self.attention in ("auto", "portable"),
-            f"attention={self.attention!r} is not supported; use 'auto' (fused kernels on CUDA) or 'portable'.",
+            self.attention in ("auto", "fused", "portable"),
+            f"attention={self.attention!r} is not supported; use 'auto' (fused kernels where they apply), 'fused' "
+            "or 'portable'.",
         )
 
     @property

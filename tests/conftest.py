@@ -111,7 +111,7 @@ class ExactOscarLayer(OscarLayer):
     def _quantize(self, keys, values):
         start = self.quantized_length  # `append` stores each quantized block right after quantizing it
         if self.exact is None:
-            self.exact = (keys, values)
+            self.exact = (keys.clone(), values.clone())  # may be the residual buffer, which gets overwritten
         else:
             self.exact = tuple(torch.cat([old[:, :, :start], new], 2) for old, new in zip(self.exact, (keys, values)))
         return super()._quantize(keys, values)

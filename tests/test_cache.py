@@ -21,10 +21,12 @@ def _cache(config=None, layers=2, heads=HKV, head_dim=D):
     return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
 
 
-def _expected_history(oracle, keys, values, config, memo=None):
-    """What the cache must represent for tokens [0, T): the oracle's quantized blocks, then exact tokens.
-    `memo` reuses the oracle's blocks between steps (they only change at a flush)."""
-    quantized = keys.shape[2] // config.residual_length * config.residual_length
+def _expected_history(oracle, keys, values, config, memo=None, stored=False):
+    """What attention sees of a history of T tokens: every complete block quantized (the oracle's values), the rest
+    exact. `stored=True`: what the layer holds after its update instead, the newest block still exact until the next
+    update. `memo` reuses the oracle's blocks between steps (they only change at a flush)."""
+    window = config.residual_length
+    quantized = (max(keys.shape[2] - 1, 0) if stored else keys.shape[2]) // window * window
     memo = {} if memo is None else memo
     if quantized not in memo:
         memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config)
@@ -68,10 +70,10 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
         layer = cache.layers[0]
         assert cache.get_seq_length() == end
         assert cache.get_mask_sizes(1, 0) == (end + 1, 0)
-        assert layer.quantized_length == end // config.residual_length * config.residual_length
-        assert 0 <= layer.residual_length < config.residual_length
+        assert layer.quantized_length == (end - 1) // config.residual_length * config.residual_length
+        assert 1 <= layer.residual_length <= config.residual_length
     assert flushes >= 2
-    _assert_history(cache.layers[0].dense_history(), _expected_history(oracle, keys, values, config), "final")
+    _assert_history(cache.layers[0].dense_history(), _expected_history(oracle, keys, values, config, stored=True), "")
 
 
 def test_chunks_arriving_with_history_match_oracle(oracle):
@@ -113,13 +115,13 @@ def test_storage_grows_by_doubling_and_reserve_preallocates():
     cache = _cache(OscarConfig())
     layer = cache.layers[0]
     capacities = []
-    for _ in range(9):
+    for _ in range(10):
         cache.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
-        capacities.append(layer._storage.key_scale.shape[2] * 32)
-    assert capacities == [128, 256, 512, 512, 1024, 1024, 1024, 1024, 2048]
+        capacities.append(0 if layer._storage is None else layer._storage.key_scale.shape[2] * 32)
+    assert capacities == [0, 128, 256, 512, 512, 1024, 1024, 1024, 1024, 2048]
     reserved = _cache(OscarConfig())
     reserved.reserve(1000)
-    reserved.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
+    reserved.update(torch.randn(1, HKV, 129, D), torch.randn(1, HKV, 129, D), layer_idx=0)
     assert reserved.layers[0]._storage.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
 
 
@@ -189,7 +191,7 @@ def test_crop_keeps_what_attention_saw(remove):
     cache.crop(-remove)
     layer = cache.layers[0]
     assert cache.get_seq_length() == 300 - remove
-    assert layer.quantized_length % 128 == 0 and layer.residual_length < 128
+    assert layer.quantized_length % 128 == 0 and layer.residual_length <= 128
     after = layer.dense_history()
     kept = 300 - remove
     assert torch.equal(after[0], before[0][:, :, :kept]) and torch.equal(after[1], before[1][:, :, :kept])

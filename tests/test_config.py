@@ -61,7 +61,7 @@ def test_unsupported_value_head_dim_is_refused_at_first_update():
 def test_values_too_large_for_fp16_scales_are_refused():
     config = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_size=64)
     cache = OscarCache(config, OscarConfig(rotation=False, token_scaling=False))
-    huge = torch.randn(1, 1, 128, 32) * 1e6
+    huge = torch.randn(1, 1, 129, 32) * 1e6
     with pytest.raises(ValueError, match="scale_dtype='float32'"):
         cache.update(huge, huge, 0)
     OscarCache(config, OscarConfig(rotation=False, token_scaling=False, scale_dtype="float32")).update(huge, huge, 0)

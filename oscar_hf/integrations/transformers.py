@@ -18,6 +18,7 @@ from transformers.generation.utils import GenerationMixin
 
 from ..cache import OscarCache
 from ..config import OscarConfig
+from . import fused_attention
 
 CACHE_IMPLEMENTATION = "oscar"
 _WRAPPED_MARK = "_oscar_original"
@@ -63,9 +64,11 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Undo `register()`: transformers behaves exactly as before it."""
+    """Undo `register()` (and the fused-sdpa wrapper, if an OscarCache installed it): transformers behaves exactly
+    as before."""
     names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(n for n in names if n != CACHE_IMPLEMENTATION)
     original = getattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK, None)
     if original is not None:
         GenerationMixin._prepare_cache_for_generation = original
+    fused_attention.uninstall()

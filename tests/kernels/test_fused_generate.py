@@ -1,0 +1,113 @@
+"""The fused decode path inside `generate`: same logits and tokens as the portable path, dispatched under the model's
+own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py), with attention="fused"."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+
+from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf.integrations import fused_attention
+
+FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _tiny_llama(dtype, **overrides):
+    options = dict(
+        vocab_size=101,
+        hidden_size=256,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        max_position_embeddings=1024,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    options.update(overrides)
+    return LlamaForCausalLM(LlamaConfig(**options)).to(device=DEVICE, dtype=dtype).eval()
+
+
+class _ForceTokens(LogitsProcessor):
+    """Teacher forcing inside generate: step i must emit tokens[:, i] (the raw logits are still reported)."""
+
+    def __init__(self, tokens: torch.Tensor, prompt_length: int):
+        self.tokens, self.prompt_length = tokens, prompt_length
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        step = input_ids.shape[1] - self.prompt_length
+        return forced.scatter_(1, self.tokens[:, step : step + 1], 0.0)
+
+
+def _generate(model, ids, mask, attention, new_tokens, forced=None):
+    cache = OscarCache(model.config, OscarConfig(attention=attention))
+    out = model.generate(
+        ids,
+        attention_mask=mask,
+        past_key_values=cache,
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=None if forced is None else LogitsProcessorList([_ForceTokens(forced, ids.shape[1])]),
+    )
+    return out, cache
+
+
+def _assert_fused_matches_portable(model, ids, mask, new_tokens):
+    """Greedy decoding on the fused path; the portable path replays the same tokens (teacher forcing), so every
+    step's logits compare on the same inputs, and each fused token must be the portable argmax wherever the
+    portable top-2 margin exceeds the numerical difference between the paths."""
+    fused, cache = _generate(model, ids, mask, FUSED, new_tokens)
+    tokens = fused.sequences[:, ids.shape[1] :]
+    portable, _ = _generate(model, ids, mask, "portable", new_tokens, forced=tokens)
+    assert torch.equal(portable.sequences, fused.sequences)
+    for step, (a, b) in enumerate(zip(fused.logits, portable.logits)):
+        a, b = a.float(), b.float()
+        # Both paths read the same codes; they differ by the kernel's fp16/bf16 dot operands with fp32 accumulation
+        # against dequantize-to-model-dtype + sdpa: bf16-level (2^-8) relative noise on the logits.
+        err = ((a - b).norm() / b.norm()).item()
+        assert err < 2e-2, (step, err)
+        top2 = b.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
+        assert torch.equal(tokens[decisive, step], b.argmax(-1)[decisive]), step
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.bfloat16])
+def test_fused_decode_matches_portable_in_generate(dtype, monkeypatch):
+    model = _tiny_llama(dtype)
+    ids = torch.randint(3, 101, (2, 150), device=DEVICE)
+    mask = torch.ones_like(ids)
+    ids[1, :37], mask[1, :37] = 0, 0  # left padding on row 1
+    calls = []
+    original = OscarLayer.fused_attention
+    monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
+    cache = _assert_fused_matches_portable(model, ids, mask, new_tokens=6)  # prefill: 128 quantized, 22 exact
+    assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
+
+
+def test_fused_decode_across_a_flush_matches_portable():
+    model = _tiny_llama(torch.bfloat16, num_hidden_layers=1)
+    ids = torch.randint(3, 101, (1, 250), device=DEVICE)
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), new_tokens=10)  # flush at 257
+    assert cache.layers[0].quantized_length == 256
+
+
+def test_unconsumed_fused_step_is_an_error():
+    """A model whose attention bypasses the wrapped sdpa must not silently attend to the new tokens only."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256
+    )
+    config._attn_implementation = "sdpa"
+    cache = OscarCache(config, OscarConfig(attention=FUSED))
+    kv = torch.randn(2, 1, 2, 140, 64, device=DEVICE, dtype=torch.bfloat16)
+    cache.update(kv[0], kv[1], 0)
+    cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)  # a fused decode step whose attention never runs
+    with pytest.raises(RuntimeError, match="did not run through the fused sdpa path"):
+        cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
+    fused_attention.uninstall()  # clear the stale step for the other tests
