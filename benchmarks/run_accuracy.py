@@ -49,21 +49,21 @@ def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
-# What fits in about 80 minutes of 2 *shared* CPU cores (prefill cost grows with params x length; every method then
-# re-quantizes and scores each context): runs of (model, tasks, documents per task, methods), in priority order.
-# Ablations and the context sweep only on the smallest model. HF QuantizedCache refuses models with sliding-window
-# layers, so gemma-3 runs without the hf-* methods.
+# What fits in about 90 minutes of 2 shared CPU cores at one thread (prefill cost grows with params x length, and each
+# method then re-quantizes and scores every context): runs of (model, tasks, documents per task, methods), in
+# priority order. Ablations and the context sweep only on the smallest model. HF QuantizedCache refuses models with
+# sliding-window layers, so gemma-3 runs without the hf-* methods.
+SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "kivi-int2"]
 PLAN = [
-    ("smollm2-135m", retrieval("2k") + ["oscar_pg_ppl_1k"], 5, ALL_METHODS),
-    ("qwen2.5-0.5b", retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
-    ("gemma-3-270m", retrieval("1k")[1:] + ["oscar_pg_ppl_1k"], 4, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
-    (
-        "qwen2.5-1.5b",
-        retrieval("1k")[1:] + ["oscar_pg_ppl_1k"],
-        3,
-        ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"],
-    ),
-    ("smollm2-135m", retrieval("1k", "4k"), 5, ["bf16", "oscar-int2", "kivi-int2"]),
+    ("smollm2-135m", retrieval("2k"), 10, ALL_METHODS),
+    ("smollm2-135m", ["oscar_pg_ppl_2k"], 4, ALL_METHODS),
+    ("qwen2.5-0.5b", retrieval("2k"), 10, CORE_METHODS),
+    ("qwen2.5-0.5b", ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
+    ("gemma-3-270m", retrieval("2k") + ["oscar_pg_ppl_1k"], 10, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
+    ("qwen2.5-1.5b", retrieval("1k"), 10, ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"]),
+    ("qwen2.5-1.5b", ["oscar_pg_ppl_1k"], 2, ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"]),
+    (SWEEP_MODEL, retrieval("1k", "4k"), 10, SWEEP_METHODS),
+    (SWEEP_MODEL, retrieval("8k"), 5, SWEEP_METHODS),
 ]
 # The metrics kept from lm-eval's results, by task family.
 METRICS = {"ppl": ("word_perplexity", "bits_per_byte"), "retrieval": ("acc", "perplexity"), "gen": ("exact_match",)}
@@ -190,7 +190,7 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
 
 def plot(model_names: list[str]) -> Path:
     """(a) retrieval accuracy per method, mean over the tasks of each model's main run; (b) word perplexity change
-    vs bf16; (c) retrieval accuracy vs context length on the model of the context sweep (the last PLAN run)."""
+    vs bf16; (c) retrieval accuracy vs context length on the model of the context sweep."""
     fig, (ax_acc, ax_ppl, ax_len) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     width = 0.8 / max(len(model_names), 1)
     main_tasks = {name: tasks for name, tasks, _, _ in reversed(PLAN)}  # the first run of each model wins
@@ -216,21 +216,19 @@ def plot(model_names: list[str]) -> Path:
         ax.grid(axis="y", alpha=0.3)
     ax_ppl.set_yscale("symlog", linthresh=10)
     ax_acc.legend(fontsize=8)
-    sweep_model, sweep_tasks, _, sweep_methods = PLAN[-1]
-    if sweep_model in model_names:
-        entries = load_results(sweep_model)["entries"]
-        lengths = sorted({t.rsplit("_", 1)[1] for t in sweep_tasks} | {"2k"}, key=lambda x: int(x[:-1]))
-        for method in sweep_methods:
+    if SWEEP_MODEL in model_names:
+        entries = load_results(SWEEP_MODEL)["entries"]
+        for method in SWEEP_METHODS:
             points = [
                 (int(length[:-1]), statistics.mean(entries[f"{method}|oscar_{t}_{length}"]["acc"] for t in RETRIEVAL))
-                for length in lengths
+                for length in ("1k", "2k", "4k", "8k")
                 if all(f"{method}|oscar_{t}_{length}" in entries for t in RETRIEVAL)
             ]
             if points:
                 ax_len.plot(*zip(*points, strict=True), marker="o", label=method)
         ax_len.set_xscale("log", base=2)
         ax_len.set_xlabel("context (k tokens, nominal)")
-        ax_len.set_title(f"(c) {sweep_model}: retrieval acc vs context")
+        ax_len.set_title(f"(c) {SWEEP_MODEL}: retrieval acc vs context")
         ax_len.grid(alpha=0.3)
         ax_len.legend(fontsize=8)
     fig.tight_layout()
