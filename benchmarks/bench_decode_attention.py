@@ -207,9 +207,21 @@ def sweep(config, gen, shapes) -> list:
     scale = 1 / math.sqrt(HEAD_DIM)
     base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
-    for block_n, warps, stages in ((32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 8, 2), (128, 4, 2), (64, 4, 1)):
+    for block_n, warps, stages in (
+        (32, 4, 2),
+        (32, 4, 3),
+        (32, 4, 4),
+        (64, 4, 1),
+        (64, 4, 3),
+        (64, 4, 4),
+        (64, 8, 2),
+        (64, 8, 3),
+        (128, 8, 2),
+        (128, 8, 3),
+        (128, 4, 2),
+    ):
         variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
-    for per_sm in (2, 8):
+    for per_sm in (2, 8, 16):
         variants.append(dataclasses.replace(base, programs_per_sm=per_sm))
 
     def time_variants(batch, context):
@@ -242,7 +254,13 @@ def main() -> None:
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="only B=8 at 32K (a smoke run)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
+    parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     args = parser.parse_args()
+    if args.profile_once:
+        data = make_sets(8, 32768, OscarConfig(), 1, torch.Generator(device="cuda").manual_seed(0))[0]
+        fused(data, OscarConfig(), 1 / math.sqrt(HEAD_DIM))
+        torch.cuda.synchronize()
+        return
 
     props = torch.cuda.get_device_properties(0)
     gpu = torch.cuda.get_device_name(0)

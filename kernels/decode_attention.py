@@ -66,7 +66,7 @@ def _unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: t
 
 
 @triton.jit
-def _dot(a, b, PRECISION: tl.constexpr = "tf32"):
+def _dot(a, b, PRECISION: tl.constexpr):
     if _UPCAST_DOTS:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
@@ -124,7 +124,7 @@ def _quantized_block(
     b_ks = tl.load(p_ks, mask=m_c, other=0.0)
     b_km = tl.load(p_km, mask=m_c, other=0.0)
     b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
-    s = _dot(b_q, (b_kt * b_ks + b_km).to(DOT_DTYPE)) * qk_scale
+    s = _dot(b_q, (b_kt * b_ks + b_km).to(DOT_DTYPE), "tf32") * qk_scale
     if TOKEN_SCALING:
         s *= tl.load(p_kn, mask=m_t, other=1.0)[None, :]
     if HAS_MASK:
@@ -136,7 +136,7 @@ def _quantized_block(
     b_vs = tl.load(p_vs, mask=m_c, other=0.0)
     b_vm = tl.load(p_vm, mask=m_c, other=0.0)
     b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
-    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans((b_vt * b_vs + b_vm).to(DOT_DTYPE)))
+    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans((b_vt * b_vs + b_vm).to(DOT_DTYPE)), "tf32")
     return acc, m_i, l_i
 
 
