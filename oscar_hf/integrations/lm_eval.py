@@ -172,6 +172,7 @@ class OscarHFLM(HFLM):
         logits = self.model(inputs, past_key_values=cache).logits[0]
         return torch.cat([first[None], F.log_softmax(logits.float(), dim=-1)])
 
+    @torch.no_grad()
     def _prefill(self, context: list[int]) -> tuple[torch.Tensor, object]:
         """Last-position log-probs of `context` and a cache of this method holding it, as a prefill leaves it."""
         key = tuple(context)
