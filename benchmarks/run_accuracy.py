@@ -65,6 +65,13 @@ PLAN = [
     (SWEEP_MODEL, retrieval("1k", "4k"), 10, SWEEP_METHODS),
     (SWEEP_MODEL, retrieval("8k"), 5, SWEEP_METHODS),
 ]
+# Where the INT2 loss comes from (keys or values), on the main retrieval tasks: (model, tasks, documents per task).
+DECOMPOSE = [
+    ("smollm2-135m", ["oscar_niah_2k", "oscar_multikey_2k"], 10),
+    ("qwen2.5-0.5b", ["oscar_niah_2k", "oscar_multikey_2k"], 10),
+    ("gemma-3-270m", ["oscar_niah_2k", "oscar_multikey_2k"], 10),
+    ("qwen2.5-1.5b", ["oscar_niah_1k", "oscar_multikey_1k"], 10),
+]
 # The metrics kept from lm-eval's results, by task family.
 METRICS = {"ppl": ("word_perplexity", "bits_per_byte"), "retrieval": ("acc", "perplexity"), "gen": ("exact_match",)}
 
@@ -127,6 +134,45 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     return {"key_norms": median(norms), "relative_error": {m: median(e) for m, e in errors.items()}}
 
 
+@torch.no_grad()
+def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
+    """Which half of INT2 costs retrieval: the exact prefill's keys and/or values of the full-attention layers are
+    replaced by their quantize-dequantize round trip (oscar_hf.reference, the cache's own math) over the quantized
+    region (every full residual-length block), then the answer is scored as the wrapper scores it. "KV" reproduces
+    the cache itself, an independent check of its numbers."""
+    from transformers.cache_utils import DynamicLayer
+
+    from oscar_hf.reference import dequantize_kv, quantize_kv
+
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
+    configs = {"oscar-int2": OscarConfig(bits=2), "kivi-int2": OscarConfig(**METHODS["kivi-int2"][1])}
+    variants = [("none", None, "")] + [(f"{m} {part}", m, part) for m in configs for part in ("K", "V", "KV")]
+    scores = {name: {"acc": [], "answer_loglik": []} for name, _, _ in variants}
+    name = task.removeprefix("oscar_")
+    rows = [json.loads(line) for line in (EVAL_CONFIGS / "data" / f"{name}.jsonl").read_text().splitlines()[:limit]]
+    for row in tqdm(rows, desc=f"decomposition {task}"):
+        context, continuation = wrapper._encode_pair(row["context"], " " + row["answer"])
+        targets = torch.tensor(continuation)
+        for variant, method, part in variants:
+            first, cache = wrapper._prefill(context)  # a fresh copy of the exact prefill
+            for layer in cache.layers:
+                if method is None or type(layer) is not DynamicLayer:
+                    continue
+                n = layer.keys.shape[-2] // configs[method].residual_length * configs[method].residual_length
+                keys, values = dequantize_kv(
+                    quantize_kv(layer.keys[..., :n, :], layer.values[..., :n, :], configs[method]), configs[method]
+                )
+                if "K" in part:
+                    layer.keys[..., :n, :] = keys
+                if "V" in part:
+                    layer.values[..., :n, :] = values
+            logits = model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
+            logprobs = torch.cat([first[None], torch.log_softmax(logits.float(), dim=-1)])
+            scores[variant]["acc"].append(float((logprobs.argmax(-1) == targets).all()))
+            scores[variant]["answer_loglik"].append(float(logprobs.gather(-1, targets[:, None]).sum()))
+    return {k: {m: round(statistics.mean(v), 3) for m, v in d.items()} | {"n": len(rows)} for k, d in scores.items()}
+
+
 def load_results(model_name: str) -> dict:
     path = RESULTS / f"accuracy_{model_name}.json"
     return json.loads(path.read_text()) if path.exists() else {"model": model_name, "entries": {}}
@@ -185,6 +231,18 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
             stderr = metrics.get(f"{name}_stderr,none")
             entry[f"{name}_stderr"] = stderr if isinstance(stderr, float) else None
         results["entries"][f"{method}|{task}"] = entry
+        save_results(results)
+
+
+def run_decomposition(model_name: str, tasks: list[str], limit: int, dtype: torch.dtype) -> None:
+    results = load_results(model_name)
+    done = results.setdefault("kv_decomposition", {})
+    todo = [t for t in tasks if t not in done]
+    if not todo:
+        return
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    for task in todo:
+        done[task] = kv_decomposition(model, tokenizer, task, limit)
         save_results(results)
 
 
@@ -264,6 +322,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, help="override the plan's methods")
     parser.add_argument("--limit", type=int, help="override the plan's documents per task")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--steps", nargs="+", default=["plan", "decompose"], choices=["plan", "decompose"])
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument(
         "--threads",
@@ -274,12 +333,15 @@ def main() -> None:
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    if not args.plot_only:
+    dtype = getattr(torch, args.dtype)
+    if not args.plot_only and "plan" in args.steps:
         for name, tasks, limit, methods in PLAN:
-            if name not in args.models:
-                continue
-            dtype = getattr(torch, args.dtype)
-            run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
+            if name in args.models:
+                run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
+    if not args.plot_only and "decompose" in args.steps:
+        for name, tasks, limit in DECOMPOSE:
+            if name in args.models:
+                run_decomposition(name, tasks, limit, dtype)
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
     print(f"plot: {plot(done)}")
     for name in done:
