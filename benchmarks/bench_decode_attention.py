@@ -207,22 +207,12 @@ def sweep(config, gen, shapes) -> list:
     scale = 1 / math.sqrt(HEAD_DIM)
     base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
-    for block_n, warps, stages in (
-        (32, 4, 2),
-        (32, 4, 3),
-        (32, 4, 4),
-        (64, 4, 1),
-        (64, 4, 3),
-        (64, 4, 4),
-        (64, 8, 2),
-        (64, 8, 3),
-        (128, 8, 2),
-        (128, 8, 3),
-        (128, 4, 2),
-    ):
+    for block_n, warps, stages in ((64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 8, 3)):
         variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
-    for per_sm in (2, 8, 16):
-        variants.append(dataclasses.replace(base, programs_per_sm=per_sm))
+    for per_sm, per_sm_few in ((4, 4), (16, 1), (4, 2)):
+        variants.append(dataclasses.replace(base, programs_per_sm=per_sm, programs_per_sm_few_heads=per_sm_few))
+    # 3 programs of 128 threads per SM instead of 2, at the cost of spills
+    variants.append(dataclasses.replace(base, max_registers=168))
 
     def time_variants(batch, context):
         data = make_sets(batch, context, config, 1, gen)[0]

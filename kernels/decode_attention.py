@@ -100,6 +100,7 @@ def _quantized_block(
     tokens_left,
     HEAD_DIM: tl.constexpr,
     BITS: tl.constexpr,
+    GROUP: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
@@ -121,10 +122,15 @@ def _quantized_block(
         m_t = tl.full([BLOCK_N], True, tl.int1)
     m_c = m_t[None, :]
 
-    b_ks = tl.load(p_ks, mask=m_c, other=0.0)
-    b_km = tl.load(p_km, mask=m_c, other=0.0)
+    NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1  # key groups per tile
+    GK: tl.constexpr = BLOCK_N // NKG  # tile columns per key group
+    NVG: tl.constexpr = HEAD_DIM // GROUP  # value groups per token
+    m_kg = (tl.arange(0, NKG) * GK < tokens_left)[None, :, None]
+    b_ks = tl.load(p_ks, mask=m_kg, other=0.0)
+    b_km = tl.load(p_km, mask=m_kg, other=0.0)
     b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
-    s = _dot(b_q, (b_kt * b_ks + b_km).to(DOT_DTYPE), "tf32") * qk_scale
+    b_kt = tl.reshape(tl.reshape(b_kt, (HEAD_DIM, NKG, GK)) * b_ks + b_km, (HEAD_DIM, BLOCK_N))
+    s = _dot(b_q, b_kt.to(DOT_DTYPE), "tf32") * qk_scale
     if TOKEN_SCALING:
         s *= tl.load(p_kn, mask=m_t, other=1.0)[None, :]
     if HAS_MASK:
@@ -133,10 +139,11 @@ def _quantized_block(
         s = tl.where(m_c, s, float("-inf"))
     p, alpha, m_i, l_i = _online_softmax_step(s, m_i, l_i)
 
-    b_vs = tl.load(p_vs, mask=m_c, other=0.0)
-    b_vm = tl.load(p_vm, mask=m_c, other=0.0)
+    b_vs = tl.load(p_vs, mask=m_c[None, :, :], other=0.0)
+    b_vm = tl.load(p_vm, mask=m_c[None, :, :], other=0.0)
     b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
-    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans((b_vt * b_vs + b_vm).to(DOT_DTYPE)), "tf32")
+    b_vt = tl.reshape(tl.reshape(b_vt, (NVG, GROUP, BLOCK_N)) * b_vs + b_vm, (HEAD_DIM, BLOCK_N))
+    acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), "tf32")
     return acc, m_i, l_i
 
 
@@ -200,10 +207,13 @@ def _quantized_part(
     o_w = tl.arange(0, ROWS)[None, :]
     off_kw = o_w * stride_kcr + o_d * stride_kcd
     off_vw = o_w * stride_vcr + o_d * stride_vcd
-    off_ks = (tok // GROUP)[None, :] * stride_ksg + o_d * stride_ksd
-    off_km = (tok // GROUP)[None, :] * stride_kmg + o_d * stride_kmd
-    off_vs = tok[None, :] * stride_vst + (o_d // GROUP) * stride_vsg
-    off_vm = tok[None, :] * stride_vmt + (o_d // GROUP) * stride_vmg
+    NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1  # key groups per tile (columns c // GROUP)
+    o_kg = tl.arange(0, NKG)[None, :, None]
+    o_vg = tl.arange(0, HEAD_DIM // GROUP)[:, None, None]
+    off_ks = o_kg * stride_ksg + o_d[:, :, None] * stride_ksd  # [D, NKG, 1]
+    off_km = o_kg * stride_kmg + o_d[:, :, None] * stride_kmd
+    off_vs = tok[None, None, :] * stride_vst + o_vg * stride_vsg  # [D / GROUP, 1, BLOCK_N]
+    off_vm = tok[None, None, :] * stride_vmt + o_vg * stride_vmg
     off_kn = tok * stride_knt
     off_mask = tok * stride_mt
 
@@ -223,7 +233,7 @@ def _quantized_part(
             vs_ptr + t0 * stride_vst + off_vs,
             vm_ptr + t0 * stride_vmt + off_vm,
             mask_ptr + t0 * stride_mt + off_mask,
-            BLOCK_N, HEAD_DIM, BITS, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
+            BLOCK_N, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
         )  # fmt: skip
     if full_hi < block_hi:  # the last block of the cache is partial
         t0 = full_hi * BLOCK_N
@@ -237,7 +247,7 @@ def _quantized_part(
             vs_ptr + t0 * stride_vst + off_vs,
             vm_ptr + t0 * stride_vmt + off_vm,
             mask_ptr + t0 * stride_mt + off_mask,
-            num_quantized - t0, HEAD_DIM, BITS, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
+            num_quantized - t0, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
         )  # fmt: skip
     if ROTATION:
         acc = _fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D)
@@ -515,18 +525,22 @@ class _Tuning:
     num_warps: int
     num_stages: int
     programs_per_sm: int  # splits are sized to launch about this many programs per SM ...
+    programs_per_sm_few_heads: int  # ... this many when B * Hkv < SMs / 4 (one wave: shorter merge, fewer partials)
     min_blocks_per_split: int  # ... but no split gets fewer blocks than this
+    max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
 
 
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
     """64-token steps keep the two dequantized [D, 64] fp16 tiles in registers up to D = 128; wider tiles (D = 256,
-    fp32 scales, 64+ query rows) get 32-token steps or 8 warps instead of spilling."""
+    fp32 scales, 64+ query rows) get 32-token steps or 8 warps instead of spilling. Three pipeline stages and the
+    split counts were the fastest measured on an H100 (benchmarks/NOTES_kernels.md)."""
     wide = head_dim > 128 or scale_dtype == torch.float32
     return _Tuning(
         block_n=32 if wide else 64,
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
-        num_stages=2,
-        programs_per_sm=4,
+        num_stages=3,
+        programs_per_sm=8,
+        programs_per_sm_few_heads=2,
         min_blocks_per_split=4,
     )
 
@@ -543,7 +557,8 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
         min_blocks = tuning.min_blocks_per_split
     else:
         sms, min_blocks = 4, 1
-    return max(1, min(math.ceil(tuning.programs_per_sm * sms / batch_heads), num_blocks // min_blocks))
+    per_sm = tuning.programs_per_sm_few_heads if 4 * batch_heads < sms else tuning.programs_per_sm
+    return max(1, min(math.ceil(per_sm * sms / batch_heads), num_blocks // min_blocks))
 
 
 def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config) -> int:
@@ -725,6 +740,7 @@ def _decode_attention(
             HAS_MASK=key_padding_mask is not None,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
+            **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
         )
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,
