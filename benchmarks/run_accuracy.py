@@ -296,22 +296,45 @@ def plot(model_names: list[str]) -> Path:
 
 
 def markdown_table(model_name: str) -> str:
+    """The model's results as markdown: retrieval cells are "acc / answer perplexity", perplexity cells word ppl
+    (+ change vs bf16); then the key/value decomposition and the K/V statistics when recorded."""
     results = load_results(model_name)
-    tasks = sorted({k.split("|")[1] for k in results["entries"]})
-    methods = [m for m in ALL_METHODS if any(k.startswith(f"{m}|") for k in results["entries"])]
-    header = "| method | " + " | ".join(
-        f"{t.removeprefix('oscar_')} ({'word ppl' if '_ppl_' in t else 'acc'})" for t in tasks
-    )
-    lines = [header + " |", "|" + "---|" * (len(tasks) + 1)]
+    entries = results["entries"]
+    tasks = sorted({k.split("|")[1] for k in entries}, key=lambda t: ("_ppl_" in t, int(t.rsplit("_", 1)[1][:-1]), t))
+    methods = [m for m in ALL_METHODS if any(k.startswith(f"{m}|") for k in entries)]
+    lines = [
+        "| method | " + " | ".join(t.removeprefix("oscar_") for t in tasks) + " |",
+        "|---" * (len(tasks) + 1) + "|",
+    ]
     for m in methods:
         cells = []
         for t in tasks:
-            e = results["entries"].get(f"{m}|{t}")
-            cells.append("" if e is None else f"{e['word_perplexity']:.2f}" if "_ppl_" in t else f"{e['acc']:.2f}")
+            e, base = entries.get(f"{m}|{t}"), entries.get(f"bf16|{t}")
+            if e is None:
+                cells.append("")
+            elif "_ppl_" in t:
+                change = f" ({100 * (e['word_perplexity'] / base['word_perplexity'] - 1):+.1f}%)" if base else ""
+                cells.append(f"{e['word_perplexity']:.2f}{change}")
+            else:
+                cells.append(f"{e['acc']:.1f} / {e['perplexity']:.3g}")
         lines.append(f"| {m} | " + " | ".join(cells) + " |")
-    ns = sorted({(t, e["n"], e["context_tokens"]) for k, e in results["entries"].items() for t in [k.split("|")[1]]})
-    lines.append("")
-    lines.append("n / mean tokens per task: " + ", ".join(f"{t.removeprefix('oscar_')} {n} / {c}" for t, n, c in ns))
+    sizes = sorted({(k.split("|")[1], e["n"], e["context_tokens"]) for k, e in entries.items()})
+    lines += ["", "n / mean tokens: " + ", ".join(f"{t.removeprefix('oscar_')} {n} / {c}" for t, n, c in sizes)]
+    for task, variants in results.get("kv_decomposition", {}).items():
+        lines += [
+            "",
+            f"Key/value decomposition on {task.removeprefix('oscar_')} (acc / mean answer log-likelihood):",
+            "",
+        ]
+        lines += ["| " + " | ".join(variants) + " |", "|---" * len(variants) + "|"]
+        lines.append("| " + " | ".join(f"{v['acc']:.1f} / {v['answer_loglik']:.2f}" for v in variants.values()) + " |")
+    if "kv_stats" in results:
+        stats = results["kv_stats"]
+        errors = ", ".join(
+            f"{m} K {e['keys']:.3f} V {e['values']:.3f} sink-K {e['first_token_keys']:.3f}"
+            for m, e in stats["relative_error"].items()
+        )
+        lines += ["", f"Key token norms: {stats['key_norms']}. Relative round-trip error: {errors}."]
     return "\n".join(lines)
 
 
