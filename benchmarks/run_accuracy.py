@@ -190,10 +190,11 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
     if not todo and "kv_stats" in results:
         return
     model, tokenizer = load_model(model_name, dtype=dtype)
+    text_config = model.config.get_text_config()
     results.update(
         model=model_name,
         dtype=str(dtype).removeprefix("torch."),
-        head_dim=model.config.get_text_config().head_dim,
+        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
         versions={
             "torch": torch.__version__,
             "transformers": transformers.__version__,
