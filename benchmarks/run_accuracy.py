@@ -41,6 +41,7 @@ EVAL_CONFIGS = ROOT / "eval_configs"
 
 ALL_METHODS = list(METHODS)
 CORE_METHODS = ["bf16", "oscar-int2", "oscar-int4", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"]
+ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 
@@ -64,6 +65,9 @@ PLAN = [
     ("qwen2.5-1.5b", ["oscar_pg_ppl_1k"], 2, ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"]),
     (SWEEP_MODEL, retrieval("1k", "4k"), 10, SWEEP_METHODS),
     (SWEEP_MODEL, retrieval("8k"), 5, SWEEP_METHODS),
+    # Qwen2's keys carry a large constant per-channel offset (k_proj bias): which OScaR half helps or hurts there.
+    ("qwen2.5-0.5b", retrieval("2k"), 10, ABLATIONS),
+    ("qwen2.5-0.5b", ["oscar_pg_ppl_1k"], 4, ABLATIONS),
 ]
 # Where the INT2 loss comes from (keys or values), on the main retrieval tasks: (model, tasks, documents per task).
 DECOMPOSE = [
@@ -100,8 +104,12 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     layers (median over layers):
     - key_norms: Token Norm Imbalance, n_t = ||k_t|| over all KV heads (OScaR's scale): max/median, min/median, and
       the first (attention-sink) token's n_t / median;
+    - key_channel_offset: the largest |mean over tokens| of a key channel / the median channel's std over tokens
+      (large for a constant per-channel offset, e.g. Qwen2's k_proj bias);
     - relative_error: ||x^ - x|| / ||x|| after quantize + dequantize (oscar_hf.reference, the cache's own math) for
-      each OScaR-family method, for keys, values, and the first token's key alone."""
+      each OScaR-family method, for keys, values, the first token's key alone, and "keys_centered": keys and error
+      minus their mean over tokens (per head and channel), the part of the key error that moves attention (a
+      constant key offset adds the same q.c to every logit of a query, which the softmax ignores)."""
     from transformers import DynamicCache
     from transformers.cache_utils import DynamicLayer
 
@@ -112,8 +120,9 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     layers = [layer for layer in cache.layers if type(layer) is DynamicLayer]
     group = OscarConfig().group_size
     norms = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
+    offsets = []
     configs = {m: OscarConfig(**options) for m, (impl, options) in METHODS.items() if impl == "oscar"}
-    errors = {m: {"keys": [], "values": [], "first_token_keys": []} for m in configs}
+    errors = {m: {"keys": [], "keys_centered": [], "values": [], "first_token_keys": []} for m in configs}
     for layer in layers:
         n = layer.keys.shape[-2] // group * group
         keys, values = layer.keys[..., :n, :].float(), layer.values[..., :n, :].float()
@@ -121,9 +130,15 @@ def kv_stats(model, tokenizer, text: str) -> dict:
         norms["max_over_median"].append(float(n_t.max() / n_t.median()))
         norms["min_over_median"].append(float(n_t.min() / n_t.median()))
         norms["first_over_median"].append(float(n_t[0] / n_t.median()))
+        offsets.append(float(keys.mean(dim=2).abs().max() / keys.std(dim=2).median()))
+        centered = keys - keys.mean(dim=2, keepdim=True)
         for method, config in configs.items():
             k, v = dequantize_kv(quantize_kv(keys, values, config), config)
             errors[method]["keys"].append(float((k - keys).norm() / keys.norm()))
+            error = k - keys
+            errors[method]["keys_centered"].append(
+                float((error - error.mean(dim=2, keepdim=True)).norm() / centered.norm())
+            )
             errors[method]["values"].append(float((v - values).norm() / values.norm()))
             first = keys[..., :1, :]
             errors[method]["first_token_keys"].append(float((k[..., :1, :] - first).norm() / first.norm()))
@@ -131,7 +146,11 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     def median(d):
         return {k: round(statistics.median(v), 4) for k, v in d.items()}
 
-    return {"key_norms": median(norms), "relative_error": {m: median(e) for m, e in errors.items()}}
+    return {
+        "key_norms": median(norms),
+        "key_channel_offset": round(statistics.median(offsets), 2),
+        "relative_error": {m: median(e) for m, e in errors.items()},
+    }
 
 
 @torch.no_grad()
@@ -173,6 +192,10 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
     return {k: {m: round(statistics.mean(v), 3) for m, v in d.items()} | {"n": len(rows)} for k, d in scores.items()}
 
 
+def first_ppl_text() -> str:
+    return json.loads((EVAL_CONFIGS / "data" / "pg_ppl_1k.jsonl").read_text().splitlines()[0])["text"]
+
+
 def load_results(model_name: str) -> dict:
     path = RESULTS / f"accuracy_{model_name}.json"
     return json.loads(path.read_text()) if path.exists() else {"model": model_name, "entries": {}}
@@ -204,9 +227,7 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
         machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
     )
     if "kv_stats" not in results:
-        text = (EVAL_CONFIGS / "data" / "pg_ppl_1k.jsonl").read_text().splitlines()[0]
-        results["kv_stats"] = kv_stats(model, tokenizer, json.loads(text)["text"])
-        results.pop("key_norm_stats", None)  # the norms alone, as the first runs recorded them
+        results["kv_stats"] = kv_stats(model, tokenizer, first_ppl_text())
         save_results(results)
     task_manager = TaskManager(include_path=str(EVAL_CONFIGS))
     store = PrefillStore(max_entries=None)  # shared by every method of this model, cleared per task
@@ -332,10 +353,15 @@ def markdown_table(model_name: str) -> str:
     if "kv_stats" in results:
         stats = results["kv_stats"]
         errors = ", ".join(
-            f"{m} K {e['keys']:.3f} V {e['values']:.3f} sink-K {e['first_token_keys']:.3f}"
+            f"{m} K {e['keys']:.3f} K-centered {e.get('keys_centered', float('nan')):.3f} V {e['values']:.3f} "
+            f"sink-K {e['first_token_keys']:.3f}"
             for m, e in stats["relative_error"].items()
         )
-        lines += ["", f"Key token norms: {stats['key_norms']}. Relative round-trip error: {errors}."]
+        lines += [
+            "",
+            f"Key token norms: {stats['key_norms']}; key channel offset: {stats.get('key_channel_offset')}. "
+            f"Relative round-trip error: {errors}.",
+        ]
     return "\n".join(lines)
 
 
@@ -346,7 +372,13 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, help="override the plan's methods")
     parser.add_argument("--limit", type=int, help="override the plan's documents per task")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--steps", nargs="+", default=["plan", "decompose"], choices=["plan", "decompose"])
+    parser.add_argument(
+        "--steps",
+        nargs="+",
+        default=["plan", "decompose"],
+        choices=["plan", "decompose", "stats"],
+        help="stats: recompute the K/V statistics (the plan computes them once per model)",
+    )
     parser.add_argument("--plot-only", action="store_true")
     parser.add_argument(
         "--threads",
@@ -362,6 +394,12 @@ def main() -> None:
         for name, tasks, limit, methods in PLAN:
             if name in args.models:
                 run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
+    if not args.plot_only and "stats" in args.steps:
+        for name in args.models:
+            results = load_results(name)
+            model, tokenizer = load_model(name, dtype=dtype)
+            results["kv_stats"] = kv_stats(model, tokenizer, first_ppl_text())
+            save_results(results)
     if not args.plot_only and "decompose" in args.steps:
         for name, tasks, limit in DECOMPOSE:
             if name in args.models:
