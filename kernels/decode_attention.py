@@ -24,8 +24,11 @@ Dequantization in registers: a word holds the codes of tokens j and j + H (H = W
 one shift and one mask turn it into two fp16 `1024 + code` (exact; no int-to-float conversion), and packed fp16
 arithmetic subtracts 1024 and applies scale/min two values at a time. The tile's token order is therefore permuted
 (column (r * H + j) * 2 + t holds token r * W + t * H + j); softmax is order-free, and norms, V parameters and the
-padding mask are read in the same order. Dot operands are fp16 (the default fp16 scales bound every dequantized
-value; the rotated query is divided by its max so it cannot overflow) or bf16 with fp32 scales; accumulation fp32.
+padding mask are read in the same order; key parameters (per channel, per group of G tokens) and value parameters
+(per token, per group of G channels) are loaded once per group and broadcast in registers. Dot operands of the
+quantized part are fp16 (the default fp16 scales bound every dequantized value; the rotated query is divided by its
+max so it cannot overflow), tf32 with fp32 scales; the residual part uses the query dtype; accumulation is fp32.
+Measured on an H100 and what limits it: benchmarks/NOTES_kernels.md.
 """
 
 from __future__ import annotations
