@@ -12,6 +12,8 @@ SmolLM2, Qwen2.5 and Gemma 3 tokenizers on this text, so real lengths differ by 
 Needle depths cycle through DEPTHS so every depth has the same number of documents.
 
 Usage: python eval_configs/build_data.py [--lengths 1k 2k 4k 8k] [--docs 20] [--seed 0]
+The documents of a length depend on --docs and --seed (one random stream per length); benchmarks/run_accuracy.py
+uses the defaults.
 """
 
 from __future__ import annotations
