@@ -1,12 +1,19 @@
 """Shared fixtures: a tiny random Llama, the real offline SmolLM2, and an independent float64 oracle of OScaR."""
 
 import math
+import os
 
-import pytest
 import torch
-from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer
+# Without a GPU the Triton kernels run in Triton's interpreter. Triton reads this when it is first imported (which
+# importing oscar_hf/transformers can do), so it is set before anything below imports it.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+from oscar_hf import OscarCache, OscarConfig, OscarLayer  # noqa: E402
 
 
 @pytest.fixture(autouse=True)

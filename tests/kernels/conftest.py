@@ -1,22 +1,8 @@
-"""Kernel tests run on CUDA when there is a GPU, and on CPU tensors through Triton's interpreter otherwise.
-
-Triton decides between compiling and interpreting when `@triton.jit` decorates a kernel (it reads TRITON_INTERPRET
-then), so the variable is set here before the kernel modules are imported, and modules imported earlier (say by a
-parent conftest) are re-executed so that their kernels are decorated again.
-"""
-
-import importlib
-import os
-import sys
+"""Kernel tests run on CUDA when there is a GPU, and on CPU tensors through Triton's interpreter otherwise
+(tests/conftest.py sets TRITON_INTERPRET=1 before Triton is first imported)."""
 
 import pytest
 import torch
-
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
-    for _name in ("oscar_hf.kernels.quantize_pack", "oscar_hf.kernels.decode_attention", "oscar_hf.kernels"):
-        if _name in sys.modules:
-            importlib.reload(sys.modules[_name])
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -3,7 +3,7 @@ own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, LogitsProcessor, LogitsProcessorList
+from transformers import LlamaConfig, LogitsProcessor, LogitsProcessorList
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
 from oscar_hf.integrations import fused_attention
@@ -12,22 +12,15 @@ FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _tiny_llama(dtype, **overrides):
-    options = dict(
-        vocab_size=101,
-        hidden_size=256,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=1024,
-        pad_token_id=0,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    options.update(overrides)
-    return LlamaForCausalLM(LlamaConfig(**options)).to(device=DEVICE, dtype=dtype).eval()
+@pytest.fixture
+def model_on_device(tiny_llama):
+    """The shared tiny Llama, at head_dim 64 (a fused-kernel shape), on the GPU when there is one."""
+
+    def make(dtype, **overrides):
+        shape = dict(vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, max_position_embeddings=1024)
+        return tiny_llama(dtype, **{**shape, **overrides}).to(DEVICE)
+
+    return make
 
 
 class _ForceTokens(LogitsProcessor):
@@ -79,8 +72,8 @@ def _assert_fused_matches_portable(model, ids, mask, new_tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.bfloat16])
-def test_fused_decode_matches_portable_in_generate(dtype, monkeypatch):
-    model = _tiny_llama(dtype)
+def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monkeypatch):
+    model = model_on_device(dtype)
     ids = torch.randint(3, 101, (2, 150), device=DEVICE)
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0  # left padding on row 1
@@ -91,8 +84,8 @@ def test_fused_decode_matches_portable_in_generate(dtype, monkeypatch):
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
 
 
-def test_fused_decode_across_a_flush_matches_portable():
-    model = _tiny_llama(torch.bfloat16, num_hidden_layers=1)
+def test_fused_decode_across_a_flush_matches_portable(model_on_device):
+    model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), new_tokens=10)  # flush at 257
     assert cache.layers[0].quantized_length == 256
