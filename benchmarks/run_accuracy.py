@@ -98,32 +98,51 @@ def context_tokens(task: str, tokenizer, limit: int) -> int:
     return round(statistics.mean(len(tokenizer(r.get("context", r.get("text"))).input_ids) for r in rows))
 
 
+_CAPTURED_QUERIES: dict[int, torch.Tensor] = {}
+
+
+def _capture_queries(module, query, key, value, attention_mask, **kwargs):
+    """sdpa, recording each layer's last 64 (post-RoPE) queries for `kv_stats`."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    _CAPTURED_QUERIES[module.layer_idx] = query[..., -64:, :].float()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 @torch.no_grad()
 def kv_stats(model, tokenizer, text: str) -> dict:
     """What the cache has to quantize, from one exact prefill of (up to) 1024 tokens of `text`, over the full-attention
-    layers (median over layers):
+    layers:
     - key_norms: Token Norm Imbalance, n_t = ||k_t|| over all KV heads (OScaR's scale): max/median, min/median, and
-      the first (attention-sink) token's n_t / median;
-    - key_channel_offset: the largest |mean over tokens| of a key channel / the median channel's std over tokens
-      (large for a constant per-channel offset, e.g. Qwen2's k_proj bias);
-    - relative_error: ||x^ - x|| / ||x|| after quantize + dequantize (oscar_hf.reference, the cache's own math) for
-      each OScaR-family method, for keys, values, the first token's key alone, and "keys_centered": keys and error
-      minus their mean over tokens (per head and channel), the part of the key error that moves attention (a
-      constant key offset adds the same q.c to every logit of a query, which the softmax ignores)."""
-    from transformers import DynamicCache
+      the first (attention-sink) token's n_t / median (median over layers);
+    - key_channel_offset: per layer, the largest |mean over tokens| of a key channel / the median channel's std over
+      tokens (a constant per-channel offset, e.g. Qwen2's k_proj bias); median and max over layers;
+    - relative_error: after quantize + dequantize (oscar_hf.reference, the cache's own math) for each OScaR-family
+      method: ||x^ - x|| / ||x|| for keys, values and the first token's key (median over layers), and "logits": the
+      error of the attention logits q.k of the last 64 queries over the quantized keys, centered per query (a constant
+      shift does not move the softmax), relative to the spread of the logits; median and max over layers.
+    """
+    from transformers import AttentionInterface, DynamicCache
     from transformers.cache_utils import DynamicLayer
 
     from oscar_hf.reference import dequantize_kv, quantize_kv
 
-    cache = DynamicCache(config=model.config)
-    model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], past_key_values=cache, logits_to_keep=1)
-    layers = [layer for layer in cache.layers if type(layer) is DynamicLayer]
+    AttentionInterface.register("capture_queries", _capture_queries)
+    original = model.config._attn_implementation
+    model.set_attn_implementation("capture_queries")
+    try:
+        cache = DynamicCache(config=model.config)
+        model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], past_key_values=cache, logits_to_keep=1)
+    finally:
+        model.set_attn_implementation(original)
     group = OscarConfig().group_size
     norms = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
     offsets = []
     configs = {m: OscarConfig(**options) for m, (impl, options) in METHODS.items() if impl == "oscar"}
-    errors = {m: {"keys": [], "keys_centered": [], "values": [], "first_token_keys": []} for m in configs}
-    for layer in layers:
+    errors = {m: {"keys": [], "values": [], "first_token_keys": [], "logits": []} for m in configs}
+    for idx, layer in enumerate(cache.layers):
+        if type(layer) is not DynamicLayer:
+            continue
         n = layer.keys.shape[-2] // group * group
         keys, values = layer.keys[..., :n, :].float(), layer.values[..., :n, :].float()
         n_t = keys.square().sum(dim=(1, 3)).sqrt()[0]
@@ -131,25 +150,29 @@ def kv_stats(model, tokenizer, text: str) -> dict:
         norms["min_over_median"].append(float(n_t.min() / n_t.median()))
         norms["first_over_median"].append(float(n_t[0] / n_t.median()))
         offsets.append(float(keys.mean(dim=2).abs().max() / keys.std(dim=2).median()))
-        centered = keys - keys.mean(dim=2, keepdim=True)
+        queries = _CAPTURED_QUERIES[idx]
+        expand = queries.shape[1] // keys.shape[1]  # GQA: each KV head serves `expand` query heads
+        logits = queries @ keys.repeat_interleave(expand, dim=1).transpose(-1, -2)
+        spread = (logits - logits.mean(-1, keepdim=True)).std()
         for method, config in configs.items():
             k, v = dequantize_kv(quantize_kv(keys, values, config), config)
             errors[method]["keys"].append(float((k - keys).norm() / keys.norm()))
-            error = k - keys
-            errors[method]["keys_centered"].append(
-                float((error - error.mean(dim=2, keepdim=True)).norm() / centered.norm())
-            )
             errors[method]["values"].append(float((v - values).norm() / values.norm()))
             first = keys[..., :1, :]
             errors[method]["first_token_keys"].append(float((k[..., :1, :] - first).norm() / first.norm()))
+            error = queries @ (k - keys).repeat_interleave(expand, dim=1).transpose(-1, -2)
+            errors[method]["logits"].append(float((error - error.mean(-1, keepdim=True)).std() / spread))
 
-    def median(d):
-        return {k: round(statistics.median(v), 4) for k, v in d.items()}
+    def summary(values: list[float]) -> float:
+        return round(statistics.median(values), 3)
 
     return {
-        "key_norms": median(norms),
-        "key_channel_offset": round(statistics.median(offsets), 2),
-        "relative_error": {m: median(e) for m, e in errors.items()},
+        "key_norms": {k: summary(v) for k, v in norms.items()},
+        "key_channel_offset": {"median": summary(offsets), "max": round(max(offsets), 1)},
+        "relative_error": {
+            m: {k: summary(v) for k, v in e.items()} | {"logits_max": round(max(e["logits"]), 3)}
+            for m, e in errors.items()
+        },
     }
 
 
@@ -352,15 +375,18 @@ def markdown_table(model_name: str) -> str:
         lines.append("| " + " | ".join(f"{v['acc']:.1f} / {v['answer_loglik']:.2f}" for v in variants.values()) + " |")
     if "kv_stats" in results:
         stats = results["kv_stats"]
-        errors = ", ".join(
-            f"{m} K {e['keys']:.3f} K-centered {e.get('keys_centered', float('nan')):.3f} V {e['values']:.3f} "
-            f"sink-K {e['first_token_keys']:.3f}"
+        rows = [
+            f"| {m} | {e['logits']:.3f} (max {e['logits_max']:.3f}) | {e['keys']:.3f} | {e['first_token_keys']:.3f} | "
+            f"{e['values']:.3f} |"
             for m, e in stats["relative_error"].items()
-        )
+        ]
         lines += [
             "",
-            f"Key token norms: {stats['key_norms']}; key channel offset: {stats.get('key_channel_offset')}. "
-            f"Relative round-trip error: {errors}.",
+            f"Keys: token norms {stats['key_norms']}; channel offset / std {stats['key_channel_offset']}.",
+            "",
+            "| round trip | attention-logit error | key error | sink-token key error | value error |",
+            "|---|---|---|---|---|",
+            *rows,
         ]
     return "\n".join(lines)
 
