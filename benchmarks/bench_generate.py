@@ -42,6 +42,8 @@ def run(model, cache, batch: int, context: int, steps: int, chunk: int) -> dict:
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
+    if isinstance(cache, OscarCache):
+        cache.reserve(context + steps)  # as generate() does with its max length
     with torch.inference_mode():
         for start in tqdm(range(0, context, chunk), desc="prefill", leave=False):
             out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
