@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import statistics
 import subprocess
 from pathlib import Path
@@ -97,7 +98,9 @@ def main() -> None:
             entry["speedup_vs_bf16"] = baseline / entry["decode_step_ms_median"]
 
     gpu = torch.cuda.get_device_name()
+    # The GPU machine gets a copy of the tree without .git: OSCAR_GIT_COMMIT names the commit there.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = commit or os.environ.get("OSCAR_GIT_COMMIT")
     record = {
         "benchmark": "decode step, Llama-3.1-8B shape, random bf16 weights",
         "device": gpu,
