@@ -31,7 +31,7 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .config import OscarConfig
 from .integrations import fused_attention
-from .reference import QuantizedKV, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
+from .reference import QuantizedKV, check_finite, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
@@ -187,8 +187,11 @@ class OscarLayer(CacheLayerMixin):
         if self.use_kernels:
             from .kernels import quantize_kv_triton
 
-            return quantize_kv_triton(keys, values, self.config)
-        return quantize_kv(keys, values, self.config)
+            block = quantize_kv_triton(keys, values, self.config)
+        else:
+            block = quantize_kv(keys, values, self.config)
+        check_finite(block, self.config)
+        return block
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by

@@ -91,11 +91,6 @@ def quantize_groups(
     g = g.unflatten(-1, (g.shape[-1] // group_size, group_size))
     mn = g.amin(-1, keepdim=True).to(scale_dtype).to(compute_dtype)
     scale = ((g.amax(-1, keepdim=True) - mn) / levels).to(scale_dtype).to(compute_dtype)
-    if not (torch.isfinite(scale).all() and torch.isfinite(mn).all()):
-        raise ValueError(
-            f"OscarCache: a quantization scale or minimum is not finite in {scale_dtype} (the K/V values are too "
-            "large, or NaN/inf). Use scale_dtype='float32', or check the model's activations."
-        )
     codes = torch.where(scale > 0, (g - mn) / scale, 0.0).round_().clamp_(0, levels).to(torch.uint8)
     codes = codes.flatten(-2).movedim(-1, dim)
     scale, mn = (t.squeeze(-1).movedim(-1, dim).to(scale_dtype) for t in (scale, mn))
@@ -163,6 +158,17 @@ def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -
         value_scale,
         value_min,
     )
+
+
+def check_finite(qkv: QuantizedKV, config: OscarConfig) -> None:
+    """Refuse a block whose scales/mins overflowed their dtype (or whose K/V held NaN/inf): it would decode to
+    inf/NaN silently."""
+    params = (qkv.key_scale, qkv.key_min, qkv.value_scale, qkv.value_min)
+    if not all(torch.isfinite(p).all() for p in params):  # one host sync per quantized block
+        raise ValueError(
+            f"OscarCache: a quantization scale or minimum is not finite in {config.scale_dtype} (the K/V values are "
+            "too large for it, or NaN/inf). Use scale_dtype='float32', or check the model's activations."
+        )
 
 
 def dequantize_kv(

@@ -58,10 +58,15 @@ def test_unsupported_value_head_dim_is_refused_at_first_update():
         cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 40), 0)
 
 
-def test_values_too_large_for_fp16_scales_are_refused():
-    config = LlamaConfig(num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=32, hidden_size=64)
-    cache = OscarCache(config, OscarConfig(rotation=False, token_scaling=False))
-    huge = torch.randn(1, 1, 129, 32) * 1e6
+@pytest.mark.parametrize("attention", ["portable", "fused"])
+def test_values_too_large_for_fp16_scales_are_refused(attention):
+    """Both quantizers (PyTorch, and the Triton kernel: on CPU through its interpreter) go through the same check."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
+    )
+    config._attn_implementation = "sdpa"
+    options = dict(rotation=False, token_scaling=False, attention=attention)
+    huge = torch.randn(1, 1, 129, 64) * 1e6
     with pytest.raises(ValueError, match="scale_dtype='float32'"):
-        cache.update(huge, huge, 0)
-    OscarCache(config, OscarConfig(rotation=False, token_scaling=False, scale_dtype="float32")).update(huge, huge, 0)
+        OscarCache(config, OscarConfig(**options)).update(huge, huge, 0)
+    OscarCache(config, OscarConfig(scale_dtype="float32", **options)).update(huge, huge, 0)
