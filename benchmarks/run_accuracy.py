@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import platform
 import statistics
 import subprocess
@@ -307,9 +308,15 @@ def plot(model_names: list[str]) -> Path:
             elif task in main_tasks[name] and "acc" in entry:
                 acc.setdefault(method, []).append(entry["acc"])
         xs = [j + i * width for j in range(len(ALL_METHODS))]
-        ax_acc.bar(xs, [statistics.mean(acc[m]) if m in acc else 0 for m in ALL_METHODS], width, label=name)
+        # A method not run for a model gets no bar (NaN); a measured zero accuracy gets a "0" so it is not missed.
+        heights = [statistics.mean(acc[m]) if m in acc else math.nan for m in ALL_METHODS]
+        bars = ax_acc.bar(xs, heights, width, label=name)
+        for x, h in zip(xs, heights, strict=True):
+            if h == 0:
+                ax_acc.text(x, 0.005, "0", ha="center", va="bottom", fontsize=7, color=bars.patches[0].get_facecolor())
         base = ppl.get("bf16")
-        ax_ppl.bar(xs, [100 * (ppl[m] / base - 1) if base and m in ppl else 0 for m in ALL_METHODS], width, label=name)
+        changes = [100 * (ppl[m] / base - 1) if base and m in ppl else math.nan for m in ALL_METHODS]
+        ax_ppl.bar(xs, changes, width, label=name)
     for ax, title in (
         (ax_acc, "(a) retrieval accuracy, mean of the model's tasks"),
         (ax_ppl, "(b) word perplexity vs bf16 (%), through the cache"),
@@ -318,7 +325,8 @@ def plot(model_names: list[str]) -> Path:
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3)
     ax_ppl.set_yscale("symlog", linthresh=10)
-    ax_acc.legend(fontsize=8)
+    ax_ppl.set_ylim(bottom=-10)
+    ax_acc.legend(fontsize=8, loc="upper right")
     if SWEEP_MODEL in model_names:
         entries = load_results(SWEEP_MODEL)["entries"]
         for method in SWEEP_METHODS:
@@ -341,31 +349,38 @@ def plot(model_names: list[str]) -> Path:
 
 
 def markdown_table(model_name: str) -> str:
-    """The model's results as markdown: retrieval cells are "acc / answer perplexity", perplexity cells word ppl
-    (+ change vs bf16); then the key/value decomposition and the K/V statistics when recorded."""
+    """The model's results as markdown, one table per set of tasks run with the same methods: retrieval cells are
+    "acc / answer perplexity", perplexity cells word ppl (+ change vs bf16); then the key/value decomposition and the
+    K/V statistics when recorded."""
     results = load_results(model_name)
     entries = results["entries"]
-    tasks = sorted({k.split("|")[1] for k in entries}, key=lambda t: ("_ppl_" in t, int(t.rsplit("_", 1)[1][:-1]), t))
-    methods = [m for m in ALL_METHODS if any(k.startswith(f"{m}|") for k in entries)]
-    lines = [
-        "| method | " + " | ".join(t.removeprefix("oscar_") for t in tasks) + " |",
-        "|---" * (len(tasks) + 1) + "|",
-    ]
-    for m in methods:
-        cells = []
-        for t in tasks:
-            e, base = entries.get(f"{m}|{t}"), entries.get(f"bf16|{t}")
-            if e is None:
-                cells.append("")
-            elif "_ppl_" in t:
-                change = f" ({100 * (e['word_perplexity'] / base['word_perplexity'] - 1):+.1f}%)" if base else ""
-                cells.append(f"{e['word_perplexity']:.2f}{change}")
-            else:
-                cells.append(f"{e['acc']:.1f} / {e['perplexity']:.3g}")
-        lines.append(f"| {m} | " + " | ".join(cells) + " |")
+    order = {"passkey": 0, "niah": 1, "multikey": 2}
+    tasks = sorted(
+        {k.split("|")[1] for k in entries},
+        key=lambda t: ("_ppl_" in t, int(t.rsplit("_", 1)[1][:-1]), order.get(t.split("_")[1], 3)),
+    )
+    groups: dict[tuple[str, ...], list[str]] = {}
+    for t in tasks:
+        groups.setdefault(tuple(m for m in ALL_METHODS if f"{m}|{t}" in entries), []).append(t)
+    lines = []
+    for methods, group in sorted(groups.items(), key=lambda item: -len(item[0])):  # the main run first
+        lines += ["| method | " + " | ".join(t.removeprefix("oscar_") for t in group) + " |"]
+        lines += ["|---" * (len(group) + 1) + "|"]
+        for m in methods:
+            cells = []
+            for t in group:
+                e, base = entries[f"{m}|{t}"], entries.get(f"bf16|{t}")
+                if "_ppl_" in t:
+                    change = f" ({100 * (e['word_perplexity'] / base['word_perplexity'] - 1):+.1f}%)" if base else ""
+                    cells.append(f"{e['word_perplexity']:.2f}{change}")
+                else:
+                    cells.append(f"{e['acc']:.1f} / {e['perplexity']:.3g}")
+            lines.append(f"| {m} | " + " | ".join(cells) + " |")
+        lines.append("")
     sizes = sorted({(k.split("|")[1], e["n"], e["context_tokens"]) for k, e in entries.items()})
-    lines += ["", "n / mean tokens: " + ", ".join(f"{t.removeprefix('oscar_')} {n} / {c}" for t, n, c in sizes)]
+    lines += ["n / mean tokens: " + ", ".join(f"{t.removeprefix('oscar_')} {n} / {c}" for t, n, c in sizes)]
     for task, variants in results.get("kv_decomposition", {}).items():
+        variants = {"none": variants["none"]} | {k: v for k, v in variants.items() if k != "none"}  # exact first
         lines += [
             "",
             f"Key/value decomposition on {task.removeprefix('oscar_')} (acc / mean answer log-likelihood):",
