@@ -34,7 +34,6 @@ import torch
 import torch.nn.functional as F
 from lm_eval.api.registry import register_model
 from lm_eval.models.huggingface import HFLM
-from lm_eval.models.utils_hf import get_dtype
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
@@ -107,8 +106,9 @@ class OscarHFLM(HFLM):
         if method not in METHODS:
             raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
         if isinstance(pretrained, str) and pretrained in MODELS:
-            dtype = kwargs.pop("dtype", "auto")
-            pretrained, tokenizer = load_model(pretrained, dtype=get_dtype(dtype) if dtype != "auto" else torch.float32)
+            dtype = kwargs.pop("dtype", "auto")  # HFLM's argument: "auto", a name ("bfloat16") or a torch.dtype
+            dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype) if isinstance(dtype, str) else dtype
+            pretrained, tokenizer = load_model(pretrained, dtype=dtype)
             kwargs.setdefault("tokenizer", tokenizer)
         super().__init__(pretrained=pretrained, **kwargs)
         self.method = method
