@@ -21,9 +21,10 @@ def _seed():
     torch.manual_seed(0)
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def tiny_llama():
-    """Factory for a tiny random Llama (GQA 2:1, head_dim 32) for plumbing tests."""
+    """Factory for a tiny random Llama (GQA 2:1, head_dim 32) for plumbing tests; keyword arguments override the
+    config (e.g. vocab_size)."""
 
     def make(dtype=torch.float32, **overrides) -> LlamaForCausalLM:
         options = dict(

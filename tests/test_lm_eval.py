@@ -12,7 +12,7 @@ import pytest
 import torch
 from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
-from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
+from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
@@ -25,21 +25,6 @@ WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "a", "lazy", "dog", "s
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(model_path("smollm2-135m"))
-
-
-def tiny_llama(vocab_size: int) -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=vocab_size,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=4096,
-    )
-    return LlamaForCausalLM(config).eval()
 
 
 def tiny_gemma3(vocab_size: int) -> Gemma3ForCausalLM:
@@ -61,8 +46,13 @@ def tiny_gemma3(vocab_size: int) -> Gemma3ForCausalLM:
 
 
 @pytest.fixture(scope="module")
-def model(tokenizer):
-    return tiny_llama(len(tokenizer))
+def model(tokenizer, tiny_llama):
+    return llama(tiny_llama, tokenizer)
+
+
+def llama(tiny_llama, tokenizer) -> LlamaForCausalLM:
+    torch.manual_seed(0)
+    return tiny_llama(vocab_size=len(tokenizer), max_position_embeddings=4096)
 
 
 def text(n_words: int, seed: int) -> str:
@@ -113,10 +103,10 @@ def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     assert math.isfinite(rolled) and rolled != pytest.approx(rolled_base, abs=1e-4)
 
 
-@pytest.mark.parametrize("build", [tiny_llama, tiny_gemma3], ids=["llama", "gemma3-hybrid"])
-def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, build):
+@pytest.mark.parametrize("arch", ["llama", "gemma3-hybrid"])
+def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, tiny_llama, arch):
     """The wrapper fills each method's cache from one exact prefill: that must equal prefilling the cache itself."""
-    model = build(len(tokenizer))
+    model = llama(tiny_llama, tokenizer) if arch == "llama" else tiny_gemma3(len(tokenizer))
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2")
     context = tokenizer(PAIRS[0][0]).input_ids
     continuation = tokenizer(PAIRS[0][1]).input_ids
