@@ -53,7 +53,9 @@ def _fused_sdpa(original, module, query, key, value, attention_mask, dropout=0.0
 
 
 def install() -> None:
-    """Wrap transformers' `sdpa` attention entry (idempotent)."""
+    """Wrap transformers' `sdpa` attention entry (idempotent). Called as a new cache starts using the kernels, so it
+    also forgets a step left pending by a forward that raised between `update` and attention."""
+    _local.pending = None
     original = AttentionInterface._global_mapping["sdpa"]
     if hasattr(original, _WRAPPED_MARK):
         return

@@ -103,4 +103,9 @@ def test_unconsumed_fused_step_is_an_error():
     cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)  # a fused decode step whose attention never runs
     with pytest.raises(RuntimeError, match="did not run through the fused sdpa path"):
         cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
-    fused_attention.uninstall()  # clear the stale step for the other tests
+    # A new cache starts clean: the aborted step of the old one does not fail it.
+    fresh = OscarCache(config, OscarConfig(attention=FUSED))
+    fresh.update(kv[0], kv[1], 0)
+    fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
+    assert fused_attention._local.pending[1] is fresh.layers[0]
+    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
