@@ -5,13 +5,25 @@ Launchers only, imported lazily so that `import oscar_hf.kernels` works where Tr
 - `quantize_kv_triton(keys, values, config) -> QuantizedKV` (kernels/quantize_pack.py)
 - `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`
   (kernels/decode_attention.py)
+
+and the decode kernel's limits, which callers check before choosing it (importing them needs no Triton).
 """
 
 from __future__ import annotations
 
 import importlib
 
-__all__ = ["decode_attention_triton", "quantize_kv_triton"]
+__all__ = [
+    "DECODE_HEAD_DIMS",
+    "DECODE_MAX_QUERY_ROWS",
+    "DECODE_MAX_QUERY_TOKENS",
+    "decode_attention_triton",
+    "quantize_kv_triton",
+]
+
+DECODE_HEAD_DIMS = (64, 128, 256)  # head dims the decode kernel is compiled for
+DECODE_MAX_QUERY_TOKENS = 16  # query tokens per call (speculative decoding) ...
+DECODE_MAX_QUERY_ROWS = 64  # ... and query rows per KV head, (Hq / Hkv) * Tq
 
 _HOMES = {"quantize_kv_triton": ".quantize_pack", "decode_attention_triton": ".decode_attention"}
 

@@ -46,12 +46,11 @@ import triton.language as tl
 from oscar_hf.config import OscarConfig
 from oscar_hf.reference import QuantizedKV, dequantize_kv
 
+from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .quantize_pack import _add, _fwht_rows, _maximum
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
-_MAX_TQ = 16  # query tokens per call (speculative decoding) ...
-_MAX_ROWS = 64  # ... and query rows per KV head, (Hq / Hkv) * Tq
 # Triton's CPU interpreter (3.9) multiplies raw bf16 bit patterns in tl.dot: upcast dot operands there.
 _UPCAST_DOTS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -576,7 +575,7 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
             f"decode_attention_triton: tensors must be on a CUDA device, got {query.device}; use "
             "decode_attention_reference (or the portable path) elsewhere."
         )
-    if head_dim not in (64, 128, 256) or head_dim % config.group_size:
+    if head_dim not in DECODE_HEAD_DIMS or head_dim % config.group_size:
         raise ValueError(
             f"decode_attention_triton: head_dim={head_dim} is not supported (64, 128 or 256, a multiple of "
             f"group_size={config.group_size}); use the portable attention path for this model."
@@ -597,10 +596,10 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
             f"decode_attention_triton: residual K/V dtype ({residual_keys.dtype}, {residual_values.dtype}) must be "
             f"the query dtype {query.dtype}."
         )
-    if not 1 <= q_len <= min(residual, _MAX_TQ) or q_heads // kv_heads * q_len > _MAX_ROWS:
+    if not 1 <= q_len <= min(residual, DECODE_MAX_QUERY_TOKENS) or q_heads // kv_heads * q_len > DECODE_MAX_QUERY_ROWS:
         raise ValueError(
-            f"decode_attention_triton: Tq={q_len} must be in 1..min(R={residual}, {_MAX_TQ}) (the queries are the "
-            f"last residual tokens) with (Hq / Hkv) * Tq <= {_MAX_ROWS}."
+            f"decode_attention_triton: Tq={q_len} must be in 1..min(R={residual}, {DECODE_MAX_QUERY_TOKENS}) (the "
+            f"queries are the last residual tokens) with (Hq / Hkv) * Tq <= {DECODE_MAX_QUERY_ROWS}."
         )
     num_quantized = 0
     if quantized is not None:

@@ -31,13 +31,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 
 from .config import OscarConfig
 from .integrations import fused_attention
+from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .reference import QuantizedKV, check_finite, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
-# The fused decode kernel's limits: head dims it is compiled for, and query tokens per step (speculative decoding).
-_FUSED_HEAD_DIMS = (64, 128, 256)
-_FUSED_MAX_QUERY_TOKENS = 16
 
 
 def _tokens_per_row(config: OscarConfig) -> QuantizedKV:
@@ -52,8 +50,10 @@ class OscarLayer(CacheLayerMixin):
     is_sliding = False
     is_croppable = True
     # Set by `OscarCache` at the first update when the Triton path applies (CUDA, sdpa model, supported shapes):
-    # then blocks are quantized by the Triton kernel and decode steps attend with the fused kernel.
+    # then blocks are quantized by the Triton kernel, and steps of up to `fused_query_tokens` tokens attend with
+    # the fused kernel (its limit on query rows per KV head divided by the model's GQA group).
     use_kernels = False
+    fused_query_tokens = 0
 
     def __init__(self, config: OscarConfig):
         super().__init__()
@@ -92,7 +92,7 @@ class OscarLayer(CacheLayerMixin):
         new = key_states.shape[-2]
         if (
             self.use_kernels
-            and new <= _FUSED_MAX_QUERY_TOKENS
+            and new <= self.fused_query_tokens
             and self.residual_length + new <= self.config.residual_length
         ):
             # Fused decode: the kernel reads the storage itself (integrations/fused_attention.py), so only the new
@@ -385,6 +385,8 @@ class OscarCache(DynamicCache):
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer) and not layer.is_initialized:
             layer.use_kernels = self._kernels_apply(key_states, value_states)
+            group = getattr(self._text_config, "num_attention_heads", key_states.shape[1]) // key_states.shape[1]
+            layer.fused_query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _kernels_apply(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
@@ -405,8 +407,8 @@ class OscarCache(DynamicCache):
                     f"K/V are on {key_states.device} (CUDA needed; CPU only under TRITON_INTERPRET=1)",
                 ),
                 (
-                    not key_states.shape[-1] == value_states.shape[-1] in _FUSED_HEAD_DIMS,
-                    f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {_FUSED_HEAD_DIMS}",
+                    not key_states.shape[-1] == value_states.shape[-1] in DECODE_HEAD_DIMS,
+                    f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
                 (importlib.util.find_spec("triton") is None, "triton is not installed"),
             )

@@ -109,3 +109,21 @@ def test_unconsumed_fused_step_is_an_error():
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
     assert fused_attention._local.pending[1] is fresh.layers[0]
     fused_attention.uninstall()  # restore transformers' sdpa for the other tests
+
+
+def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
+    """The kernel takes (Hq / Hkv) * Tq <= 64 query rows: with GQA 8 (Llama-3.1-8B), 8 tokens per step at most.
+    A longer step (e.g. prompt-lookup candidates) must attend over the dense history instead of failing."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=64, hidden_size=1024
+    )
+    config._attn_implementation = "sdpa"
+    cache = OscarCache(config, OscarConfig(attention=FUSED))
+    kv = torch.randn(2, 1, 2, 160, 64, device=DEVICE, dtype=torch.bfloat16)
+    cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
+    assert cache.layers[0].fused_query_tokens == 8
+    keys, _ = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: portable
+    assert keys.shape[2] == 149 and getattr(fused_attention._local, "pending", None) is None
+    keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused, only the new ones back
+    assert keys.shape[2] == 8 and fused_attention._local.pending[1] is cache.layers[0]
+    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
