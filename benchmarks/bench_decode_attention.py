@@ -40,10 +40,11 @@ import torch.nn.functional as F
 import transformers
 import triton
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
-from oscar_hf.kernels.decode_attention import _decode_attention, _default_tuning, decode_attention_reference
+from oscar_hf.kernels.decode_attention import _decode_attention, _default_tuning
 from triton.testing import do_bench, do_bench_cudagraph
 
 from oscar_hf.config import OscarConfig
+from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_kv
 
 Q_HEADS, KV_HEADS, HEAD_DIM, RESIDUAL = 32, 8, 128, 64

@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.reference import QuantizedKV, dequantize_kv
+from oscar_hf.layout import QuantizedKV, StorageLayout
 
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .quantize_pack import _add, _fwht_rows, _maximum
@@ -563,6 +563,12 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
     return max(1, min(math.ceil(per_sm * sms / batch_heads), num_blocks // min_blocks))
 
 
+def _strides(prefix: str, tensor: torch.Tensor, axes: str) -> dict[str, int]:
+    """`tensor`'s strides as the split kernel's keyword arguments `stride_<prefix><axis>`, one letter per dim
+    (`_` skips a dim the kernel never steps along)."""
+    return {f"stride_{prefix}{axis}": stride for axis, stride in zip(axes, tensor.stride(), strict=True) if axis != "_"}
+
+
 def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config) -> int:
     """Check shapes/dtypes/devices; return the number of quantized tokens."""
     if query.dim() != 4:
@@ -573,7 +579,7 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
     if query.device.type != "cuda" and not _interpreting():
         raise ValueError(
             f"decode_attention_triton: tensors must be on a CUDA device, got {query.device}; use "
-            "decode_attention_reference (or the portable path) elsewhere."
+            "oscar_hf.reference.decode_attention (or the portable path) elsewhere."
         )
     if head_dim not in DECODE_HEAD_DIMS or head_dim % config.group_size:
         raise ValueError(
@@ -603,31 +609,9 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
         )
     num_quantized = 0
     if quantized is not None:
-        per_word, group = config.codes_per_word, config.group_size
-        num_quantized = quantized.value_scale.shape[2]
-        expected = {
-            "key_codes": (batch, kv_heads, num_quantized // per_word, head_dim),
-            "key_scale": (batch, kv_heads, num_quantized // group, head_dim),
-            "key_min": (batch, kv_heads, num_quantized // group, head_dim),
-            "key_norms": (batch, 1, num_quantized) if config.token_scaling else None,
-            "value_codes": (batch, kv_heads, num_quantized // per_word, head_dim),
-            "value_scale": (batch, kv_heads, num_quantized, head_dim // group),
-            "value_min": (batch, kv_heads, num_quantized, head_dim // group),
-        }
-        for name, shape in expected.items():
-            tensor = getattr(quantized, name)
-            got = None if tensor is None else tuple(tensor.shape)
-            if got != shape:
-                raise ValueError(f"decode_attention_triton: quantized.{name} has shape {got}, expected {shape}.")
-            if tensor is not None and tensor.device != query.device:
-                raise ValueError(
-                    f"decode_attention_triton: quantized.{name} is on {tensor.device}, not {query.device}."
-                )
-        if num_quantized % group:
-            raise ValueError(f"decode_attention_triton: {num_quantized} quantized tokens is not a multiple of {group}.")
-        for name in ("key_scale", "key_min", "value_scale", "value_min"):
-            if getattr(quantized, name).dtype != config.scale_torch_dtype:
-                raise ValueError(f"decode_attention_triton: quantized.{name} must be {config.scale_torch_dtype}.")
+        num_quantized = StorageLayout.of(config).check(
+            quantized, batch, kv_heads, head_dim, query.device, "decode_attention_triton"
+        )
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, num_quantized + residual)
     ):
@@ -683,51 +667,43 @@ def _decode_attention(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_o = torch.empty((batch * kv_heads, num_splits + 1, rows, head_dim), dtype=torch.float32, device=device)
     part_ml = torch.empty((batch * kv_heads, num_splits + 1, rows, 2), dtype=torch.float32, device=device)
-    if quantized is None:  # nothing to read: empty tensors of the right dtypes, never dereferenced
-        int32, sdt = (
-            torch.empty(0, dtype=torch.int32, device=device),
-            torch.empty(0, dtype=config.scale_torch_dtype, device=device),
-        )
-        quantized = QuantizedKV(int32, sdt, sdt, None, int32, sdt, sdt)
-    strides = [t.stride() if t is not None and t.dim() == 4 else (0, 0, 0, 0) for t in quantized]
-    key_norms = quantized.key_norms if quantized.key_norms is not None else quantized.key_scale
-    kn_strides = quantized.key_norms.stride() if quantized.key_norms is not None else (0, 0, 0)
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else residual_keys
-    mask_strides = key_padding_mask.stride() if key_padding_mask is not None else (0, 0)
+    if quantized is None:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
+        quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
+    key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else torch.empty(0, 0, device=device)
 
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _split_kernel[(batch * kv_heads, num_splits + 1)](
-            query,
-            quantized.key_codes,
-            quantized.key_scale,
-            quantized.key_min,
-            key_norms,
-            quantized.value_codes,
-            quantized.value_scale,
-            quantized.value_min,
-            residual_keys,
-            residual_values,
-            mask,
-            part_o,
-            part_ml,
-            kv_heads,
-            num_quantized,
-            residual,
-            blocks_per_split,
-            num_splits,
-            scaling * _LOG2E,
-            *query.stride(),
-            *strides[0],
-            *strides[1],
-            *strides[2],
-            kn_strides[0],
-            kn_strides[-1],
-            *strides[4],
-            *strides[5],
-            *strides[6],
-            *residual_keys.stride(),
-            *residual_values.stride(),
-            *mask_strides,
+            q_ptr=query,
+            kc_ptr=quantized.key_codes,
+            ks_ptr=quantized.key_scale,
+            km_ptr=quantized.key_min,
+            kn_ptr=key_norms,
+            vc_ptr=quantized.value_codes,
+            vs_ptr=quantized.value_scale,
+            vm_ptr=quantized.value_min,
+            rk_ptr=residual_keys,
+            rv_ptr=residual_values,
+            mask_ptr=mask,
+            part_o_ptr=part_o,
+            part_ml_ptr=part_ml,
+            num_kv_heads=kv_heads,
+            num_quantized=num_quantized,
+            num_residual=residual,
+            blocks_per_split=blocks_per_split,
+            num_splits=num_splits,
+            qk_scale=scaling * _LOG2E,
+            **_strides("q", query, "bhtd"),
+            **_strides("kc", quantized.key_codes, "bhrd"),
+            **_strides("ks", quantized.key_scale, "bhgd"),
+            **_strides("km", quantized.key_min, "bhgd"),
+            **_strides("kn", key_norms, "b_t"),
+            **_strides("vc", quantized.value_codes, "bhrd"),
+            **_strides("vs", quantized.value_scale, "bhtg"),
+            **_strides("vm", quantized.value_min, "bhtg"),
+            **_strides("rk", residual_keys, "bhtd"),
+            **_strides("rv", residual_values, "bhtd"),
+            **_strides("m", mask, "bt"),
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
@@ -750,7 +726,7 @@ def _decode_attention(
             out,
             kv_heads,
             num_splits + 1,
-            *out.stride(),
+            **_strides("o", out, "bhtd"),
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
@@ -758,37 +734,3 @@ def _decode_attention(
             num_warps=4,
         )
     return out
-
-
-def decode_attention_reference(
-    query: torch.Tensor,
-    quantized: QuantizedKV | None,
-    residual_keys: torch.Tensor,
-    residual_values: torch.Tensor,
-    key_padding_mask: torch.Tensor | None,
-    scaling: float,
-    config: OscarConfig,
-    compute_dtype: torch.dtype = torch.float32,
-    out_dtype: torch.dtype | None = None,
-) -> torch.Tensor:
-    """Same contract as `decode_attention_triton`, by dequantization + plain softmax attention in `compute_dtype`.
-
-    Materialises the whole dequantized cache: the executable definition the fused kernel is tested against.
-    The result is cast to `out_dtype` (default: the query dtype).
-    """
-    q_heads, q_len, kv_heads = query.shape[1], query.shape[2], residual_keys.shape[1]
-    keys, values = residual_keys.to(compute_dtype), residual_values.to(compute_dtype)
-    if quantized is not None and quantized.value_scale.shape[2] > 0:
-        k_q, v_q = dequantize_kv(quantized, config, compute_dtype)
-        keys, values = torch.cat((k_q, keys), dim=2), torch.cat((v_q, values), dim=2)
-    total = keys.shape[2]
-    keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
-    values = values.repeat_interleave(q_heads // kv_heads, dim=1)
-    scores = torch.matmul(query.to(compute_dtype), keys.transpose(-1, -2)) * scaling
-    # query i is kv position total - q_len + i: it sees positions 0 .. total - q_len + i
-    positions = torch.arange(total, device=query.device)
-    allowed = (positions[None, :] <= positions[total - q_len :, None])[None, None]
-    if key_padding_mask is not None:
-        allowed = allowed & key_padding_mask[:, None, None, :].to(query.device)
-    scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.matmul(torch.softmax(scores, dim=-1), values).to(out_dtype or query.dtype)

@@ -4,19 +4,13 @@
 
     inputs   keys, values   [B, Hkv, N, D]   bf16 / fp16 / fp32, any strides; N a multiple of G = group_size,
                                              D a power of two that G divides (64, 128, 256)
-    outputs  (new contiguous tensors; b = bits, W = 32 // b codes per int32 word, sdt = config.scale_torch_dtype)
-    key_codes    int32  [B, Hkv, N // W, D]   codes of u = (k H) / n_t
-    key_scale    sdt    [B, Hkv, N // G, D]   per channel, per group of G consecutive tokens
-    key_min      sdt    [B, Hkv, N // G, D]
-    key_norms    fp32   [B, 1, N]             n_t over all KV heads (None without token scaling)
-    value_codes  int32  [B, Hkv, N // W, D]   codes of v H
-    value_scale  sdt    [B, Hkv, N, D // G]   per token, per group of G consecutive channels
-    value_min    sdt    [B, Hkv, N, D // G]
+    outputs  a new contiguous `QuantizedKV` of N tokens in the layout of `oscar_hf.layout.StorageLayout` (its
+             `_pack_tokens` below writes the bits that `StorageLayout.pack_codes` defines)
 
-Packing: word `[b, h, r, d]` holds the codes of tokens `r * W + j` at bits `[j * b, (j + 1) * b)`. As in the
-reference, scale and min are rounded to sdt before the codes are computed, so the codes are the best ones for
-the stored parameters; divisions and square roots are IEEE-rounded and the Walsh-Hadamard butterflies run in the
-reference's order, so codes differ from the reference only on exact rounding ties of summation order.
+As in the reference, scale and min are rounded to the scale dtype before the codes are computed, so the codes are
+the best ones for the stored parameters; divisions and square roots are IEEE-rounded and the Walsh-Hadamard
+butterflies run in the reference's order, so codes differ from the reference only on exact rounding ties of
+summation order.
 
 One program per (group of G tokens, batch row) loops over the KV heads twice: first the token norms (a norm
 needs every head of the token), then, per head, rotation (fp32 butterflies in registers), scaling, the two kinds
@@ -35,7 +29,8 @@ import triton
 import triton.language as tl
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.reference import QuantizedKV, check_head_dim
+from oscar_hf.layout import QuantizedKV, StorageLayout
+from oscar_hf.reference import check_head_dim
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -233,45 +228,38 @@ def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarCo
     """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel."""
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
-    group, per_word, sdt = config.group_size, config.codes_per_word, config.scale_torch_dtype
-    device = keys.device
-    key_codes = torch.empty((batch, heads, tokens // per_word, head_dim), dtype=torch.int32, device=device)
-    value_codes = torch.empty_like(key_codes)
-    key_scale = torch.empty((batch, heads, tokens // group, head_dim), dtype=sdt, device=device)
-    key_min = torch.empty_like(key_scale)
-    value_scale = torch.empty((batch, heads, tokens, head_dim // group), dtype=sdt, device=device)
-    value_min = torch.empty_like(value_scale)
-    key_norms = torch.empty((batch, 1, tokens), dtype=torch.float32, device=device) if config.token_scaling else None
+    out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
     if tokens == 0 or batch == 0:
-        return QuantizedKV(key_codes, key_scale, key_min, key_norms, value_codes, value_scale, value_min)
+        return out
 
+    device = keys.device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _quantize_pack_kernel[(tokens // group, batch)](
+        _quantize_pack_kernel[(tokens // config.group_size, batch)](
             keys,
             values,
-            key_codes,
-            key_scale,
-            key_min,
-            key_norms if key_norms is not None else key_scale,  # unused pointer without token scaling
-            value_codes,
-            value_scale,
-            value_min,
+            out.key_codes,
+            out.key_scale,
+            out.key_min,
+            out.key_norms if out.key_norms is not None else out.key_scale,  # unused pointer without token scaling
+            out.value_codes,
+            out.value_scale,
+            out.value_min,
             heads,
             *keys.stride(),
             *values.stride(),
-            key_codes.stride(0),
-            key_codes.stride(1),
-            key_scale.stride(0),
-            key_scale.stride(1),
-            value_scale.stride(0),
-            value_scale.stride(1),
+            out.key_codes.stride(0),
+            out.key_codes.stride(1),
+            out.key_scale.stride(0),
+            out.key_scale.stride(1),
+            out.value_scale.stride(0),
+            out.value_scale.stride(1),
             tokens,
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
-            GROUP=group,
+            GROUP=config.group_size,
             BITS=config.bits,
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
             num_warps=4,
         )
-    return QuantizedKV(key_codes, key_scale, key_min, key_norms, value_codes, value_scale, value_min)
+    return out

@@ -32,16 +32,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig
 from .integrations import fused_attention
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
-from .reference import QuantizedKV, check_finite, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
+from .layout import QuantizedKV, StorageLayout
+from .reference import check_finite, check_head_dim, dequantize_kv, quantize_kv
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
-
-
-def _tokens_per_row(config: OscarConfig) -> QuantizedKV:
-    """How many tokens one row (index along dim 2) of each `QuantizedKV` field covers."""
-    w, g = config.codes_per_word, config.group_size
-    return QuantizedKV(key_codes=w, key_scale=g, key_min=g, key_norms=1, value_codes=w, value_scale=1, value_min=1)
 
 
 class OscarLayer(CacheLayerMixin):
@@ -58,7 +53,7 @@ class OscarLayer(CacheLayerMixin):
     def __init__(self, config: OscarConfig):
         super().__init__()
         self.config = config
-        self._rows = _tokens_per_row(config)
+        self.layout = StorageLayout.of(config)
         self.quantized_length = 0
         self.residual_length = 0  # tokens currently in the residual window
         self._storage: QuantizedKV | None = None  # capacity buffers; the first `quantized_length` tokens are valid
@@ -237,34 +232,32 @@ class OscarLayer(CacheLayerMixin):
             self._grow(self._reserved_tokens)
 
     def _stored(self, start: int, end: int) -> QuantizedKV:
-        return QuantizedKV(
-            *(
-                None if buf is None else buf[:, :, start // rows : end // rows]
-                for buf, rows in zip(self._storage, self._rows)
-            )
-        )
+        return self.layout.rows(self._storage, start, end)
 
     def _store(self, block: QuantizedKV) -> None:
         start = self.quantized_length
-        end = start + block.key_scale.shape[2] * self.config.group_size
+        end = start + self.layout.num_tokens(block)
         self._grow(end)
-        for buf, part, rows in zip(self._storage, block, self._rows):
+        for buf, part in zip(self.layout.rows(self._storage, start, end), block):
             if buf is not None:
-                buf[:, :, start // rows : end // rows] = part
+                buf.copy_(part)
         self.quantized_length = end
 
     def _grow(self, tokens: int) -> None:
         """Make room for `tokens` quantized tokens: capacity doubles, so appending is amortized O(block)."""
-        capacity = 0 if self._storage is None else self._storage.key_scale.shape[2] * self.config.group_size
+        capacity = 0 if self._storage is None else self.layout.num_tokens(self._storage)
         if tokens <= capacity:
             return
         window = self.config.residual_length
         capacity = -(-max(tokens, 2 * capacity, self._reserved_tokens) // window) * window
-        new = empty_quantized_kv(self.residual_keys, self.residual_values, capacity, self.config)
+        keys, values = self.residual_keys, self.residual_values
+        (batch, key_heads, _, key_dim), (_, value_heads, _, value_dim) = keys.shape, values.shape
+        new = self.layout.empty(batch, key_heads, key_dim, value_heads, value_dim, capacity, keys.device)
         if self._storage is not None:
-            for buf, old in zip(new, self._storage):
+            old_tokens = self.layout.num_tokens(self._storage)
+            for buf, old in zip(self.layout.rows(new, 0, old_tokens), self._storage):
                 if buf is not None:
-                    buf[:, :, : old.shape[2]] = old
+                    buf.copy_(old)
         self._storage = new
 
     def _apply(self, fn) -> None:

@@ -3,32 +3,16 @@
 Shapes: keys/values `[B, Hkv, N, D]` (batch, KV heads, tokens, head_dim). All math runs in float32 (or float64
 when the input is float64), whatever the model dtype.
 
-Storage contract (`QuantizedKV`), for `L` quantized tokens (a multiple of the group size G), b bits and
-`W = 32 // b` codes per int32 word:
-
-    key_codes    int32        [B, Hkv, L // W, D]   codes of u = (k H) / n_t, packed along the token axis
-    key_scale    scale_dtype  [B, Hkv, L // G, D]   per channel, per group of G consecutive tokens
-    key_min      scale_dtype  [B, Hkv, L // G, D]
-    key_norms    float32      [B, 1, L]             n_t, one per token shared by all KV heads (None if no scaling)
-    value_codes  int32        [B, Hkv, L // W, D]   codes of v H, packed along the token axis
-    value_scale  scale_dtype  [B, Hkv, L, D // G]   per token, per group of G consecutive channels
-    value_min    scale_dtype  [B, Hkv, L, D // G]
-
-Packing: word `[b, h, r, d]` holds the codes of tokens `r * W + j`, j = 0..W-1, at bits `[j * b, (j + 1) * b)`
-(token r*W in the least significant bits). Both K and V are packed along tokens, so one row of D words
-(512 bytes at D=128) is a single coalesced load covering W tokens of a head, and a kernel unpacks a
-`[BLOCK_N // W, D]` tile into `[BLOCK_N, D]` with shifts. The cache may allocate more rows than it uses (it
-grows by doubling); kernels take strides and the length. Dequantization: `x = code * scale + min`; a zero
-range stores scale 0, so every code decodes to the minimum.
+The storage (what `quantize_kv` returns and `dequantize_kv` reads) is `oscar_hf.layout`'s `QuantizedKV`, in the
+layout `StorageLayout` defines.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .config import OscarConfig
+from .layout import QuantizedKV, StorageLayout
 
 
 def rotation_block_size(head_dim: int) -> int:
@@ -106,36 +90,6 @@ def dequantize_groups(
     return codes.to(dtype) * scale + mn
 
 
-def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """`[..., N, D]` uint8 codes -> `[..., N // W, D]` int32 words, packed along the token axis (see module doc)."""
-    per_word = 32 // bits
-    grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // per_word, per_word))
-    words = torch.zeros_like(grouped[..., 0, :])
-    for j in range(per_word):
-        words |= grouped[..., j, :] << (j * bits)  # j * bits reaches the sign bit: int32 wraps, bits stay exact
-    return words
-
-
-def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
-    """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes."""
-    per_word = 32 // bits
-    shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(bits).view(per_word, 1)
-    codes = (words.unsqueeze(-2) >> shifts) & (2**bits - 1)  # arithmetic shift; the mask drops the sign bits
-    return codes.flatten(-3, -2).to(torch.uint8)
-
-
-class QuantizedKV(NamedTuple):
-    """Quantized keys and values of one layer, in the storage contract of the module docstring."""
-
-    key_codes: torch.Tensor
-    key_scale: torch.Tensor
-    key_min: torch.Tensor
-    key_norms: torch.Tensor | None
-    value_codes: torch.Tensor
-    value_scale: torch.Tensor
-    value_min: torch.Tensor
-
-
 def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size)."""
     k = keys.float() if keys.dtype != torch.float64 else keys
@@ -149,12 +103,13 @@ def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -
     value_codes, value_scale, value_min = quantize_groups(
         v, config.bits, config.group_size, -1, config.scale_torch_dtype
     )
+    layout = StorageLayout.of(config)
     return QuantizedKV(
-        pack_codes(key_codes, config.bits),
+        layout.pack_codes(key_codes),
         key_scale,
         key_min,
         norms,
-        pack_codes(value_codes, config.bits),
+        layout.pack_codes(value_codes),
         value_scale,
         value_min,
     )
@@ -175,9 +130,9 @@ def dequantize_kv(
     qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain."""
-    g = config.group_size
-    k = dequantize_groups(unpack_codes(qkv.key_codes, config.bits), qkv.key_scale, qkv.key_min, g, -2, dtype)
-    v = dequantize_groups(unpack_codes(qkv.value_codes, config.bits), qkv.value_scale, qkv.value_min, g, -1, dtype)
+    g, layout = config.group_size, StorageLayout.of(config)
+    k = dequantize_groups(layout.unpack_codes(qkv.key_codes), qkv.key_scale, qkv.key_min, g, -2, dtype)
+    v = dequantize_groups(layout.unpack_codes(qkv.value_codes), qkv.value_scale, qkv.value_min, g, -1, dtype)
     if qkv.key_norms is not None:
         k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
     if config.rotation:
@@ -185,22 +140,36 @@ def dequantize_kv(
     return k, v
 
 
-def empty_quantized_kv(
-    keys_like: torch.Tensor, values_like: torch.Tensor, tokens: int, config: OscarConfig
-) -> QuantizedKV:
-    """Uninitialised storage for `tokens` tokens, shaped after `[B, Hkv, *, D]` keys and values."""
-    (batch, key_heads, _, key_dim), (_, value_heads, _, value_dim) = keys_like.shape, values_like.shape
-    w, g, sd = config.codes_per_word, config.group_size, config.scale_torch_dtype
+def decode_attention(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: OscarConfig,
+    compute_dtype: torch.dtype = torch.float32,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Attention of the newest Tq queries over quantized + residual tokens, by dequantization + plain softmax
+    attention in `compute_dtype`: the contract of the fused `oscar_hf.kernels.decode_attention_triton`.
 
-    def empty(*shape, dtype):
-        return torch.empty(shape, dtype=dtype, device=keys_like.device)
-
-    return QuantizedKV(
-        key_codes=empty(batch, key_heads, tokens // w, key_dim, dtype=torch.int32),
-        key_scale=empty(batch, key_heads, tokens // g, key_dim, dtype=sd),
-        key_min=empty(batch, key_heads, tokens // g, key_dim, dtype=sd),
-        key_norms=empty(batch, 1, tokens, dtype=torch.float32) if config.token_scaling else None,
-        value_codes=empty(batch, value_heads, tokens // w, value_dim, dtype=torch.int32),
-        value_scale=empty(batch, value_heads, tokens, value_dim // g, dtype=sd),
-        value_min=empty(batch, value_heads, tokens, value_dim // g, dtype=sd),
-    )
+    Materialises the whole dequantized cache: the executable definition the fused kernel is tested against.
+    The result is cast to `out_dtype` (default: the query dtype).
+    """
+    q_heads, q_len, kv_heads = query.shape[1], query.shape[2], residual_keys.shape[1]
+    keys, values = residual_keys.to(compute_dtype), residual_values.to(compute_dtype)
+    if quantized is not None and quantized.value_scale.shape[2] > 0:
+        k_q, v_q = dequantize_kv(quantized, config, compute_dtype)
+        keys, values = torch.cat((k_q, keys), dim=2), torch.cat((v_q, values), dim=2)
+    total = keys.shape[2]
+    keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)
+    values = values.repeat_interleave(q_heads // kv_heads, dim=1)
+    scores = torch.matmul(query.to(compute_dtype), keys.transpose(-1, -2)) * scaling
+    # query i is kv position total - q_len + i: it sees positions 0 .. total - q_len + i
+    positions = torch.arange(total, device=query.device)
+    allowed = (positions[None, :] <= positions[total - q_len :, None])[None, None]
+    if key_padding_mask is not None:
+        allowed = allowed & key_padding_mask[:, None, None, :].to(query.device)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1), values).to(out_dtype or query.dtype)

@@ -8,11 +8,9 @@ from oscar_hf.reference import (
     dequantize_groups,
     dequantize_kv,
     hadamard_transform,
-    pack_codes,
     quantize_groups,
     quantize_kv,
     token_norms,
-    unpack_codes,
 )
 
 
@@ -40,27 +38,6 @@ def test_hadamard_block_rotation_for_non_power_of_two_head_dim():
     y = hadamard_transform(x)
     torch.testing.assert_close(y.norm(dim=-1), x.norm(dim=-1), rtol=1e-12, atol=0)
     torch.testing.assert_close(y[:, 32:64], hadamard_transform(x[:, 32:64]), rtol=0, atol=1e-15)
-
-
-@pytest.mark.parametrize("bits", [2, 4])
-def test_pack_unpack_round_trips_every_code(bits):
-    per_word = 32 // bits
-    every = torch.arange(2**bits, dtype=torch.uint8).repeat(per_word * 2)[: per_word * 2]
-    codes = torch.cat(
-        [every.view(-1, 1).expand(-1, 5), torch.randint(0, 2**bits, (per_word * 6, 5), dtype=torch.uint8)]
-    )
-    codes[:per_word, 0] = 2**bits - 1  # all-ones word: the sign bit is set
-    words = pack_codes(codes.view(1, 1, -1, 5), bits)
-    assert words.dtype == torch.int32 and words.shape == (1, 1, codes.shape[0] // per_word, 5)
-    assert torch.equal(unpack_codes(words, bits), codes.view(1, 1, -1, 5))
-    assert words[0, 0, 0, 0].item() == -1
-
-
-def test_pack_bit_order_is_token_major_in_low_bits():
-    codes = torch.zeros(1, 1, 16, 1, dtype=torch.uint8)
-    codes[0, 0, 1, 0] = 3  # token 1 -> bits [2, 4)
-    codes[0, 0, 15, 0] = 1  # token 15 -> bit 30
-    assert pack_codes(codes, 2).item() == (3 << 2) | (1 << 30)
 
 
 @pytest.mark.parametrize("bits", [2, 4])

@@ -12,10 +12,11 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from oscar_hf.kernels import decode_attention_triton
-from oscar_hf.kernels.decode_attention import decode_attention_reference
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.reference import QuantizedKV, quantize_kv
+from oscar_hf.layout import QuantizedKV
+from oscar_hf.reference import decode_attention as decode_attention_reference
+from oscar_hf.reference import quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 

@@ -14,7 +14,8 @@ import torch
 from oscar_hf.kernels import quantize_kv_triton
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.reference import quantize_kv, unpack_codes
+from oscar_hf.layout import StorageLayout
+from oscar_hf.reference import quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -93,7 +94,8 @@ def assert_matches_reference(out, ref, config: OscarConfig, label: str) -> None:
     for name in ("key_codes", "value_codes"):
         got, want = getattr(out, name), getattr(ref, name)
         assert got.shape == want.shape and got.dtype == torch.int32, f"{label}: {name} {got.shape} {got.dtype}"
-        codes, codes_ref = unpack_codes(got, config.bits).int(), unpack_codes(want, config.bits).int()
+        layout = StorageLayout.of(config)
+        codes, codes_ref = layout.unpack_codes(got).int(), layout.unpack_codes(want).int()
         diff = (codes - codes_ref).abs()
         where = torch.nonzero(diff)[:8].tolist()
         assert (diff == 0).float().mean().item() >= 0.999 and diff.max().item() <= 1, (

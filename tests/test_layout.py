@@ -1,0 +1,74 @@
+"""The storage layout (oscar_hf.layout): packing bit order, shapes, row views and the check every kernel runs."""
+
+import pytest
+import torch
+
+from oscar_hf import OscarConfig
+from oscar_hf.layout import QuantizedKV, StorageLayout
+from oscar_hf.reference import quantize_kv
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+def test_pack_unpack_round_trips_every_code(bits):
+    layout = StorageLayout.of(OscarConfig(bits=bits))
+    per_word = layout.codes_per_word
+    every = torch.arange(2**bits, dtype=torch.uint8).repeat(per_word * 2)[: per_word * 2]
+    codes = torch.cat(
+        [every.view(-1, 1).expand(-1, 5), torch.randint(0, 2**bits, (per_word * 6, 5), dtype=torch.uint8)]
+    )
+    codes[:per_word, 0] = 2**bits - 1  # all-ones word: the sign bit is set
+    words = layout.pack_codes(codes.view(1, 1, -1, 5))
+    assert words.dtype == torch.int32 and words.shape == (1, 1, codes.shape[0] // per_word, 5)
+    assert torch.equal(layout.unpack_codes(words), codes.view(1, 1, -1, 5))
+    assert words[0, 0, 0, 0].item() == -1
+
+
+def test_pack_bit_order_is_token_major_in_low_bits():
+    codes = torch.zeros(1, 1, 16, 1, dtype=torch.uint8)
+    codes[0, 0, 1, 0] = 3  # token 1 -> bits [2, 4)
+    codes[0, 0, 15, 0] = 1  # token 15 -> bit 30
+    assert StorageLayout.of(OscarConfig(bits=2)).pack_codes(codes).item() == (3 << 2) | (1 << 30)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [OscarConfig(), OscarConfig(bits=4, group_size=64, residual_length=128), OscarConfig(token_scaling=False)],
+    ids=["default", "4bit-G64", "noScale"],
+)
+def test_quantize_kv_output_follows_the_layout(config):
+    layout = StorageLayout.of(config)
+    keys, values = torch.randn(2, 3, 192, 128), torch.randn(2, 3, 192, 128)
+    qkv = quantize_kv(keys, values, config)
+    assert layout.check(qkv, 2, 3, 128, keys.device, "test") == 192
+    empty = layout.empty(2, 3, 128, 3, 128, 192, keys.device)
+    for name, got, want in zip(QuantizedKV._fields, qkv, empty):
+        assert (got is None) == (want is None), name
+        if got is not None:
+            assert got.shape == want.shape and got.dtype == want.dtype, name
+
+
+def test_rows_are_views_of_whole_groups():
+    config = OscarConfig()
+    layout = StorageLayout.of(config)
+    qkv = quantize_kv(torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64), config)
+    part = layout.rows(qkv, 32, 96)
+    assert layout.num_tokens(part) == 64
+    whole = layout.unpack_codes(qkv.key_codes)
+    assert torch.equal(layout.unpack_codes(part.key_codes), whole[:, :, 32:96])
+    assert torch.equal(part.value_scale, qkv.value_scale[:, :, 32:96])
+    assert torch.equal(part.key_scale, qkv.key_scale[:, :, 1:3])
+    assert part.key_norms.data_ptr() == qkv.key_norms[:, :, 32:].data_ptr()  # a view, not a copy
+
+
+def test_check_names_the_wrong_field():
+    config = OscarConfig()
+    layout = StorageLayout.of(config)
+    qkv = quantize_kv(torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64), config)
+    with pytest.raises(ValueError, match="key_min has shape"):
+        layout.check(qkv._replace(key_min=qkv.key_min[:, :, :1]), 1, 2, 64, qkv.key_min.device, "test")
+    with pytest.raises(ValueError, match="value_scale is torch.float32"):
+        layout.check(qkv._replace(value_scale=qkv.value_scale.float()), 1, 2, 64, qkv.key_min.device, "test")
+    with pytest.raises(ValueError, match="key_codes has shape"):
+        StorageLayout.of(OscarConfig(bits=4)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
+    with pytest.raises(ValueError, match="key_norms has shape None"):
+        layout.check(qkv._replace(key_norms=None), 1, 2, 64, qkv.key_min.device, "test")
