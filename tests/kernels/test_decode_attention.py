@@ -7,11 +7,12 @@ Small shapes run everywhere (CPU CI: Triton's interpreter); `gpu`-marked ones ne
 from __future__ import annotations
 
 import math
+import random
 from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from oscar_hf.kernels import decode_attention_triton
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS, decode_attention_triton
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
@@ -221,3 +222,59 @@ def test_decode_attention_large(case: Case):
     out = decode_attention_triton(*inputs)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
+def random_case(rng: random.Random, max_tokens: int) -> Case:
+    """A random decode case (the kernel fuzzer's, benchmarks/fuzz_kernels.py; CI runs a seeded slice below).
+
+    Lengths are multiples of nothing but the group size the storage requires; `max_tokens` bounds
+    batch * KV heads * (quantized + residual) so the float64 reference fits.
+    """
+    head_dim = rng.choice((64, 128, 256))
+    group_size = rng.choice((32, 32, 64)) if head_dim >= 64 else 32
+    gqa = rng.choice((1, 2, 4, 5, 8))
+    residual = rng.randint(1, 128)
+    q_len = (
+        1
+        if rng.random() < 0.7
+        else rng.randint(1, min(residual, DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // gqa))
+    )
+    kv_heads = rng.randint(1, 8)
+    batch = max(1, int(2 ** rng.uniform(0, 6)))  # 1 .. 64, log-uniform
+    per_row = max(group_size + residual, max_tokens // (batch * kv_heads))
+    quantized = group_size * rng.randint(0, (per_row - residual) // group_size)
+    if batch * kv_heads * (quantized + residual) > max_tokens:
+        batch = max(1, max_tokens // (kv_heads * (quantized + residual)))
+    return Case(
+        batch=batch,
+        kv_heads=kv_heads,
+        gqa=gqa,
+        q_len=q_len,
+        head_dim=head_dim,
+        quantized=quantized,
+        residual=residual,
+        dtype=rng.choice((torch.bfloat16, torch.float16)),
+        bits=rng.choice((2, 2, 4)),
+        rotation=rng.random() < 0.8,
+        token_scaling=rng.random() < 0.8,
+        group_size=group_size,
+        scale_dtype="float16" if rng.random() < 0.9 else "float32",
+        left_pad=rng.randint(1, quantized + residual - q_len) if quantized and rng.random() < 0.3 else 0,
+        views=rng.random() < 0.3,
+    )
+
+
+def check_random_case(case: Case, seed: int) -> float:
+    """Run one case against the float64 reference; return the relative RMSE (raises on a tolerance breach)."""
+    inputs = make_inputs(case, seed=seed)
+    out = decode_attention_triton(*inputs)
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, case.dtype, case.id)
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_fuzz_slice(seed: int):
+    """A seeded slice of the GPU fuzzer, at interpreter-friendly sizes."""
+    case = random_case(random.Random(seed), max_tokens=640)
+    check_random_case(replace(case, batch=min(case.batch, 2), kv_heads=min(case.kv_heads, 2)), seed)

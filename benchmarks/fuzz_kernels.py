@@ -1,0 +1,91 @@
+"""Fuzz the fused decode-attention kernel against the float64 reference on the GPU.
+
+    python benchmarks/fuzz_kernels.py [--cases 1000] [--minutes 8] [--seed 0] [--out benchmarks/results]
+
+Each case is drawn by `random_case` of tests/kernels/test_decode_attention.py (batch 1-64, GQA 1/2/4/5/8, head_dim
+64/128/256, quantized and residual lengths that are multiples of nothing but the group size, 1-128 residual tokens,
+1-16 query tokens, left padding, strided capacity views, bf16/fp16, 2/4 bits, rotation and token scaling on or off,
+fp16/fp32 scales) and checked with that module's tolerances; CI runs a seeded slice of the same sampler under
+Triton's interpreter (`test_fuzz_slice`). Writes `kernel_fuzz_<gpu>.json`: cases, failures (with their ids and
+messages), the worst relative error, and the seed, so any failure is reproducible.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import random
+import re
+import subprocess
+import time
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from tqdm import tqdm
+
+_TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_decode_attention.py"
+
+
+def _load_test_module():
+    spec = importlib.util.spec_from_file_location("test_decode_attention", _TESTS)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", type=int, default=1000)
+    parser.add_argument("--minutes", type=float, default=8.0, help="stop drawing new cases after this long")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-tokens", type=int, default=1 << 20, help="bound on batch * KV heads * length")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("fuzz_kernels.py needs a CUDA device (CI runs a slice under the interpreter instead).")
+
+    tests = _load_test_module()
+    rng = random.Random(args.seed)
+    failures, worst, ran = [], {"rel_rmse": 0.0, "case": None}, 0
+    deadline = time.monotonic() + 60 * args.minutes
+    for index in tqdm(range(args.cases), desc="fuzz cases"):
+        if time.monotonic() > deadline:
+            break
+        case = tests.random_case(rng, args.max_tokens)
+        try:
+            err = tests.check_random_case(case, seed=args.seed * 100_003 + index)
+            if err > worst["rel_rmse"]:
+                worst = {"rel_rmse": err, "case": case.id}
+        except AssertionError as exc:
+            failures.append({"index": index, "case": case.id, "error": str(exc)[:500]})
+        ran += 1
+
+    device = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    record = {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "commit": commit,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "seed": args.seed,
+        "cases": ran,
+        "failures": len(failures),
+        "failed_cases": failures,
+        "worst_rel_rmse": worst,
+        "tolerances": {str(k).removeprefix("torch."): v for k, v in tests.TOLERANCES.items()},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"kernel_fuzz_{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"{ran} cases, {len(failures)} failures, worst relative RMSE {worst['rel_rmse']:.2e} ({worst['case']})")
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
