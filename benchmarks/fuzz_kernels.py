@@ -16,10 +16,13 @@ import argparse
 import datetime
 import importlib.util
 import json
+import multiprocessing
 import random
 import re
 import subprocess
+import sys
 import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
@@ -33,14 +36,31 @@ _TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_decod
 def _load_test_module():
     spec = importlib.util.spec_from_file_location("test_decode_attention", _TESTS)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
     spec.loader.exec_module(module)
     return module
+
+
+def _run_cases(cases: list, seed: int, minutes: float) -> list[dict]:
+    """Worker: check (index, case) pairs until the deadline; one result per case run."""
+    tests = _load_test_module()
+    deadline = time.monotonic() + 60 * minutes
+    results = []
+    for index, case in cases:
+        if time.monotonic() > deadline:
+            break
+        try:
+            results.append({"index": index, "case": case.id, "rel_rmse": tests.check_random_case(case, seed + index)})
+        except AssertionError as exc:
+            results.append({"index": index, "case": case.id, "error": str(exc)[:500]})
+    return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=1000)
-    parser.add_argument("--minutes", type=float, default=8.0, help="stop drawing new cases after this long")
+    parser.add_argument("--minutes", type=float, default=7.0, help="workers stop drawing cases after this long")
+    parser.add_argument("--workers", type=int, default=8, help="processes (Triton compiles each variant once)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=1 << 20, help="bound on batch * KV heads * length")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -50,19 +70,17 @@ def main() -> None:
 
     tests = _load_test_module()
     rng = random.Random(args.seed)
-    failures, worst, ran = [], {"rel_rmse": 0.0, "case": None}, 0
-    deadline = time.monotonic() + 60 * args.minutes
-    for index in tqdm(range(args.cases), desc="fuzz cases"):
-        if time.monotonic() > deadline:
-            break
-        case = tests.random_case(rng, args.max_tokens)
-        try:
-            err = tests.check_random_case(case, seed=args.seed * 100_003 + index)
-            if err > worst["rel_rmse"]:
-                worst = {"rel_rmse": err, "case": case.id}
-        except AssertionError as exc:
-            failures.append({"index": index, "case": case.id, "error": str(exc)[:500]})
-        ran += 1
+    cases = [(index, tests.random_case(rng, args.max_tokens)) for index in range(args.cases)]
+    shards = [cases[w :: args.workers] for w in range(args.workers)]
+    results = []
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(args.workers, mp_context=context) as pool:
+        futures = [pool.submit(_run_cases, shard, args.seed * 100_003, args.minutes) for shard in shards]
+        for future in tqdm(as_completed(futures), total=len(futures), desc="fuzz workers"):
+            results.extend(future.result())
+    failures = [r for r in results if "error" in r]
+    passed = [r for r in results if "error" not in r]
+    worst = max(passed, key=lambda r: r["rel_rmse"], default=None)
 
     device = torch.cuda.get_device_name()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
@@ -74,16 +92,16 @@ def main() -> None:
         "commit": commit,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "seed": args.seed,
-        "cases": ran,
+        "cases": len(results),
         "failures": len(failures),
-        "failed_cases": failures,
+        "failed_cases": sorted(failures, key=lambda r: r["index"]),
         "worst_rel_rmse": worst,
         "tolerances": {str(k).removeprefix("torch."): v for k, v in tests.TOLERANCES.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_fuzz_{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
-    print(f"{ran} cases, {len(failures)} failures, worst relative RMSE {worst['rel_rmse']:.2e} ({worst['case']})")
+    print(f"{len(results)} cases, {len(failures)} failures, worst relative RMSE: {worst}")
     print(f"wrote {path}")
 
 
