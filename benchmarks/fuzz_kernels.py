@@ -13,6 +13,7 @@ messages), the worst relative error, and the seed, so any failure is reproducibl
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import importlib.util
 import json
@@ -41,18 +42,21 @@ def _load_test_module():
     return module
 
 
-def _run_cases(cases: list, seed: int, minutes: float) -> list[dict]:
-    """Worker: check (index, case) pairs until the deadline; one result per case run."""
+def _run_cases(cases: list[tuple[int, dict]], seed: int, minutes: float) -> list[dict]:
+    """Worker: check (index, case fields) pairs until the deadline; one result per case run (cases travel as dicts:
+    the test module is loaded from its path, so its classes cannot be unpickled by name)."""
     tests = _load_test_module()
     deadline = time.monotonic() + 60 * minutes
     results = []
-    for index, case in cases:
+    for index, fields in cases:
         if time.monotonic() > deadline:
             break
+        case = tests.Case(**fields)
         try:
             results.append({"index": index, "case": case.id, "rel_rmse": tests.check_random_case(case, seed + index)})
-        except AssertionError as exc:
-            results.append({"index": index, "case": case.id, "error": str(exc)[:500]})
+        except Exception as exc:  # a tolerance breach, or the kernel raising: both are findings to record
+            results.append({"index": index, "case": case.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
+        torch.cuda.empty_cache()
     return results
 
 
@@ -60,9 +64,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=1000)
     parser.add_argument("--minutes", type=float, default=7.0, help="workers stop drawing cases after this long")
-    parser.add_argument("--workers", type=int, default=8, help="processes (Triton compiles each variant once)")
+    parser.add_argument("--workers", type=int, default=6, help="processes (Triton compiles each variant once)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--max-tokens", type=int, default=1 << 20, help="bound on batch * KV heads * length")
+    parser.add_argument("--max-tokens", type=int, default=1 << 17, help="bound on batch * KV heads * length")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -70,7 +74,7 @@ def main() -> None:
 
     tests = _load_test_module()
     rng = random.Random(args.seed)
-    cases = [(index, tests.random_case(rng, args.max_tokens)) for index in range(args.cases)]
+    cases = [(index, dataclasses.asdict(tests.random_case(rng, args.max_tokens))) for index in range(args.cases)]
     shards = [cases[w :: args.workers] for w in range(args.workers)]
     results = []
     context = multiprocessing.get_context("spawn")
