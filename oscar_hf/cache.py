@@ -78,6 +78,7 @@ class OscarLayer(CacheLayerMixin):
         """Store the new tokens and return the dense K/V to attend to (history as stored, then the new tokens)."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self._check_shape(key_states, value_states)
         if self.get_seq_length() == 0:
             self.append(key_states, value_states)
             return key_states, value_states
@@ -93,13 +94,27 @@ class OscarLayer(CacheLayerMixin):
             # Fused decode: the kernel reads the storage itself (integrations/fused_attention.py), so only the new
             # tokens are returned, as the handle the wrapped sdpa recognises.
             self.append(key_states, value_states)
-            fused_attention.expect_fused_decode(self, key_states)
+            fused_attention.expect_fused_decode(self, key_states, value_states)
             return key_states, value_states
         past_keys, past_values = self.dense_history()
         # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
         keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
         self.append(key_states, value_states)
         return keys, values
+
+    def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse K/V whose batch, heads or head_dim differ from what this layer holds (a cache reused for another
+        batch), naming the fix, rather than failing inside a kernel or concatenating mismatched histories."""
+        held = (self.residual_keys.shape[:2], self.residual_keys.shape[-1], self.residual_values.shape[-1])
+        if (key_states.shape[:2], key_states.shape[-1], value_states.shape[-1]) == held:
+            return
+        (batch, heads), _, _ = held
+        raise ValueError(
+            f"OscarCache holds K/V of batch size {batch} with {heads} KV heads (head dims {held[1]}/{held[2]}), but "
+            f"an update brought keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}: a cache "
+            "serves one batch of sequences. Call `cache.reset()` before reusing it for another batch, or create a "
+            "new OscarCache."
+        )
 
     def get_seq_length(self) -> int:
         return self.quantized_length + self.residual_length
@@ -185,7 +200,7 @@ class OscarLayer(CacheLayerMixin):
             block = quantize_kv_triton(keys, values, self.config)
         else:
             block = quantize_kv(keys, values, self.config)
-        check_finite(block, self.config)
+        check_finite(block, keys, values, self.config)
         return block
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:

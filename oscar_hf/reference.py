@@ -115,15 +115,21 @@ def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -
     )
 
 
-def check_finite(qkv: QuantizedKV, config: OscarConfig) -> None:
-    """Refuse a block whose scales/mins overflowed their dtype (or whose K/V held NaN/inf): it would decode to
-    inf/NaN silently."""
+def check_finite(qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> None:
+    """Refuse a quantized block of `keys`/`values` whose scales/mins are not finite (it would decode to inf/NaN
+    silently), saying whether the model's K/V were not finite or the scale dtype overflowed."""
     params = (qkv.key_scale, qkv.key_min, qkv.value_scale, qkv.value_min)
-    if not all(torch.isfinite(p).all() for p in params):  # one host sync per quantized block
+    if all(torch.isfinite(p).all() for p in params):  # one host sync per quantized block
+        return
+    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
         raise ValueError(
-            f"OscarCache: a quantization scale or minimum is not finite in {config.scale_dtype} (the K/V values are "
-            "too large for it, or NaN/inf). Use scale_dtype='float32', or check the model's activations."
+            "OscarCache: the model produced non-finite keys or values (NaN or inf) for this block; no cache setting "
+            "fixes that. Check the model's activations (dtype overflow, e.g. float16 for a bfloat16-trained model)."
         )
+    raise ValueError(
+        f"OscarCache: a quantization scale or minimum overflowed {config.scale_dtype} (the K/V values are finite "
+        "but too large for it). Use scale_dtype='float32'."
+    )
 
 
 def dequantize_kv(

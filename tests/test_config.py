@@ -70,3 +70,17 @@ def test_values_too_large_for_fp16_scales_are_refused(attention):
     with pytest.raises(ValueError, match="scale_dtype='float32'"):
         OscarCache(config, OscarConfig(**options)).update(huge, huge, 0)
     OscarCache(config, OscarConfig(scale_dtype="float32", **options)).update(huge, huge, 0)
+
+
+@pytest.mark.parametrize("attention", ["portable", "fused"])
+def test_non_finite_keys_or_values_are_named_as_such(attention):
+    """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
+    )
+    config._attn_implementation = "sdpa"
+    keys, values = torch.randn(1, 1, 129, 64), torch.randn(1, 1, 129, 64)
+    values[0, 0, 5, 3] = float("nan")
+    with pytest.raises(ValueError, match="non-finite keys or values") as error:
+        OscarCache(config, OscarConfig(attention=attention, scale_dtype="float32")).update(keys, values, 0)
+    assert "scale_dtype" not in str(error.value)

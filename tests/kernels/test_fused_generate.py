@@ -3,7 +3,7 @@ own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest
 
 import pytest
 import torch
-from transformers import LlamaConfig, LogitsProcessor, LogitsProcessorList
+from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
 from oscar_hf.integrations import fused_attention
@@ -91,6 +91,39 @@ def test_fused_decode_across_a_flush_matches_portable(model_on_device):
     assert cache.layers[0].quantized_length == 256
 
 
+def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch):
+    """Gemma 3n: the last layers reuse the K/V that the last full-attention layer's `update` returned. On the fused
+    path those are the new tokens only, standing for the producer's storage: the reuse layer must attend over the
+    whole history (it attended to 1 key before the fix, 0.4 relative logit error, no error raised)."""
+    config = Gemma3nTextConfig(
+        vocab_size=101,
+        vocab_size_per_layer_input=101,
+        hidden_size=64,
+        hidden_size_per_layer_input=8,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
+    config._attn_implementation = "sdpa"
+    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
+    model = Gemma3nForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
+    calls = []
+    original = OscarLayer.fused_attention
+    monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(self), original(self, *a))[1])
+    ids = torch.randint(3, 101, (1, 150), device=DEVICE)
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), new_tokens=3)
+    # Layer 1 (the full-attention producer) and layer 3 (its reuse layer) both read layer 1's storage, 2 steps each.
+    assert [type(layer).__name__ for layer in cache.layers][1] == "OscarLayer"
+    assert calls == [cache.layers[1]] * 4
+
+
 def test_unconsumed_fused_step_is_an_error():
     """A model whose attention bypasses the wrapped sdpa must not silently attend to the new tokens only."""
     config = LlamaConfig(
@@ -107,7 +140,7 @@ def test_unconsumed_fused_step_is_an_error():
     fresh = OscarCache(config, OscarConfig(attention=FUSED))
     fresh.update(kv[0], kv[1], 0)
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
-    assert fused_attention._local.pending[1] is fresh.layers[0]
+    assert fused_attention._steps.waiting.layer is fresh.layers[0]
     fused_attention.uninstall()  # restore transformers' sdpa for the other tests
 
 
@@ -123,7 +156,7 @@ def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8
     keys, _ = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: portable
-    assert keys.shape[2] == 149 and getattr(fused_attention._local, "pending", None) is None
+    assert keys.shape[2] == 149 and fused_attention._steps.waiting is None
     keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused, only the new ones back
-    assert keys.shape[2] == 8 and fused_attention._local.pending[1] is cache.layers[0]
+    assert keys.shape[2] == 8 and fused_attention._steps.waiting.layer is cache.layers[0]
     fused_attention.uninstall()  # restore transformers' sdpa for the other tests
