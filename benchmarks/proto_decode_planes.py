@@ -19,8 +19,11 @@ Shape: B=8, Hkv=8, 4 query rows per KV head (GQA 4) padded to 16, D=128, L in {3
     int8 (4 per shift + and), two int8 tl.dot per plane into int32.
 - V half (P [16, T] fp32 from a cheap hash of token and row standing in for the softmax weights, O += P V):
   - V1 (`values_fp16_magic`): P * value_scale of plane p in fp16, codes 1024 + c, tl.dot into 4 accumulators,
-    the minimum and the 1024 offset folded as sum_t p_t min_t - 1024 sum_t ps_t per row and group.
+    the minimum and the 1024 offset folded as sum_t p_t min_t - 1024 sum_t ps_t per row and group (the offset stays
+    in the fp32 accumulators until the end, so its rounding grows with the tokens per split).
   - V1e (`values_fp16_exact`): codes exact 0..3; bias sum_t p_t min_t.
+  - V2 (`values_int8`): P * scale quantized per row and token block to int8 hi + lo, codes int8, two int8 dots per
+    plane into int32, scaled back into fp32 accumulators per block; bias sum_t p_t min_t.
 - `roof`: load the codes as int32 words and xor-reduce them (no unpack): the memory roof of this access pattern.
 - baselines in the same run: torch SDPA bf16 decode (Hq=32, Hkv=8; the faster of enable_gqa and the query heads
   folded into the query-length axis) and a device copy (bytes read + written).
@@ -104,23 +107,34 @@ _EXACT_FP16_ASM: tl.constexpr = tl.constexpr(tuple(_exact_fp16_asm(p) for p in r
 _INT8_ASM: tl.constexpr = tl.constexpr(tuple(_int8_asm(p) for p in range(4)))
 
 
+# Code formats of the K and V kernels (constexpr CODES)
+MAGIC, EXACT, INT8 = 0, 1, 2  # fp16 1024 + code, fp16 code, int8 code (with the other operand int8 hi + lo)
+_MAGIC: tl.constexpr = tl.constexpr(MAGIC)
+_INT8: tl.constexpr = tl.constexpr(INT8)
+
+
 @triton.jit
-def _plane_fp16(codes, P: tl.constexpr, EXACT: tl.constexpr):
-    """uint8 code bytes [T, D/4] -> fp16 codes of plane P: exact 0..3 (EXACT) or 1024 + code."""
+def _plane_fp16(codes, P: tl.constexpr, CODES: tl.constexpr):
+    """uint8 code bytes [T, D/4] -> fp16 codes of plane P: 1024 + code (MAGIC) or code (EXACT)."""
     if _INTERPRET:
         c = ((codes >> (2 * P)) & 3).to(tl.float16)
-        return c if EXACT else c + 1024.0
-    if EXACT:
-        return tl.inline_asm_elementwise(_EXACT_FP16_ASM[P], "=r,=r,r", [codes], tl.float16, True, 4)
-    return tl.inline_asm_elementwise(_MAGIC_FP16_ASM[P], "=r,=r,r", [codes], tl.float16, True, 4)
+        if CODES == _MAGIC:
+            c += 1024.0
+    elif CODES == _MAGIC:
+        c = tl.inline_asm_elementwise(_MAGIC_FP16_ASM[P], "=r,=r,r", [codes], tl.float16, True, 4)
+    else:
+        c = tl.inline_asm_elementwise(_EXACT_FP16_ASM[P], "=r,=r,r", [codes], tl.float16, True, 4)
+    return c
 
 
 @triton.jit
 def _plane_int8(codes, P: tl.constexpr):
     """uint8 code bytes [T, D/4] -> int8 codes 0..3 of plane P."""
     if _INTERPRET:
-        return ((codes >> (2 * P)) & 3).to(tl.int8)
-    return tl.inline_asm_elementwise(_INT8_ASM[P], "=r,r", [codes], tl.int8, True, 4)
+        c = ((codes >> (2 * P)) & 3).to(tl.int8)
+    else:
+        c = tl.inline_asm_elementwise(_INT8_ASM[P], "=r,r", [codes], tl.int8, True, 4)
+    return c
 
 
 @triton.jit
@@ -132,6 +146,17 @@ def _round_int8(x):
 
 
 @triton.jit
+def _dot_int8_two_level(x, codes):
+    """x [M, K] fp32 with |x| <= 127, codes [K, N] int8 -> x . codes in fp32, x taken as int8 hi + (int8 lo) / 254
+    (two int8 tensor-core dots, exact int32 sums; x's error <= 1/508)."""
+    hi, hi_f = _round_int8(x)
+    lo, _ = _round_int8((x - hi_f) * 254.0)
+    zero = tl.zeros([x.shape[0], codes.shape[1]], tl.int32)
+    d_hi = tl.dot(hi, codes, zero, out_dtype=tl.int32).to(tl.float32)
+    return d_hi + tl.dot(lo, codes, zero, out_dtype=tl.int32).to(tl.float32) * (1.0 / 254.0)
+
+
+@triton.jit
 def _online_max_sum(s, m_i, l_i):
     """Running row max and sum of exp2 of scores s [ROWS, T] (what a flash-decoding split keeps)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -139,22 +164,59 @@ def _online_max_sum(s, m_i, l_i):
 
 
 @triton.jit
-def _key_plane_fp16(acc, bias, q_p, codes, p_scale, p_min, P: tl.constexpr, EXACT: tl.constexpr):
+def _key_plane_fp16(acc, bias, q_p, codes, p_scale, p_min, P: tl.constexpr, CODES: tl.constexpr):
     """Plane P of one key group: acc += (q_p * scale_p) . codes_p^T, bias += q_p . min_p (- 1024 * sum(qs_p))."""
     qs = q_p * tl.load(p_scale)[None, :]  # fp16 product: the dot and the 1024 fold see the same rounded qs
-    acc = tl.dot(qs, tl.trans(_plane_fp16(codes, P, EXACT)), acc)
+    acc = tl.dot(qs, tl.trans(_plane_fp16(codes, P, CODES)), acc)
     b = q_p.to(tl.float32) * tl.load(p_min).to(tl.float32)[None, :]
-    if not EXACT:
+    if CODES == _MAGIC:
         b -= 1024.0 * qs.to(tl.float32)
     return acc, bias + tl.sum(b, 1)
 
 
 @triton.jit
-def _keys_fp16_kernel(
+def _key_group(q0, q1, q2, q3, codes, p_scale, p_min, CODES: tl.constexpr):
+    """Unscaled scores [ROWS, GROUP] of one 32-token key group: q . (scale * code + min) over the 4 planes."""
+    PLANE: tl.constexpr = q0.shape[1]
+    if CODES == _INT8:  # qs = q * scale, quantized per row over the group (all 4 planes) to int8 hi + lo
+        qs0 = q0 * tl.load(p_scale).to(tl.float32)[None, :]
+        qs1 = q1 * tl.load(p_scale + PLANE).to(tl.float32)[None, :]
+        qs2 = q2 * tl.load(p_scale + 2 * PLANE).to(tl.float32)[None, :]
+        qs3 = q3 * tl.load(p_scale + 3 * PLANE).to(tl.float32)[None, :]
+        amax = tl.maximum(
+            tl.maximum(tl.max(tl.abs(qs0), 1), tl.max(tl.abs(qs1), 1)),
+            tl.maximum(tl.max(tl.abs(qs2), 1), tl.max(tl.abs(qs3), 1)),
+        )
+        amax = tl.where(amax > 0, amax, 1.0)[:, None]  # padding rows are zero
+        dot = _dot_int8_two_level(qs0 * (127.0 / amax), tl.trans(_plane_int8(codes, 0)))
+        dot += _dot_int8_two_level(qs1 * (127.0 / amax), tl.trans(_plane_int8(codes, 1)))
+        dot += _dot_int8_two_level(qs2 * (127.0 / amax), tl.trans(_plane_int8(codes, 2)))
+        dot += _dot_int8_two_level(qs3 * (127.0 / amax), tl.trans(_plane_int8(codes, 3)))
+        bias = tl.sum(
+            q0 * tl.load(p_min).to(tl.float32)[None, :]
+            + q1 * tl.load(p_min + PLANE).to(tl.float32)[None, :]
+            + q2 * tl.load(p_min + 2 * PLANE).to(tl.float32)[None, :]
+            + q3 * tl.load(p_min + 3 * PLANE).to(tl.float32)[None, :],
+            1,
+        )
+        s = dot * (amax * (1.0 / 127.0)) + bias[:, None]
+    else:
+        dot = tl.zeros([q0.shape[0], _GROUP], tl.float32)
+        bias = tl.zeros([q0.shape[0]], tl.float32)
+        dot, bias = _key_plane_fp16(dot, bias, q0, codes, p_scale, p_min, 0, CODES)
+        dot, bias = _key_plane_fp16(dot, bias, q1, codes, p_scale + PLANE, p_min + PLANE, 1, CODES)
+        dot, bias = _key_plane_fp16(dot, bias, q2, codes, p_scale + 2 * PLANE, p_min + 2 * PLANE, 2, CODES)
+        dot, bias = _key_plane_fp16(dot, bias, q3, codes, p_scale + 3 * PLANE, p_min + 3 * PLANE, 3, CODES)
+        s = dot + bias[:, None]
+    return s
+
+
+@triton.jit
+def _keys_kernel(
     q_ptr, codes_ptr, scale_ptr, min_ptr, ml_ptr, scores_ptr, tokens, tokens_per_split, qk_scale,
-    HEAD_DIM: tl.constexpr, EXACT: tl.constexpr, WRITE_SCORES: tl.constexpr,
+    HEAD_DIM: tl.constexpr, CODES: tl.constexpr, WRITE_SCORES: tl.constexpr,
 ):  # fmt: skip
-    """K1 / K1e. q fp16 [BH, ROWS, D]; codes uint8 [BH, L, D/4]; scale/min fp16 [BH, L/GROUP, D];
+    """K half. q [BH, ROWS, D] (fp16; fp32 for INT8); codes uint8 [BH, L, D/4]; scale/min fp16 [BH, L/GROUP, D];
     ml fp32 [BH, splits, ROWS, 2] (running max, sum of exp2); scores fp32 [BH, ROWS, L] if WRITE_SCORES."""
     PLANE: tl.constexpr = HEAD_DIM // 4
     bh = tl.program_id(0).to(tl.int64)
@@ -173,86 +235,9 @@ def _keys_fp16_kernel(
     l_i = tl.zeros([_ROWS], tl.float32)
     start = split * tokens_per_split
     for t0 in range(start, start + tokens_per_split, _GROUP):
-        codes = tl.load(p_codes + t0 * PLANE)
-        ps = scale_ptr + p_par + (t0 // _GROUP) * HEAD_DIM
-        pm = min_ptr + p_par + (t0 // _GROUP) * HEAD_DIM
-        acc = tl.zeros([_ROWS, _GROUP], tl.float32)
-        bias = tl.zeros([_ROWS], tl.float32)
-        acc, bias = _key_plane_fp16(acc, bias, q0, codes, ps, pm, 0, EXACT)
-        acc, bias = _key_plane_fp16(acc, bias, q1, codes, ps + PLANE, pm + PLANE, 1, EXACT)
-        acc, bias = _key_plane_fp16(acc, bias, q2, codes, ps + 2 * PLANE, pm + 2 * PLANE, 2, EXACT)
-        acc, bias = _key_plane_fp16(acc, bias, q3, codes, ps + 3 * PLANE, pm + 3 * PLANE, 3, EXACT)
-        s = (acc + bias[:, None]) * qk_scale
-        if WRITE_SCORES:
-            tl.store(scores_ptr + (bh * _ROWS + o_r[:, None]) * tokens + t0 + o_t[None, :], s)
-        m_i, l_i = _online_max_sum(s, m_i, l_i)
-    p_ml = ml_ptr + ((bh * tl.num_programs(1) + split) * _ROWS + o_r) * 2
-    tl.store(p_ml, m_i)
-    tl.store(p_ml + 1, l_i)
-
-
-@triton.jit
-def _key_plane_int8(acc_hi, acc_lo, qs, inv, codes, P: tl.constexpr):
-    """Plane P of one key group in int8: qs * inv (|.| <= 127) = hi + lo / 254, two int8 dots into int32."""
-    x = qs * inv[:, None]
-    hi, hi_f = _round_int8(x)
-    lo, _ = _round_int8((x - hi_f) * 254.0)
-    c = tl.trans(_plane_int8(codes, P))
-    return tl.dot(hi, c, acc_hi, out_dtype=tl.int32), tl.dot(lo, c, acc_lo, out_dtype=tl.int32)
-
-
-@triton.jit
-def _keys_int8_kernel(
-    q_ptr, codes_ptr, scale_ptr, min_ptr, ml_ptr, scores_ptr, tokens, tokens_per_split, qk_scale,
-    HEAD_DIM: tl.constexpr, WRITE_SCORES: tl.constexpr,
-):  # fmt: skip
-    """K2. As _keys_fp16_kernel, with q fp32 [BH, ROWS, D]: per group, qs = q * scale is quantized per row (one
-    scale over the 4 planes) to int8 hi + lo; the codes are exact, so the bias is q . min."""
-    PLANE: tl.constexpr = HEAD_DIM // 4
-    bh = tl.program_id(0).to(tl.int64)
-    split = tl.program_id(1)
-    o_r = tl.arange(0, _ROWS)
-    o_c = tl.arange(0, PLANE)
-    o_t = tl.arange(0, _GROUP)
-    p_q = q_ptr + (bh * _ROWS + o_r[:, None]) * HEAD_DIM + o_c[None, :]
-    q0 = tl.load(p_q)
-    q1 = tl.load(p_q + PLANE)
-    q2 = tl.load(p_q + 2 * PLANE)
-    q3 = tl.load(p_q + 3 * PLANE)
-    p_codes = codes_ptr + bh * tokens * PLANE + o_t[:, None] * PLANE + o_c[None, :]
-    p_par = bh * (tokens // _GROUP) * HEAD_DIM + o_c
-    m_i = tl.full([_ROWS], float("-inf"), tl.float32)
-    l_i = tl.zeros([_ROWS], tl.float32)
-    start = split * tokens_per_split
-    for t0 in range(start, start + tokens_per_split, _GROUP):
-        codes = tl.load(p_codes + t0 * PLANE)
-        ps = scale_ptr + p_par + (t0 // _GROUP) * HEAD_DIM
-        pm = min_ptr + p_par + (t0 // _GROUP) * HEAD_DIM
-        qs0 = q0 * tl.load(ps).to(tl.float32)[None, :]
-        qs1 = q1 * tl.load(ps + PLANE).to(tl.float32)[None, :]
-        qs2 = q2 * tl.load(ps + 2 * PLANE).to(tl.float32)[None, :]
-        qs3 = q3 * tl.load(ps + 3 * PLANE).to(tl.float32)[None, :]
-        amax = tl.maximum(
-            tl.maximum(tl.max(tl.abs(qs0), 1), tl.max(tl.abs(qs1), 1)),
-            tl.maximum(tl.max(tl.abs(qs2), 1), tl.max(tl.abs(qs3), 1)),
-        )
-        amax = tl.where(amax > 0, amax, 1.0)  # padding rows are zero
-        inv = 127.0 / amax
-        acc_hi = tl.zeros([_ROWS, _GROUP], tl.int32)
-        acc_lo = tl.zeros([_ROWS, _GROUP], tl.int32)
-        acc_hi, acc_lo = _key_plane_int8(acc_hi, acc_lo, qs0, inv, codes, 0)
-        acc_hi, acc_lo = _key_plane_int8(acc_hi, acc_lo, qs1, inv, codes, 1)
-        acc_hi, acc_lo = _key_plane_int8(acc_hi, acc_lo, qs2, inv, codes, 2)
-        acc_hi, acc_lo = _key_plane_int8(acc_hi, acc_lo, qs3, inv, codes, 3)
-        bias = tl.sum(
-            q0 * tl.load(pm).to(tl.float32)[None, :]
-            + q1 * tl.load(pm + PLANE).to(tl.float32)[None, :]
-            + q2 * tl.load(pm + 2 * PLANE).to(tl.float32)[None, :]
-            + q3 * tl.load(pm + 3 * PLANE).to(tl.float32)[None, :],
-            1,
-        )
-        dot = acc_hi.to(tl.float32) + acc_lo.to(tl.float32) * (1.0 / 254.0)
-        s = (dot * (amax * (1.0 / 127.0))[:, None] + bias[:, None]) * qk_scale
+        par = p_par + (t0 // _GROUP) * HEAD_DIM
+        s = _key_group(q0, q1, q2, q3, tl.load(p_codes + t0 * PLANE), scale_ptr + par, min_ptr + par, CODES)
+        s *= qk_scale
         if WRITE_SCORES:
             tl.store(scores_ptr + (bh * _ROWS + o_r[:, None]) * tokens + t0 + o_t[None, :], s)
         m_i, l_i = _online_max_sum(s, m_i, l_i)
@@ -270,23 +255,23 @@ def _probabilities(tok, rows):
 
 
 @triton.jit
-def _value_plane_fp16(acc, bias, p, codes, p_scale, p_min, P: tl.constexpr, EXACT: tl.constexpr):
+def _value_plane_fp16(acc, bias, p, codes, p_scale, p_min, P: tl.constexpr, CODES: tl.constexpr):
     """Plane (= value group) P of one token block: acc += (p * scale_P) . codes_P, bias += p * min_P
     (- 1024 * p * scale_P), kept per element and reduced over tokens once at the end."""
     ps = (p * tl.load(p_scale).to(tl.float32)[None, :]).to(tl.float16)
-    acc = tl.dot(ps, _plane_fp16(codes, P, EXACT), acc)
+    acc = tl.dot(ps, _plane_fp16(codes, P, CODES), acc)
     bias += p * tl.load(p_min).to(tl.float32)[None, :]
-    if not EXACT:
+    if CODES == _MAGIC:
         bias -= 1024.0 * ps.to(tl.float32)
     return acc, bias
 
 
 @triton.jit
-def _values_fp16_kernel(
+def _values_kernel(
     codes_ptr, scale_ptr, min_ptr, out_ptr, tokens, tokens_per_split,
-    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, EXACT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_T: tl.constexpr, CODES: tl.constexpr,
 ):  # fmt: skip
-    """V1 / V1e. codes uint8 [BH, L, D/4]; scale/min fp16 [BH, L, D/GROUP] (group p = plane p);
+    """V half. codes uint8 [BH, L, D/4]; scale/min fp16 [BH, L, D/GROUP] (group p = plane p);
     out fp32 [BH, splits, ROWS, D] = sum over the split's tokens of p_t * v_t."""
     PLANE: tl.constexpr = HEAD_DIM // 4
     NG: tl.constexpr = HEAD_DIM // _GROUP
@@ -311,10 +296,26 @@ def _values_fp16_kernel(
         p = _probabilities(t0 + o_t, o_r)
         ps = scale_ptr + p_par + t0 * NG
         pm = min_ptr + p_par + t0 * NG
-        acc0, bias0 = _value_plane_fp16(acc0, bias0, p, codes, ps, pm, 0, EXACT)
-        acc1, bias1 = _value_plane_fp16(acc1, bias1, p, codes, ps + 1, pm + 1, 1, EXACT)
-        acc2, bias2 = _value_plane_fp16(acc2, bias2, p, codes, ps + 2, pm + 2, 2, EXACT)
-        acc3, bias3 = _value_plane_fp16(acc3, bias3, p, codes, ps + 3, pm + 3, 3, EXACT)
+        if CODES == _INT8:  # p * scale quantized per row over the block (all 4 planes) to int8 hi + lo; fp32 sums
+            ps0 = p * tl.load(ps).to(tl.float32)[None, :]
+            ps1 = p * tl.load(ps + 1).to(tl.float32)[None, :]
+            ps2 = p * tl.load(ps + 2).to(tl.float32)[None, :]
+            ps3 = p * tl.load(ps + 3).to(tl.float32)[None, :]
+            amax = tl.maximum(tl.maximum(tl.max(ps0, 1), tl.max(ps1, 1)), tl.maximum(tl.max(ps2, 1), tl.max(ps3, 1)))
+            amax = tl.where(amax > 0, amax, 1.0)[:, None]  # p * scale >= 0; padding rows are zero
+            acc0 += _dot_int8_two_level(ps0 * (127.0 / amax), _plane_int8(codes, 0)) * (amax * (1.0 / 127.0))
+            acc1 += _dot_int8_two_level(ps1 * (127.0 / amax), _plane_int8(codes, 1)) * (amax * (1.0 / 127.0))
+            acc2 += _dot_int8_two_level(ps2 * (127.0 / amax), _plane_int8(codes, 2)) * (amax * (1.0 / 127.0))
+            acc3 += _dot_int8_two_level(ps3 * (127.0 / amax), _plane_int8(codes, 3)) * (amax * (1.0 / 127.0))
+            bias0 += p * tl.load(pm).to(tl.float32)[None, :]
+            bias1 += p * tl.load(pm + 1).to(tl.float32)[None, :]
+            bias2 += p * tl.load(pm + 2).to(tl.float32)[None, :]
+            bias3 += p * tl.load(pm + 3).to(tl.float32)[None, :]
+        else:
+            acc0, bias0 = _value_plane_fp16(acc0, bias0, p, codes, ps, pm, 0, CODES)
+            acc1, bias1 = _value_plane_fp16(acc1, bias1, p, codes, ps + 1, pm + 1, 1, CODES)
+            acc2, bias2 = _value_plane_fp16(acc2, bias2, p, codes, ps + 2, pm + 2, 2, CODES)
+            acc3, bias3 = _value_plane_fp16(acc3, bias3, p, codes, ps + 3, pm + 3, 3, CODES)
     p_out = out_ptr + ((bh * tl.num_programs(1) + split) * _ROWS + o_r[:, None]) * HEAD_DIM + o_c[None, :]
     tl.store(p_out, acc0 + tl.sum(bias0, 1)[:, None])
     tl.store(p_out + PLANE, acc1 + tl.sum(bias1, 1)[:, None])
@@ -423,24 +424,21 @@ def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
 # ---------------------------------------------------------------------------------------------------------------
 # Launchers: each returns a zero-argument callable that runs the kernel once into preallocated outputs.
 
-KEY_VARIANTS = {"K1 keys_fp16_magic": ("fp16", False), "K1e keys_fp16_exact": ("fp16", True), "K2 keys_int8": ("int8",)}
-VALUE_VARIANTS = {"V1 values_fp16_magic": False, "V1e values_fp16_exact": True}
+KEY_VARIANTS = {"K1 keys_fp16_magic": MAGIC, "K1e keys_fp16_exact": EXACT, "K2 keys_int8": INT8}
+VALUE_VARIANTS = {"V1 values_fp16_magic": MAGIC, "V1e values_fp16_exact": EXACT, "V2 values_int8": INT8}
 
 
 def key_launcher(variant, d, tokens, head_dim, splits, num_warps, write_scores=False):
-    bh = d["k_codes"].shape[0]
+    bh, codes = d["k_codes"].shape[0], KEY_VARIANTS[variant]
     ml = torch.empty(bh, splits, ROWS, 2, device=d["q"].device)
     scores = torch.empty(bh, ROWS, tokens, device=d["q"].device) if write_scores else ml
-    kind = KEY_VARIANTS[variant]
-    common = (d["k_codes"], d["k_scale"], d["k_min"], ml, scores, tokens, tokens // splits, d["qk_scale"])
-    if kind[0] == "fp16":
-        kernel, args, meta = _keys_fp16_kernel, (d["q16"], *common), {"EXACT": kind[1]}
-    else:
-        kernel, args, meta = _keys_int8_kernel, (d["q_norm"], *common), {}
-    grid = (bh, splits)
+    q = d["q_norm"] if codes == INT8 else d["q16"]
+    args = (q, d["k_codes"], d["k_scale"], d["k_min"], ml, scores, tokens, tokens // splits, d["qk_scale"])
 
     def run():
-        kernel[grid](*args, HEAD_DIM=head_dim, WRITE_SCORES=write_scores, num_warps=num_warps, **meta)
+        _keys_kernel[(bh, splits)](
+            *args, HEAD_DIM=head_dim, CODES=codes, WRITE_SCORES=write_scores, num_warps=num_warps
+        )
 
     return run, ml, scores
 
@@ -448,12 +446,11 @@ def key_launcher(variant, d, tokens, head_dim, splits, num_warps, write_scores=F
 def value_launcher(variant, d, tokens, head_dim, splits, num_warps, block_t):
     bh = d["v_codes"].shape[0]
     out = torch.empty(bh, splits, ROWS, head_dim, device=d["q"].device)
-    grid = (bh, splits)
     args = (d["v_codes"], d["v_scale"], d["v_min"], out, tokens, tokens // splits)
 
     def run():
-        _values_fp16_kernel[grid](
-            *args, HEAD_DIM=head_dim, BLOCK_T=block_t, EXACT=VALUE_VARIANTS[variant], num_warps=num_warps
+        _values_kernel[(bh, splits)](
+            *args, HEAD_DIM=head_dim, BLOCK_T=block_t, CODES=VALUE_VARIANTS[variant], num_warps=num_warps
         )
 
     return run, out
@@ -638,6 +635,7 @@ PAIRS = (
     ("K1 keys_fp16_magic", "V1 values_fp16_magic"),
     ("K1e keys_fp16_exact", "V1e values_fp16_exact"),
     ("K2 keys_int8", "V1e values_fp16_exact"),
+    ("K2 keys_int8", "V2 values_int8"),
 )
 OUTPUT_TOLERANCE = 2e-3  # relative attention-output error vs float32 allowed by issue 7
 LSE_TOLERANCE = 1e-2  # log2 units, per split and row: a sanity bound for the timed K launches
@@ -659,8 +657,9 @@ def failures(rec: dict) -> list[str]:
 
 
 def print_table(record: dict) -> None:
+    copy = record["copy"]["GBps"]
     print(
-        f"\n{record['device']}, torch {record['torch']}, triton {record['triton']}; copy {record['copy']['GBps']:.0f}"
+        f"\n{record['device']}, torch {record['torch']}, triton {record['triton']}; copy {copy:.0f}"
         " GB/s; CUDA-graph medians; x SDPA = SDPA us / variant us; err = relative output error vs float32"
     )
     for rec in record["shapes"]:
@@ -670,18 +669,24 @@ def print_table(record: dict) -> None:
             f"\nB={rec['batch']} Hkv={rec['kv_heads']} Hq={hq} D={rec['head_dim']} L={rec['tokens']}: "
             f"SDPA bf16 {sdpa['us']:.1f} us ({sdpa['GBps']:.0f} GB/s of K+V)"
         )
-        print(f"{'variant':<22} {'us':>8} {'codes GB/s':>10} {'all GB/s':>9} {'x SDPA':>7} {'err':>9}  best config")
+        print(
+            f"{'variant':<22} {'us':>8} {'codes GB/s':>10} {'all GB/s':>9} {'% copy':>7} {'x SDPA':>7} {'err':>9}  "
+            "best config"
+        )
         for name, v in rec["variants"].items():
             b, err = v["best"], v.get("output_rel_err", float("nan"))
             all_gbps = b.get("all_GBps", b["codes_GBps"])
             print(
-                f"{name:<22} {b['us']:>8.1f} {b['codes_GBps']:>10.0f} {all_gbps:>9.0f} {sdpa['us'] / b['us']:>7.2f} "
-                f"{err:>9.2e}  {b['config']}"
+                f"{name:<22} {b['us']:>8.1f} {b['codes_GBps']:>10.0f} {all_gbps:>9.0f} {100 * all_gbps / copy:>7.1f} "
+                f"{sdpa['us'] / b['us']:>7.2f} {err:>9.2e}  {b['config']}"
             )
         for k_name, v_name in PAIRS:
             us = rec["variants"][k_name]["best"]["us"] + rec["variants"][v_name]["best"]["us"]
             name = f"{k_name.split()[0]} + {v_name.split()[0]}"
-            print(f"{name:<22} {us:>8.1f} {2 * rec['code_bytes'] / us / 1e3:>10.0f} {'':>9} {sdpa['us'] / us:>7.2f}")
+            print(
+                f"{name:<22} {us:>8.1f} {2 * rec['code_bytes'] / us / 1e3:>10.0f} {'':>9} {'':>7} "
+                f"{sdpa['us'] / us:>7.2f}"
+            )
         for line in failures(rec):
             print("FAILED", line)
 
@@ -714,6 +719,7 @@ def main() -> None:
 
     if gen_device != "cuda":
         sys.exit("Timing needs a CUDA GPU (use --check-small with TRITON_INTERPRET=1 on CPU).")
+    t_start = time.time()
     # programs = B * Hkv * splits: 512..4096 for 132 SMs (1-warp programs need more of them to fill an SM)
     sweep = {"splits": (8, 16, 32, 64), "warps": (1, 2, 4), "value_blocks": (32, 64), "roof_blocks": (32, 128)}
     props = torch.cuda.get_device_properties(0)
@@ -742,9 +748,10 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", props.name.lower()).strip("-")
     path = out / f"proto_decode_planes_{slug}.json"
+    record["seconds"] = round(time.time() - t_start, 1)
     path.write_text(json.dumps(record, indent=1))
     print_table(record)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path} ({record['seconds']} s)")
 
 
 if __name__ == "__main__":
