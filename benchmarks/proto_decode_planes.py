@@ -547,73 +547,55 @@ def git_commit() -> str | None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def run_shape(batch, kv_heads, tokens, head_dim, sweep, gen, device, timing) -> dict:
-    """Check every variant (every launch of the sweep) and, with `timing`, time them; returns the shape's record."""
-    t_start = time.time()
-    d = make_data(batch, kv_heads, tokens, head_dim, gen, device)
-    ref_scores, ref_k_out, ref_v_out, values = references(d, tokens, head_dim)
-    bh = batch * kv_heads
-    code_bytes = bh * tokens * head_dim // 4
-    param_bytes = {"K": 2 * 2 * bh * tokens // GROUP * head_dim, "V": 2 * 2 * bh * tokens * head_dim // GROUP}
-    rec = {
-        "batch": batch,
-        "kv_heads": kv_heads,
-        "tokens": tokens,
-        "head_dim": head_dim,
-        "code_bytes": code_bytes,
-        "param_bytes": param_bytes,
-        "variants": {},
-    }
+def summarize(runs: list, code_bytes: int, all_bytes: int) -> dict:
+    """runs: (config, median us or None, error) per launch config -> a variant record with the fastest as `best`."""
+    record = {"configs": [{"config": c, "us": us, "err": err} for c, us, err in runs]}
+    timed = [r for r in runs if r[1] is not None]
+    if timed:
+        config, us, _ = min(timed, key=lambda r: r[1])
+        record["best"] = {
+            "config": config,
+            "us": us,
+            "codes_GBps": code_bytes / us / 1e3,
+            "all_GBps": all_bytes / us / 1e3,
+        }
+    return record
 
-    def entry(half, runs):
-        """runs: list of (config, us, error); the best config first in `best`."""
-        timed = [r for r in runs if r[1] is not None]
-        best = min(timed, key=lambda r: r[1]) if timed else None
-        e = {"configs": [{"config": c, "us": us, "err": err} for c, us, err in runs]}
-        if best:
-            e["best"] = {"config": best[0], "us": best[1], "codes_GBps": code_bytes / best[1] / 1e3}
-            if half:
-                e["best"]["all_GBps"] = (code_bytes + param_bytes[half]) / best[1] / 1e3
-        return e
 
-    for variant in KEY_VARIANTS:
-        errs = key_errors(variant, d, tokens, head_dim, ref_scores, ref_k_out, values)
-        runs = []
-        for splits in sweep["splits"]:
-            for warps in sweep["warps"]:
-                run, ml, _ = key_launcher(variant, d, tokens, head_dim, splits, warps)
-                run()
-                runs.append(
-                    ({"splits": splits, "warps": warps}, median_us(run) if timing else None, lse_error(ml, ref_scores))
-                )
-        rec["variants"][variant] = entry("K", runs) | errs | {"lse_max_abs_err": max(r[2] for r in runs)}
-        print(variant, json.dumps(rec["variants"][variant].get("best")), errs, flush=True)
-
-    for variant in VALUE_VARIANTS:
-        runs = []
-        for splits in sweep["splits"]:
-            for warps in sweep["warps"]:
-                for block_t in sweep["value_blocks"]:
-                    run, out = value_launcher(variant, d, tokens, head_dim, splits, warps, block_t)
-                    run()
-                    err = rel_err(out.sum(1)[:, :Q_HEADS_PER_KV], ref_v_out)
-                    runs.append(
-                        (
-                            {"splits": splits, "warps": warps, "block_t": block_t},
-                            median_us(run) if timing else None,
-                            err,
-                        )
-                    )
-        rec["variants"][variant] = entry("V", runs) | {"output_rel_err": max(r[2] for r in runs)}
-        print(
-            variant,
-            json.dumps(rec["variants"][variant].get("best")),
-            rec["variants"][variant]["output_rel_err"],
-            flush=True,
-        )
-
+def measure_keys(variant, d, tokens, head_dim, sweep, refs, timing) -> dict:
+    ref_scores, ref_k_out, _, values = refs
     runs = []
+    for splits in sweep["splits"]:
+        for warps in sweep["warps"]:
+            run, ml, _ = key_launcher(variant, d, tokens, head_dim, splits, warps)
+            run()
+            runs.append(
+                ({"splits": splits, "warps": warps}, median_us(run) if timing else None, lse_error(ml, ref_scores))
+            )
+    codes, params = (d[name].numel() * d[name].element_size() for name in ("k_codes", "k_scale"))
+    record = summarize(runs, codes, codes + 2 * params)
+    record |= key_errors(variant, d, tokens, head_dim, ref_scores, ref_k_out, values)
+    return record | {"lse_max_abs_err": max(r[2] for r in runs)}
+
+
+def measure_values(variant, d, tokens, head_dim, sweep, refs, timing) -> dict:
+    ref_v_out = refs[2]
+    runs = []
+    for splits in sweep["splits"]:
+        for warps in sweep["warps"]:
+            for block_t in sweep["value_blocks"]:
+                run, out = value_launcher(variant, d, tokens, head_dim, splits, warps, block_t)
+                run()
+                config = {"splits": splits, "warps": warps, "block_t": block_t}
+                err = rel_err(out.sum(1)[:, :Q_HEADS_PER_KV], ref_v_out)
+                runs.append((config, median_us(run) if timing else None, err))
+    codes, params = (d[name].numel() * d[name].element_size() for name in ("v_codes", "v_scale"))
+    return summarize(runs, codes, codes + 2 * params) | {"output_rel_err": max(r[2] for r in runs)}
+
+
+def measure_roof(d, tokens, sweep, timing) -> dict:
     words = d["k_codes"].view(torch.int32)
+    runs = []
     for splits in sweep["splits"]:
         expected = xor_reduce(words.unflatten(1, (splits, -1)).flatten(2))  # a broken roof must not look fast
         for block_t in sweep["roof_blocks"]:
@@ -621,8 +603,28 @@ def run_shape(batch, kv_heads, tokens, head_dim, sweep, gen, device, timing) -> 
             run()
             wrong = int((out != expected).sum())
             runs.append(({"splits": splits, "block_t": block_t}, median_us(run) if timing else None, wrong))
-    rec["variants"]["roof"] = entry(None, runs)
-    rec["variants"]["roof"]["wrong_results"] = sum(r[2] for r in runs)
+    codes = words.numel() * words.element_size()
+    return summarize(runs, codes, codes) | {"wrong_results": sum(r[2] for r in runs)}
+
+
+def run_shape(batch, kv_heads, tokens, head_dim, sweep, gen, device, timing) -> dict:
+    """Check every variant (every launch of the sweep) and, with `timing`, time them; returns the shape's record.
+    A variant that fails to compile or run is recorded with its error and the others still run."""
+    t_start = time.time()
+    d = make_data(batch, kv_heads, tokens, head_dim, gen, device)
+    refs = references(d, tokens, head_dim)
+    rec = {"batch": batch, "kv_heads": kv_heads, "tokens": tokens, "head_dim": head_dim, "variants": {}}
+    rec["code_bytes"] = d["k_codes"].numel()  # per half (K or V)
+    jobs = [(v, measure_keys, (v, d, tokens, head_dim, sweep, refs, timing)) for v in KEY_VARIANTS]
+    jobs += [(v, measure_values, (v, d, tokens, head_dim, sweep, refs, timing)) for v in VALUE_VARIANTS]
+    jobs += [("roof", measure_roof, (d, tokens, sweep, timing))]
+    for name, measure, args in jobs:
+        try:
+            rec["variants"][name] = measure(*args)
+        except Exception as exc:  # keep the rest of a scarce GPU run
+            rec["variants"][name] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        shown = {k: v for k, v in rec["variants"][name].items() if k != "configs"}
+        print(f"[{time.time() - t_start:6.1f} s] L={tokens} {name}: {json.dumps(shown)[:400]}", flush=True)
     if timing:
         rec["sdpa_bf16"] = sdpa_us(batch, kv_heads, tokens, head_dim, gen)
         rec["sdpa_bf16"]["GBps"] = rec["sdpa_bf16"]["bytes"] / rec["sdpa_bf16"]["us"] / 1e3
@@ -645,6 +647,9 @@ def failures(rec: dict) -> list[str]:
     """Variants of a shape record outside the tolerances."""
     bad = []
     for name, v in rec["variants"].items():
+        if "error" in v:
+            bad.append(f"{name}: {v['error'][:300]}")
+            continue
         if name == "roof":
             if v["wrong_results"]:
                 bad.append(f"roof: {v['wrong_results']} wrong xor results")
@@ -674,13 +679,18 @@ def print_table(record: dict) -> None:
             "best config"
         )
         for name, v in rec["variants"].items():
+            if "best" not in v:
+                print(f"{name:<22} (no timing: {v.get('error', 'not timed')[:90]})")
+                continue
             b, err = v["best"], v.get("output_rel_err", float("nan"))
-            all_gbps = b.get("all_GBps", b["codes_GBps"])
+            all_gbps = b["all_GBps"]
             print(
                 f"{name:<22} {b['us']:>8.1f} {b['codes_GBps']:>10.0f} {all_gbps:>9.0f} {100 * all_gbps / copy:>7.1f} "
                 f"{sdpa['us'] / b['us']:>7.2f} {err:>9.2e}  {b['config']}"
             )
         for k_name, v_name in PAIRS:
+            if not all("best" in rec["variants"][n] for n in (k_name, v_name)):
+                continue
             us = rec["variants"][k_name]["best"]["us"] + rec["variants"][v_name]["best"]["us"]
             name = f"{k_name.split()[0]} + {v_name.split()[0]}"
             print(
@@ -712,7 +722,6 @@ def main() -> None:
             sys.exit("--check-small without a GPU needs TRITON_INTERPRET=1 (Triton's CPU interpreter).")
         sweep = {"splits": (2,), "warps": (4,), "value_blocks": (32, 64), "roof_blocks": (32,)}
         rec = run_shape(1, 2, 256, head_dim, sweep, gen, gen_device, timing=False)
-        print(json.dumps(rec["variants"], indent=1))
         bad = failures(rec)
         print("\n".join(["FAILED " + b for b in bad] or ["check-small: all variants within tolerance"]))
         sys.exit(1 if bad else 0)
