@@ -55,6 +55,9 @@ TEXT = dict(
     bos_token_id=BOS,
     eos_token_id=EOS,
 )
+SIGLIP = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=4
+)
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}  # sums to head_dim / 2
 
 
