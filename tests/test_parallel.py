@@ -51,6 +51,7 @@ def _spawn(fn, *args) -> None:
 
 def _in_group(rank, fn, *args):
     torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD))  # as torchrun sets them
     dist.init_process_group("gloo", rank=rank, world_size=WORLD)
     try:
         fn(rank, *args)
@@ -113,3 +114,30 @@ def test_one_process_with_fewer_heads_than_the_config_reduces_nothing():
     cache = OscarCache(_config())
     cache.update(keys[:, :2], values[:, :2], 0)
     assert isinstance(cache.layers[0], OscarLayer) and cache.layers[0].head_group is None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# End to end: a tiny float64 Llama loaded with tp_plan="auto" in two gloo processes generates with the oscar cache
+# exactly as one process does (float64, so the only difference TP could make is in what the cache stores).
+
+GENERATE = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_logits=True)
+
+
+def _tp_generate(rank, path, prompt, want_logits):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, tp_plan="auto")
+    out = model.generate(prompt, cache_implementation="oscar", **GENERATE)
+    layer = out.past_key_values.layers[0]
+    assert layer.head_group is not None and layer.residual_keys.shape[1] == KV_HEADS // WORLD
+    assert layer.quantized_length == 128
+    torch.testing.assert_close(torch.stack(out.logits), want_logits, rtol=0, atol=1e-9)
+
+
+def test_tp_plan_generate_equals_one_process(tiny_llama, tmp_path):
+    model = tiny_llama(torch.float64, num_attention_heads=8, num_key_value_heads=KV_HEADS, hidden_size=128)
+    model.save_pretrained(tmp_path)
+    prompt = torch.randint(3, 97, (1, TOKENS))
+    out = model.generate(prompt, cache_implementation="oscar", **GENERATE)
+    assert out.past_key_values.layers[0].head_group is None
+    _spawn(_tp_generate, str(tmp_path), prompt, torch.stack(out.logits))
