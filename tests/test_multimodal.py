@@ -284,7 +284,9 @@ FAMILIES = {
 # Conversations: turn 1 puts the first image across the 128-token block boundary, turn 2 (same cache, a second
 # `generate` call) adds a second image.
 
-BLOCK = 128  # OscarConfig's default residual_length: the prompt's first complete block is quantized at prefill
+# OscarConfig's default residual_length, the boundary users get: the prompt's first complete block is quantized at
+# prefill. Prompts of 150-300 tokens cost little on these tiny models, so nothing is gained by a smaller window.
+BLOCK = 128
 IMAGE_AT = 120  # the first image starts 8 tokens before the block boundary, so its tokens straddle it
 NEW_TOKENS = 8
 GREEDY = dict(do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, return_dict_in_generate=True)
@@ -374,7 +376,6 @@ def _run(name, model, turns, cache_options: dict, first_cache=None) -> dict:
 @pytest.fixture(scope="module")
 def dynamic_run(conversation):
     name, model, turns = conversation
-    torch.manual_seed(1)
     return _run(name, model, turns, {}, first_cache=DynamicCache(config=model.config))
 
 
@@ -398,7 +399,6 @@ def test_exact_cache_generate_equals_dynamic_cache(conversation, dynamic_run, ex
     both turns: same tokens, same logits, same positions (M-RoPE included), same rope deltas."""
     name, model, turns = conversation
     monkeypatch.setattr(OscarCache, "layer_class", exact_oscar_cache.layer_class)
-    torch.manual_seed(1)
     got = _run(name, model, turns, {"cache_implementation": "oscar"})
     for turn in range(2):
         assert torch.equal(got["sequences"][turn], dynamic_run["sequences"][turn])
@@ -424,7 +424,6 @@ def test_real_codes_generate_with_exact_positions_and_memory_report(conversation
     """Real 2-bit codes: both turns run; positions (M-RoPE included) and rope deltas are those of DynamicCache, since
     they depend on where the tokens are, never on what the cache stores; the memory report matches the tensors."""
     name, model, turns = conversation
-    torch.manual_seed(1)
     got = _run(name, model, turns, {"cache_implementation": "oscar"})
     cache = got["cache"]
     assert all(torch.isfinite(logits).all() for logits in got["logits"])
