@@ -33,7 +33,7 @@ from .config import OscarConfig
 from .integrations import fused_attention
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .layout import QuantizedKV, StorageLayout
-from .reference import check_finite, check_head_dim, dequantize_kv, quantize_kv
+from .reference import check_finite, check_head_dim, dequantize_kv, quantize_kv, token_norms
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
@@ -49,6 +49,9 @@ class OscarLayer(CacheLayerMixin):
     # the fused kernel (its limit on query rows per KV head divided by the model's GQA group).
     use_kernels = False
     fused_query_tokens = 0
+    # Set by `OscarCache` at the first update when this process holds a shard of the layer's KV heads (tensor
+    # parallel): the torch.distributed group over which the Omni-Token norm (over all heads) is all-reduced.
+    head_group = None
 
     def __init__(self, config: OscarConfig):
         super().__init__()
@@ -194,7 +197,12 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
-        if self.use_kernels:
+        if self.head_group is not None and self.config.token_scaling:
+            # The norm covers the heads of every rank (one all-reduce per block). The Triton quantizer computes norms
+            # over the heads it sees and takes none, so sharded layers quantize with the reference (once per block).
+            norms = token_norms(keys, self.head_group)
+            block = quantize_kv(keys, values, self.config, norms=norms)
+        elif self.use_kernels:
             from .kernels import quantize_kv_triton
 
             block = quantize_kv_triton(keys, values, self.config)
@@ -359,6 +367,10 @@ class OscarCache(DynamicCache):
     Args:
         config: the model's config (`model.config`); the layer types come from it.
         oscar_config: an `OscarConfig`, or a dict of its fields (unknown keys are an error), or None for defaults.
+        tp_group: under tensor parallelism, the torch.distributed group over which the KV heads are sharded (default:
+            the whole world, as with `torchrun` and `tp_plan="auto"`; `generate` passes the model's own). A layer that
+            sees fewer KV heads than the config names while torch.distributed is initialized all-reduces its token
+            norms over this group, so they cover every head of the layer, as on one GPU.
 
     Example:
         >>> cache = OscarCache(model.config, OscarConfig(bits=2))
@@ -367,10 +379,11 @@ class OscarCache(DynamicCache):
 
     layer_class: type[OscarLayer] = OscarLayer
 
-    def __init__(self, config: PretrainedConfig, oscar_config: OscarConfig | dict | None = None):
+    def __init__(self, config: PretrainedConfig, oscar_config: OscarConfig | dict | None = None, tp_group=None):
         if not isinstance(oscar_config, OscarConfig):
             oscar_config = OscarConfig.from_dict(oscar_config)
         self.oscar_config = oscar_config
+        self.tp_group = tp_group
         text_config = config.get_text_config(decoder=True)
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
@@ -393,9 +406,28 @@ class OscarCache(DynamicCache):
         layer = self.layers[layer_idx]
         if isinstance(layer, OscarLayer) and not layer.is_initialized:
             layer.use_kernels = self._kernels_apply(key_states, value_states)
-            group = getattr(self._text_config, "num_attention_heads", key_states.shape[1]) // key_states.shape[1]
+            layer.head_group = self._head_shard_group(key_states)
+            kv_heads = getattr(self._text_config, "num_key_value_heads", None) or key_states.shape[1]
+            group = getattr(self._text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
             layer.fused_query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def _head_shard_group(self, key_states: torch.Tensor):
+        """The process group over which a layer seeing these keys has its KV heads sharded, or None when this
+        process holds all of them (one device, `device_map`, or no torch.distributed)."""
+        total, held = getattr(self._text_config, "num_key_value_heads", None), key_states.shape[1]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not isinstance(total, int) or held >= total or not distributed:
+            return None
+        group = self.tp_group if self.tp_group is not None else torch.distributed.group.WORLD
+        ranks = torch.distributed.get_world_size(group)
+        if held * ranks != total:
+            raise ValueError(
+                f"OscarCache: a layer holds {held} of the model's {total} KV heads, but the tensor-parallel group has "
+                f"{ranks} ranks ({held} x {ranks} != {total}), so the Omni-Token norm over all heads cannot be "
+                "assembled. Pass the group that shards the heads: OscarCache(config, tp_group=...)."
+            )
+        return group
 
     def _kernels_apply(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether a layer seeing these K/V uses the Triton kernels. With attention="auto" the portable path runs

@@ -49,14 +49,19 @@ def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     return (y * block**-0.5).flatten(-2)
 
 
-def token_norms(keys: torch.Tensor) -> torch.Tensor:
+def token_norms(keys: torch.Tensor, group=None) -> torch.Tensor:
     """Omni-Token Scaling factor n_t: the L2 norm of a key token over all KV heads and channels, `[B, 1, N]`.
 
     Computed in float32 (float64 stays float64); a zero or NaN norm (an all-zero or broken token) becomes 1 so
-    that dividing by it is always safe.
+    that dividing by it is always safe. With `group`, a torch.distributed process group over which the layer's KV
+    heads are sharded (tensor parallel), `keys` holds this rank's heads and the norm still covers every head: one
+    all-reduce of the squared norms.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    norms = k.square().sum(dim=(1, 3)).sqrt().unsqueeze(1)
+    squares = k.square().sum(dim=(1, 3))
+    if group is not None:
+        torch.distributed.all_reduce(squares, group=group)
+    norms = squares.sqrt().unsqueeze(1)
     return torch.where(norms > 0, norms, torch.ones_like(norms))  # NaN > 0 is False
 
 
@@ -90,11 +95,19 @@ def dequantize_groups(
     return codes.to(dtype) * scale + mn
 
 
-def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
-    """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size)."""
+def quantize_kv(
+    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, norms: torch.Tensor | None = None
+) -> QuantizedKV:
+    """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size).
+
+    `norms` overrides the token norms computed from `keys` (tensor parallel: `token_norms(keys, group)` covers the
+    KV heads of every rank)."""
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
-    norms = token_norms(k) if config.token_scaling else None
+    if not config.token_scaling:
+        norms = None
+    elif norms is None:
+        norms = token_norms(k)
     if config.rotation:
         k, v = hadamard_transform(k), hadamard_transform(v)
     if norms is not None:

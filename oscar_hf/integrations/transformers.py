@@ -34,11 +34,24 @@ def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_
             f'cache_implementation="oscar" needs a decoder-only model with a standard KV cache; '
             f"{type(self).__name__} does not use one."
         )
-    cache = OscarCache(self.config, OscarConfig.from_dict(generation_config.cache_config))
+    cache = OscarCache(
+        self.config, OscarConfig.from_dict(generation_config.cache_config), tp_group=_tensor_parallel_group(self)
+    )
     cache.reserve(max_cache_length)
     if generation_config.is_assistant:
         cache.activate_past_recording()
     model_kwargs["past_key_values"] = cache
+
+
+def _tensor_parallel_group(model):
+    """The process group of a model sharded with `tp_plan` (its device mesh's "tp" dimension), or None (the cache
+    then uses the whole world when it finds sharded KV heads)."""
+    mesh = getattr(model, "_device_mesh", None)
+    if mesh is None:
+        return None
+    if "tp" in (mesh.mesh_dim_names or ()):
+        return mesh.get_group("tp")
+    return mesh.get_group() if mesh.ndim == 1 else None
 
 
 def _wrap(original):

@@ -1,0 +1,243 @@
+"""Two GPUs: `device_map="auto"` (the layers split over 2 GPUs) and tensor parallel (`tp_plan="auto"` under torchrun),
+with a Llama-3.1-8B-shaped model (the real shape: 32 layers, 32 query / 8 KV heads, head_dim 128; random bf16
+weights), the OScaR cache against DynamicCache, greedy tokens compared with the single-GPU run.
+
+    python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32]
+
+One command runs everything (the tensor-parallel part launches `torchrun --nproc-per-node 2` on this script itself):
+
+1. the random-weight model is saved once (seed 0, `--model-dir`), so that every run loads the same weights;
+2. single GPU (cuda:0): greedy `generate`, DynamicCache and `cache_implementation="oscar"`: the reference tokens;
+3. `device_map="auto"` with GPU 0 capped at about half the weights, so the layers split over both GPUs; every OScaR
+   layer must hold its storage on its own layer's device;
+4. tensor parallel: each rank holds 4 of the 8 KV heads of every layer, and the OScaR layers all-reduce their token
+   norms over the TP group (oscar_hf/cache.py, `OscarLayer.head_group`).
+
+`step_ms` is the median time of a decode step inside `generate` (time between consecutive stopping-criteria calls,
+after a device synchronisation), warm-up run excluded. Writes benchmarks/results/multigpu_<gpu>.json with one row per
+(mode, cache). `tokens_equal_single_gpu` compares the new tokens with the single-GPU run of the same cache.
+device_map runs the same kernels on the same shapes, so its tokens should be bit-identical. Tensor parallel sums the
+row-parallel projections across ranks in another order, so even DynamicCache may diverge from one GPU on random
+weights (near-uniform logits); its row is the yardstick for the OScaR row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
+
+import oscar_hf
+from oscar_hf import OscarLayer
+
+LLAMA_31_8B = dict(
+    vocab_size=128256,
+    hidden_size=4096,
+    intermediate_size=14336,
+    num_hidden_layers=32,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=131072,
+    rope_theta=500000.0,
+)
+CACHES = ("dynamic", "oscar")
+
+
+class StepTimer(StoppingCriteria):
+    """Called by `generate` once per step, after the forward: records the wall time of each step."""
+
+    def __init__(self):
+        self.stamps = []
+
+    def __call__(self, input_ids, scores, **kwargs):
+        if input_ids.is_cuda:
+            torch.cuda.synchronize(input_ids.device)
+        self.stamps.append(time.perf_counter())
+        return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    def step_ms(self) -> float:
+        steps = [1000 * (b - a) for a, b in zip(self.stamps, self.stamps[1:])]  # decode steps (the first is prefill)
+        return statistics.median(steps)
+
+
+def prompt(vocab: int, context: int) -> torch.Tensor:
+    return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1))
+
+
+def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[list[int], float, object]:
+    """Greedy new tokens, median decode step time and the cache; a short warm-up first (Triton compiles, cuBLAS
+    tunes; 256 tokens quantize one block, so the OScaR kernels are compiled before the timed run)."""
+
+    def options() -> dict:
+        if cache == "oscar":
+            return dict(cache_implementation="oscar", do_sample=False, return_dict_in_generate=True)
+        return dict(past_key_values=DynamicCache(config=model.config), do_sample=False, return_dict_in_generate=True)
+
+    model.generate(ids[:, :256], max_new_tokens=4, **options())
+    timer = StepTimer()
+    out = model.generate(
+        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, stopping_criteria=[timer], **options()
+    )
+    return out.sequences[0, ids.shape[1] :].tolist(), timer.step_ms(), out.past_key_values
+
+
+def check_layers_on_their_devices(model, cache) -> list[str]:
+    """Every OScaR layer's residual window and quantized storage sit on the device of its model layer."""
+    devices = []
+    for index, layer in enumerate(cache.layers):
+        device = model.model.layers[index].self_attn.k_proj.weight.device
+        devices.append(str(device))
+        if not isinstance(layer, OscarLayer):
+            continue
+        tensors = [layer.residual_keys, layer.residual_values, *(t for t in layer.quantized() if t is not None)]
+        wrong = {str(t.device) for t in tensors if t.device != device}
+        if wrong:
+            raise AssertionError(f"OscarLayer {index} stores on {sorted(wrong)}, its model layer is on {device}")
+    return devices
+
+
+def first_divergence(tokens: list[int], reference: list[int]) -> int | None:
+    return next((i for i, (a, b) in enumerate(zip(tokens, reference)) if a != b), None)
+
+
+def tp_worker(args) -> None:
+    """One rank of `torchrun --nproc-per-node 2`: tp_plan="auto", both caches; rank 0 writes the results."""
+    rank = int(os.environ["RANK"])
+    if torch.cuda.is_available():  # (the CPU runs this worker too, with gloo, to check the script)
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, tp_plan="auto").eval()
+    ids = prompt(model.config.vocab_size, args.context).to(model.device)
+    results = {}
+    for cache in CACHES:
+        tokens, step_ms, kv = generate(model, ids, cache, args.new_tokens)
+        if cache == "oscar":
+            layer = kv.layers[0]
+            held, total = layer.residual_keys.shape[1], model.config.num_key_value_heads
+            if layer.head_group is None or held * torch.distributed.get_world_size() != total:
+                raise AssertionError(f"rank {rank}: layer 0 holds {held} of {total} KV heads, group {layer.head_group}")
+        results[cache] = dict(tokens=tokens, step_ms=step_ms)
+    if rank == 0:
+        Path(args.tp_worker).write_text(json.dumps(results))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--context", type=int, default=4096, help="prompt tokens")
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "oscar-llama-3.1-8b-random")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--tp-worker", help=argparse.SUPPRESS)  # internal: run as a torchrun rank, write here
+    args = parser.parse_args()
+    if args.tp_worker:
+        return tp_worker(args)
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"bench_multigpu needs 2 CUDA devices, found {torch.cuda.device_count()}.")
+
+    if not (args.model_dir / "config.json").exists():
+        print(f"saving the random-weight model to {args.model_dir}")
+        torch.manual_seed(0)
+        with torch.device("cuda:0"):
+            model = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA_31_8B), dtype=torch.bfloat16)
+        model.save_pretrained(args.model_dir)
+        del model
+        torch.cuda.empty_cache()
+
+    rows, reference = [], {}
+    ids = prompt(LLAMA_31_8B["vocab_size"], args.context)
+
+    print("single GPU")
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map="cuda:0").eval()
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    for cache in CACHES:
+        tokens, step_ms, _ = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
+        reference[cache] = tokens
+        rows.append(dict(mode="single", cache=cache, gpus=1, tokens_equal_single_gpu=True, step_ms=step_ms))
+    del model
+    torch.cuda.empty_cache()
+
+    print("device_map='auto' over 2 GPUs")
+    cap = {0: f"{weight_bytes * 0.55 / 2**30:.1f}GiB", 1: f"{torch.cuda.mem_get_info(1)[1] * 0.9 / 2**30:.0f}GiB"}
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=torch.bfloat16, device_map="auto", max_memory=cap
+    ).eval()
+    placed = sorted({str(d) for d in model.hf_device_map.values()})
+    if len(placed) < 2:
+        raise AssertionError(f"device_map='auto' with max_memory={cap} placed everything on {placed}")
+    for cache in CACHES:
+        tokens, step_ms, kv = generate(model, ids.to(model.device), cache, args.new_tokens)
+        row = dict(mode="device_map", cache=cache, gpus=2, step_ms=step_ms)
+        if cache == "oscar":
+            row["layer_devices"] = sorted(set(check_layers_on_their_devices(model, kv)))
+        rows.append(_compare(row, tokens, reference[cache]))
+    del model
+    torch.cuda.empty_cache()
+
+    print("tensor parallel (torchrun --nproc-per-node 2)")
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        command = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
+        options = [
+            "--context",
+            str(args.context),
+            "--new-tokens",
+            str(args.new_tokens),
+            "--model-dir",
+            str(args.model_dir),
+        ]
+        subprocess.run([*command, *options, "--tp-worker", out.name], check=True)
+        tp = json.loads(Path(out.name).read_text())
+    for cache in CACHES:
+        row = dict(mode="tp", cache=cache, gpus=2, step_ms=tp[cache]["step_ms"])
+        rows.append(_compare(row, tp[cache]["tokens"], reference[cache]))
+
+    gpu = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {
+        "benchmark": "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, "
+        "random bf16 weights",
+        "device": f"2x {gpu}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": commit or os.environ.get("OSCAR_GIT_COMMIT"),  # the GPU machine's copy has no .git
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "oscar_hf": oscar_hf.__version__,
+        },
+        "shape": {"batch": 1, "context": args.context, "new_tokens": args.new_tokens, **LLAMA_31_8B},
+        "device_map_max_memory": cap,
+        "results": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    path = args.out / f"multigpu_{slug}.json"
+    path.write_text(json.dumps(record, indent=2))
+    print(f"\n{record['device']}, context {args.context}, {args.new_tokens} new tokens ({path})")
+    print(f"{'mode':11s} {'cache':8s} {'gpus':>4s} {'step ms':>8s}  tokens equal to 1 GPU")
+    for row in rows:
+        diverged = "" if row["tokens_equal_single_gpu"] else f" (first differs at {row['first_divergence']})"
+        print(
+            f"{row['mode']:11s} {row['cache']:8s} {row['gpus']:4d} {row['step_ms']:8.2f}  "
+            f"{row['tokens_equal_single_gpu']}{diverged}"
+        )
+
+
+def _compare(row: dict, tokens: list[int], reference: list[int]) -> dict:
+    diverged = first_divergence(tokens, reference)
+    return dict(row, tokens_equal_single_gpu=diverged is None, first_divergence=diverged)
+
+
+if __name__ == "__main__":
+    main()
