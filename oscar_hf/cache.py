@@ -43,6 +43,7 @@ from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_T
 from .kernels import ops as kernel_ops
 from .reference import QuantizedKV, check_finite, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
 
@@ -176,6 +177,7 @@ class OscarLayer(CacheLayerMixin):
             )
         window = self.config.residual_length
         held = self._length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
+        torch._assert_async(held < self.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
         capacity = self._storage.key_scale.shape[2] * self.config.group_size
         if capacity:
             # A full residual (held a positive multiple of R) is flushed to tokens [held - R, held); otherwise the
@@ -210,8 +212,13 @@ class OscarLayer(CacheLayerMixin):
         return self.quantized_length + self.residual_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        if torch.compiler.is_compiling() and self._length is not None:
-            return self.max_cache_len, 0  # compiled steps attend over a mask of the reserved length
+        # Decode steps of a cache that can run compiled get a mask of the reserved length: one shape for the whole
+        # generation (generate builds the mask outside the compiled forward); the kernel reads it in storage order.
+        if self.compiled_decode and query_length == 1:
+            if torch.compiler.is_compiling():
+                return self.max_cache_len, 0
+            if self.get_seq_length():
+                return max(self.max_cache_len, self.get_seq_length() + 1), 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -534,7 +541,8 @@ class OscarCache(DynamicCache):
         """Why compiled decode cannot run with this model and configuration (empty when it can): it needs the fused
         path by the model's config (sdpa, head dims the kernel supports, only full-attention layers: no sliding
         window, KV sharing or linear attention) and the maximum length reserved (`generate` reserves it; by hand,
-        `reserve(max_length)`). The device (CUDA) is checked by `generate`, and by each layer at its first update."""
+        `reserve(max_length)`). The device (CUDA) is checked by `generate` before the prefill, and by each layer at its
+        first update (after which this reports it)."""
         text = self._text_config
         heads = getattr(text, "num_attention_heads", None) or 1
         head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
@@ -544,7 +552,7 @@ class OscarCache(DynamicCache):
             reason
             for failed, reason in (
                 (self.oscar_config.attention == "portable", "attention='portable'"),
-                (importlib.util.find_spec("triton") is None, "triton is not installed"),
+                (not _HAS_TRITON, "triton is not installed"),
                 (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
                 (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
                 (group > DECODE_MAX_QUERY_ROWS, f"{group} query heads per KV head exceed {DECODE_MAX_QUERY_ROWS}"),
@@ -553,6 +561,13 @@ class OscarCache(DynamicCache):
                     "the model has layers other than full attention",
                 ),
                 (self.offloading, "cache offloading is on"),
+                (
+                    any(
+                        isinstance(layer, OscarLayer) and layer.is_initialized and not layer.use_kernels
+                        for layer in self.layers
+                    ),
+                    "the fused kernels do not apply to the K/V this cache holds (see OscarConfig.attention)",
+                ),
                 (
                     any(isinstance(layer, OscarLayer) and layer.max_cache_len is None for layer in self.layers),
                     "no maximum length is reserved",
@@ -582,7 +597,7 @@ class OscarCache(DynamicCache):
                     not key_states.shape[-1] == value_states.shape[-1] in DECODE_HEAD_DIMS,
                     f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
-                (importlib.util.find_spec("triton") is None, "triton is not installed"),
+                (not _HAS_TRITON, "triton is not installed"),
             )
             if failed
         ]
