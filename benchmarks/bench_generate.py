@@ -2,7 +2,7 @@
 
     python benchmarks/bench_generate.py            # rows B=1 32K, B=1 128K, B=8 32K, B=4 128K
     python benchmarks/bench_generate.py --quick    # rows B=1 32K and B=8 32K, 24 new tokens
-    python benchmarks/bench_generate.py --rows 1x32768 4x131072 --new-tokens 40
+    python benchmarks/bench_generate.py --rows 1x131072 4x131072 --append   # add rows to the existing record
 
 Caches per row: bf16 DynamicCache; bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA
 graphs); OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`); OScaR with generate's automatic
@@ -90,6 +90,7 @@ def run(model, batch: int, context: int, new_tokens: int, cache_implementation: 
     )
     if compiled:  # generate's automatic compile of the decode steps: Inductor, CUDA graphs, one graph
         options["compile_config"] = CompileConfig(fullgraph=True)
+        torch._dynamo.reset()  # each row compiles for its own static shapes (and never hits the recompile limit)
     else:
         options["disable_compile"] = True
     if cache_implementation == "oscar":
@@ -116,8 +117,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS}, 24 new tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--append", action="store_true", help="keep the record's other rows (a run split in two)")
     args = parser.parse_args()
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
+    shapes = [tuple(int(x) for x in row.split("x")) for row in rows]  # (batch, context)
     new_tokens = 24 if args.quick and args.new_tokens == 40 else args.new_tokens
 
     torch.manual_seed(0)
@@ -142,11 +145,14 @@ def main() -> None:
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"generate_{slug}.json"
+    if args.append and path.exists():
+        earlier = json.loads(path.read_text())
+        record["rows"] = [r for r in earlier["rows"] if (r["batch"], r["context"]) not in shapes]
+        record["earlier_runs"] = [{k: earlier[k] for k in ("date", "commit", "new_tokens")}]
     probe = OscarCache(model.config, OscarConfig())
     probe.reserve(1)  # generate reserves its maximum length
     oscar_blockers = probe.compile_blockers()
-    for row in rows:
-        batch, context = (int(x) for x in row.split("x"))
+    for batch, context in shapes:
         for cache, implementation, compiled in VARIANTS:
             entry = {"batch": batch, "context": context, "cache": cache, "compiled": compiled}
             print(f"B={batch} context={context} {cache}{' compiled' if compiled else ''} ...", flush=True)
