@@ -175,3 +175,31 @@ def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, b
         top2 = b.topk(2, dim=-1).values
         decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
         assert torch.equal(tokens[decisive, step], b.argmax(-1)[decisive]), step
+
+
+@pytest.mark.gpu
+def test_compiled_decode_steps_never_synchronise_the_host(tiny_llama):
+    """The manual route (README): 200 compiled steps across a block flush run with CUDA's sync debug mode set to
+    raise on any host-device synchronisation."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+    ).to(DEVICE)  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 1000, (2, 100), device=DEVICE)
+    cache = OscarCache(model.config, OscarConfig())
+    cache.reserve(prompt.shape[1] + 210)
+    torch._dynamo.reset()
+    decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(5):  # compile, warm up, record the CUDA graph
+            token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(200):  # tokens 105..304: the flush of block [128, 256) happens on the way
+                token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.get_seq_length() == 305 and cache.layers[0].quantized_length == 256
