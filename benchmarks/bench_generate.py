@@ -1,29 +1,39 @@
-"""End-to-end decode with a Llama-3.1-8B-shaped model (random bf16 weights): bf16 DynamicCache vs OScaR, one run.
+"""`model.generate` with a Llama-3.1-8B-shaped model (random bf16 weights): the user's path, one process.
 
-    python benchmarks/bench_generate.py [--batch 8] [--context 32768] [--steps 32]
+    python benchmarks/bench_generate.py            # rows B=1 32K, B=1 128K, B=8 32K, B=4 128K
+    python benchmarks/bench_generate.py --quick    # rows B=1 32K and B=8 32K, 24 new tokens
+    python benchmarks/bench_generate.py --rows 1x131072 4x131072 --append   # add rows to the existing record
 
-For each cache: prefill the context (in chunks, so activations stay bounded), then time decode steps (one forward
-of one token per row, what `generate` runs per step) with CUDA events, and record the peak GPU memory of the whole
-run. Prints a table and writes benchmarks/results/generate_<gpu>.json. Random weights run at the real cost; the
-tokens they produce are meaningless.
+Caches per row: bf16 DynamicCache; bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA
+graphs); OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`); OScaR with generate's automatic
+compile (run only where `OscarCache.is_compileable`; otherwise recorded as skipped with the reason). A streamer
+synchronises the GPU at every token: the prefill time is the time to the first new token, the step time the median
+over the second half of the new tokens (the first ones compile and capture CUDA graphs). Peak memory covers the
+whole `generate` call. An out-of-memory run is recorded as such. Random weights run at the real cost; their tokens
+are meaningless.
+
+Writes benchmarks/results/generate_<gpu>.json after every run (a partial record survives an interrupted run):
+`rows: [{batch, context, cache, compiled, step_ms, tokens_per_s, peak_gib, prefill_s}]`.
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import statistics
 import subprocess
+import time
 from pathlib import Path
 
 import torch
 import transformers
-from tqdm import tqdm
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation import CompileConfig
 
-import oscar_hf
+import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
 from oscar_hf import OscarCache, OscarConfig
 
 LLAMA_31_8B = dict(
@@ -37,93 +47,143 @@ LLAMA_31_8B = dict(
     max_position_embeddings=131072,
     rope_theta=500000.0,
 )
+ROWS = ["1x32768", "1x131072", "8x32768", "4x131072"]
+QUICK_ROWS = ["1x32768", "8x32768"]
+# (cache label, generate's cache_implementation, compiled)
+VARIANTS = [
+    ("dynamic", "dynamic", False),
+    ("static", "static", True),
+    ("oscar", "oscar", False),
+    ("oscar", "oscar", True),
+]
 
 
-def run(model, cache, batch: int, context: int, steps: int, chunk: int) -> dict:
+class _TokenClock:
+    """A generate streamer that synchronises the GPU as each token arrives and records the time."""
+
+    def __init__(self):
+        self.times: list[float] = []
+        self.prompt_seen = False
+
+    def put(self, value):
+        torch.cuda.synchronize()
+        if self.prompt_seen:  # the first call carries the prompt
+            self.times.append(time.perf_counter())
+        self.prompt_seen = True
+
+    def end(self):
+        pass
+
+
+def run(model, batch: int, context: int, new_tokens: int, cache_implementation: str, compiled: bool) -> dict:
+    gc.collect()
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
-    if isinstance(cache, OscarCache):
-        cache.reserve(context + steps)  # as generate() does with its max length
+    clock = _TokenClock()
+    options = dict(
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        do_sample=False,
+        streamer=clock,
+        cache_implementation=cache_implementation,
+    )
+    if compiled:  # generate's automatic compile of the decode steps: Inductor, CUDA graphs, one graph
+        options["compile_config"] = CompileConfig(fullgraph=True)
+        torch._dynamo.reset()  # each row compiles for its own static shapes (and never hits the recompile limit)
+    else:
+        options["disable_compile"] = True
+    if cache_implementation == "oscar":
+        options["cache_config"] = {"attention": "auto"}
+    start = time.perf_counter()
     with torch.inference_mode():
-        for start in tqdm(range(0, context, chunk), desc="prefill", leave=False):
-            out = model(ids[:, start : start + chunk], past_key_values=cache, use_cache=True, logits_to_keep=1)
-        token = out.logits[:, -1:].argmax(-1)
-        times = []
-        for _ in tqdm(range(steps), desc="decode", leave=False):
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            begin.record()
-            out = model(token, past_key_values=cache, use_cache=True)
-            end.record()
-            end.synchronize()
-            times.append(begin.elapsed_time(end))
-            token = out.logits[:, -1:].argmax(-1)
-    warm = times[3:]  # the first steps compile/tune kernels
+        model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+    steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
+    steady = steps[len(steps) // 2 :]
+    step_ms = 1000 * statistics.median(steady)
     return {
-        "decode_step_ms_median": statistics.median(warm),
-        "decode_step_ms_p20_p80": [statistics.quantiles(warm, n=5)[0], statistics.quantiles(warm, n=5)[-1]],
-        "tokens_per_s": batch * 1000 / statistics.median(warm),
-        "peak_memory_gib": torch.cuda.max_memory_allocated() / 2**30,
-        "kv_cache": {k: v for k, v in vars(oscar_hf.kv_memory(cache)).items()},
+        "step_ms": step_ms,
+        "step_ms_p20_p80": [1000 * q for q in statistics.quantiles(steady, n=5)[::3]],
+        "tokens_per_s": batch * 1000 / step_ms,
+        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
+        "prefill_s": clock.times[0] - start,
+        "steps_timed": len(steady),
     }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--steps", type=int, default=32)
-    parser.add_argument("--chunk", type=int, default=4096, help="prefill chunk (tokens per forward)")
+    parser.add_argument("--rows", nargs="+", default=None, help="BATCHxCONTEXT entries (default: the four rows)")
+    parser.add_argument("--new-tokens", type=int, default=40)
+    parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS}, 24 new tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--append", action="store_true", help="keep the record's other rows (a run split in two)")
     args = parser.parse_args()
+    rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
+    shapes = [tuple(int(x) for x in row.split("x")) for row in rows]  # (batch, context)
+    new_tokens = 24 if args.quick and args.new_tokens == 40 else args.new_tokens
 
     torch.manual_seed(0)
     config = LlamaConfig(**LLAMA_31_8B)
     with torch.device("cuda"):
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    caches = {
-        "bf16 DynamicCache (sdpa)": lambda: DynamicCache(config=model.config),
-        "oscar int2 (fused)": lambda: OscarCache(model.config, OscarConfig(attention="fused")),
-        "oscar int2 (portable)": lambda: OscarCache(model.config, OscarConfig(attention="portable")),
-    }
-    results = {}
-    for name, make in caches.items():
-        try:
-            results[name] = run(model, make(), args.batch, args.context, args.steps, args.chunk)
-        except torch.OutOfMemoryError as error:
-            results[name] = {"error": f"out of memory: {error}".splitlines()[0]}
-    baseline = results["bf16 DynamicCache (sdpa)"].get("decode_step_ms_median")
-    for entry in results.values():
-        if baseline and "decode_step_ms_median" in entry:
-            entry["speedup_vs_bf16"] = baseline / entry["decode_step_ms_median"]
+    model.generation_config.pad_token_id = 0
 
     gpu = torch.cuda.get_device_name()
     # The GPU machine gets a copy of the tree without .git: OSCAR_GIT_COMMIT names the commit there.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    commit = commit or os.environ.get("OSCAR_GIT_COMMIT")
     record = {
-        "benchmark": "decode step, Llama-3.1-8B shape, random bf16 weights",
+        "benchmark": "model.generate decode step, Llama-3.1-8B shape, random bf16 weights, greedy",
         "device": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
-        "shape": {"batch": args.batch, "context": args.context, "decode_steps_timed": args.steps - 3, **LLAMA_31_8B},
-        "results": results,
+        "commit": commit or os.environ.get("OSCAR_GIT_COMMIT"),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
+        "model": LLAMA_31_8B,
+        "new_tokens": new_tokens,
+        "rows": [],
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
-    path = args.out / f"generate_{slug}_b{args.batch}_ctx{args.context}.json"
-    path.write_text(json.dumps(record, indent=2))
-    print(f"\n{gpu}, B={args.batch}, context={args.context} ({path})")
-    print(f"{'cache':28s} {'step ms':>9s} {'tok/s':>8s} {'peak GiB':>9s} {'vs bf16':>8s}")
-    for name, entry in results.items():
-        if "error" in entry:
-            print(f"{name:28s} {entry['error']}")
-            continue
-        print(
-            f"{name:28s} {entry['decode_step_ms_median']:9.2f} {entry['tokens_per_s']:8.1f} "
-            f"{entry['peak_memory_gib']:9.1f} {entry.get('speedup_vs_bf16', float('nan')):7.2f}x"
-        )
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"generate_{slug}.json"
+    if args.append and path.exists():
+        earlier = json.loads(path.read_text())
+        record["rows"] = [r for r in earlier["rows"] if (r["batch"], r["context"]) not in shapes]
+        record["earlier_runs"] = [{k: earlier[k] for k in ("date", "commit", "new_tokens")}]
+    probe = OscarCache(model.config, OscarConfig())
+    probe.reserve(1)  # generate reserves its maximum length
+    oscar_blockers = probe.compile_blockers()
+    for batch, context in shapes:
+        for cache, implementation, compiled in VARIANTS:
+            entry = {"batch": batch, "context": context, "cache": cache, "compiled": compiled}
+            print(f"B={batch} context={context} {cache}{' compiled' if compiled else ''} ...", flush=True)
+            if cache == "oscar" and compiled and oscar_blockers:
+                entry["skipped"] = f"OscarCache is not compileable here: {'; '.join(oscar_blockers)}"
+            else:
+                try:
+                    entry.update(run(model, batch, context, new_tokens, implementation, compiled))
+                except torch.OutOfMemoryError as error:
+                    entry["error"] = f"out of memory: {error}".splitlines()[0]
+            record["rows"].append(entry)
+            path.write_text(json.dumps(record, indent=2))
+            gc.collect()
+            torch.cuda.empty_cache()
+    print(f"\n{gpu} ({path})")
+    print(f"{'B':>3s} {'context':>8s} {'cache':>8s} {'compiled':>8s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>9s}")
+    for e in record["rows"]:
+        head = f"{e['batch']:3d} {e['context']:8d} {e['cache']:>8s} {str(e['compiled']):>8s}"
+        if "step_ms" in e:
+            print(f"{head} {e['step_ms']:8.2f} {e['tokens_per_s']:8.1f} {e['peak_gib']:9.1f}")
+        else:
+            print(f"{head} {e.get('error') or e.get('skipped')}")
+
+
+def _triton() -> str | None:
+    try:
+        import triton
+
+        return triton.__version__
+    except ImportError:
+        return None
 
 
 if __name__ == "__main__":

@@ -14,6 +14,14 @@ moved to the quantized region, the newest block once the next update begins (aft
 the rest of the history exact, and its own tokens exact; the fused decode kernel finds a step's own tokens at the end
 of the residual.
 
+Compiled decode (`torch.compile`, CUDA graphs): where the fused path applies and the maximum length is reserved
+(`generate` does it; `OscarCache.reserve` by hand), storage is allocated once at full size and a layer keeps its
+length in a device counter. A compiled single-token step writes the token at the residual slot and flushes a
+complete block from that counter alone (the flush is computed every step and writes the block back unchanged until
+it is complete), and attends over the whole reserved storage with the unused part masked: shapes and addresses never
+change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
+back from the counter.
+
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
 chunked prefill, scoring) attends to the dequantized history plus its own exact tokens.
@@ -32,9 +40,11 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig
 from .integrations import fused_attention
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
+from .kernels import ops as kernel_ops
 from .layout import QuantizedKV, StorageLayout
 from .reference import check_finite, check_head_dim, dequantize_kv, quantize_kv, token_norms
 
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
 
@@ -52,26 +62,55 @@ class OscarLayer(CacheLayerMixin):
     # Set by `OscarCache` at the first update when this process holds a shard of the layer's KV heads (tensor
     # parallel): the torch.distributed group over which the Omni-Token norm (over all heads) is all-reduced.
     head_group = None
+    max_cache_len: int | None = None  # set by `reserve`: the most tokens this layer will hold (generate's max length)
 
     def __init__(self, config: OscarConfig):
         super().__init__()
         self.config = config
         self.layout = StorageLayout.of(config)
+        self._op_config = kernel_ops.config_key(config)  # the config as the custom ops take it
         self.quantized_length = 0
         self.residual_length = 0  # tokens currently in the residual window
         self._storage: QuantizedKV | None = None  # capacity buffers; the first `quantized_length` tokens are valid
         self._reserved_tokens = 0
         self.residual_keys: torch.Tensor | None = None  # [B, Hkv, config.residual_length, Dk], model dtype
         self.residual_values: torch.Tensor | None = None
+        self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
+        self._length: torch.Tensor | None = None  # tokens held, on the device (compiled decode only)
+        self._length_is_newer = False  # compiled steps advanced `_length` past the host-side lengths
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_head_dim(key_states.shape[-1], self.config)
         check_head_dim(value_states.shape[-1], self.config)
         self.dtype, self.device = key_states.dtype, key_states.device
         window = self.config.residual_length
-        self.residual_keys = key_states.new_empty(*key_states.shape[:2], window, key_states.shape[-1])
-        self.residual_values = value_states.new_empty(*value_states.shape[:2], window, value_states.shape[-1])
+        # Zeros: compiled steps read (masked) unused slots, which must never hold NaN garbage.
+        self.residual_keys = key_states.new_zeros(*key_states.shape[:2], window, key_states.shape[-1])
+        self.residual_values = value_states.new_zeros(*value_states.shape[:2], window, value_states.shape[-1])
         self.is_initialized = True
+        if self.compiled_decode:
+            self._prepare_compiled_decode()
+
+    def _prepare_compiled_decode(self) -> None:
+        """Allocate the reserved storage once (zeros beyond the stored tokens), start the device counter, and mark
+        the buffers as static addresses for CUDA graphs."""
+        if self._storage is None:
+            keys, values = self.residual_keys, self.residual_values
+            (batch, key_heads, _, key_dim), (_, value_heads, _, value_dim) = keys.shape, values.shape
+            self._storage = self.layout.empty(batch, key_heads, key_dim, value_heads, value_dim, 0, keys.device)
+        self._grow(self._reserved_tokens)
+        for buf, rows in zip(self._storage, self.layout.tokens_per_row):
+            if buf is not None:
+                buf[:, :, self.quantized_length // rows :] = 0
+        self._length = torch.tensor(self.get_seq_length(), dtype=torch.long, device=self.device)
+        for tensor in (self.residual_keys, self.residual_values, self._length, *self._storage):
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor)
+
+    @property
+    def compiled_decode(self) -> bool:
+        """Whether compiled single-token steps can run: the fused path applies and the maximum length is reserved."""
+        return self.use_kernels and self.max_cache_len is not None
 
     # ----------------------------------------------------------------------------------------------------------
     # transformers' layer API
@@ -82,6 +121,14 @@ class OscarLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         self._check_shape(key_states, value_states)
+        if torch.compiler.is_compiling():
+            return self._compiled_step(key_states, value_states)
+        keys, values = self._eager_update(key_states, value_states)
+        if self._length is not None:
+            self._length.fill_(self.get_seq_length())
+        return keys, values
+
+    def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if self.get_seq_length() == 0:
             self.append(key_states, value_states)
             return key_states, value_states
@@ -119,10 +166,58 @@ class OscarLayer(CacheLayerMixin):
             "new OscarCache."
         )
 
-    def get_seq_length(self) -> int:
+    def _compiled_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """One token per row, stored from the device counter alone (module docstring); a fused step."""
+        if not self.compiled_decode or key_states.shape[-2] != 1:
+            raise RuntimeError(
+                "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "
+                "sdpa model, supported head dims) with the maximum length reserved (`generate` reserves it; by hand: "
+                f"`cache.reserve(max_length)` before the prefill). Got {key_states.shape[-2]} tokens, fused path "
+                f"{'on' if self.use_kernels else 'off'}, reserved length {self.max_cache_len}. Run this step eagerly."
+            )
+        window = self.config.residual_length
+        held = self._length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
+        torch._assert_async(held < self.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
+        if self.layout.num_tokens(self._storage):
+            # A full residual (held a positive multiple of R) is flushed to tokens [held - R, held); otherwise the
+            # block is computed anyway and block 0 is written back unchanged.
+            flush = (held % window == 0) & (held > 0)
+            block = kernel_ops.quantize_kv(self.residual_keys, self.residual_values, self._op_config)
+            first = torch.where(flush, held - window, 0)
+            for buf, part, rows in zip(self._storage, block, self.layout.tokens_per_row):
+                if buf is not None:
+                    index = first // rows + torch.arange(part.shape[2], device=buf.device)
+                    buf.index_copy_(2, index, torch.where(flush, part, buf.index_select(2, index)))
+        slot = (held % window).view(1)
+        self.residual_keys.index_copy_(2, slot, key_states)
+        self.residual_values.index_copy_(2, slot, value_states)
+        self._length.add_(1)
+        self._length_is_newer = True
+        fused_attention.expect_fused_decode(self, key_states, value_states)
+        return key_states, value_states
+
+    def _read_length(self) -> None:
+        """Bring the host-side lengths up to date after compiled steps (one host synchronisation)."""
+        if self._length_is_newer:
+            total = int(self._length)
+            self.quantized_length = (total - 1) // self.config.residual_length * self.config.residual_length
+            self.residual_length = total - self.quantized_length
+            self._length_is_newer = False
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        if torch.compiler.is_compiling() and self._length is not None:
+            return self._length  # a tensor, as transformers' StaticLayer returns: no recompilation per step
+        self._read_length()
         return self.quantized_length + self.residual_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Decode steps of a cache that can run compiled get a mask of the reserved length: one shape for the whole
+        # generation (generate builds the mask outside the compiled forward); the kernel reads it in storage order.
+        if self.compiled_decode and query_length == 1:
+            if torch.compiler.is_compiling():
+                return self.max_cache_len, 0
+            if self.get_seq_length():
+                return max(self.max_cache_len, self.get_seq_length() + 1), 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -130,7 +225,8 @@ class OscarLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
-        self._storage = self.residual_keys = self.residual_values = None
+        self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
+        self._length_is_newer = False
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -146,6 +242,8 @@ class OscarLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        if self._length is not None:
+            self._length.fill_(keep)
         if keep >= self.quantized_length:
             self.residual_length = keep - self.quantized_length
             return
@@ -214,6 +312,8 @@ class OscarLayer(CacheLayerMixin):
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
         the fused Triton kernel: `[B, Hq, Tq, D]`."""
+        if torch.compiler.is_compiling():
+            return self._compiled_attention(query, attention_mask, scaling)
         from .kernels import decode_attention_triton
 
         padding = None
@@ -226,6 +326,28 @@ class OscarLayer(CacheLayerMixin):
         residual_keys, residual_values = self.residual_keys[:, :, :held], self.residual_values[:, :, :held]
         return decode_attention_triton(
             query, self.quantized(), residual_keys, residual_values, padding, scaling, self.config
+        )
+
+    def _compiled_attention(
+        self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
+    ) -> torch.Tensor:
+        """The fused kernel over the whole reserved storage and residual window, the unused slots masked."""
+        window, total = self.config.residual_length, self._length  # `total` counts this step's token
+        quantized = (total - 1) // window * window
+        capacity = self.layout.num_tokens(self._storage)
+        slots = torch.arange(capacity + window, device=query.device)  # storage order: quantized, then residual
+        in_residual = slots >= capacity
+        valid = torch.where(in_residual, slots - capacity < total - quantized, slots < quantized)
+        if attention_mask is not None:  # [B or 1, 1, 1, max_cache_len] over positions: gather it in storage order
+            allowed = attention_mask[:, 0, -1]
+            if allowed.dtype != torch.bool:  # an additive float mask: 0 where attending
+                allowed = allowed == 0
+            position = torch.where(in_residual, quantized + slots - capacity, slots).clamp(max=allowed.shape[-1] - 1)
+            valid = valid & allowed.index_select(-1, position)
+        stored = self._storage if capacity else None
+        padding = valid.expand(query.shape[0], -1)
+        return kernel_ops.decode_attention(
+            query, stored, self.residual_keys, self.residual_values, padding, scaling, self._op_config
         )
 
     def quantized(self) -> QuantizedKV | None:
@@ -250,8 +372,11 @@ class OscarLayer(CacheLayerMixin):
 
     def reserve(self, tokens: int) -> None:
         """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length)."""
+        self.max_cache_len = tokens
         self._reserved_tokens = tokens - tokens % self.config.residual_length
-        if self.is_initialized and self._storage is not None:
+        if self.is_initialized and self.compiled_decode:
+            self._prepare_compiled_decode()
+        elif self.is_initialized and self._storage is not None:
             self._grow(self._reserved_tokens)
 
     def _stored(self, start: int, end: int) -> QuantizedKV:
@@ -296,6 +421,7 @@ class OscarLayer(CacheLayerMixin):
     def memory(self) -> KVMemory:
         if not self.is_initialized:
             return KVMemory()
+        self._read_length()
         elements_per_token = self.residual_keys[:, :, 0].numel() + self.residual_values[:, :, 0].numel()
         allocated = self.residual_keys.nbytes + self.residual_values.nbytes
         if self._storage is not None:
@@ -410,6 +536,8 @@ class OscarCache(DynamicCache):
             kv_heads = getattr(self._text_config, "num_key_value_heads", None) or key_states.shape[1]
             group = getattr(self._text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
             layer.fused_query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
+        if getattr(layer, "use_kernels", False):
+            fused_attention.register_cache(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
     def _head_shard_group(self, key_states: torch.Tensor):
@@ -428,6 +556,51 @@ class OscarCache(DynamicCache):
                 "assembled. Pass the group that shards the heads: OscarCache(config, tp_group=...)."
             )
         return group
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether decode steps may run compiled (`generate`'s automatic compile checks this, with the device): see
+        `compile_blockers`."""
+        return not self.compile_blockers()
+
+    def compile_blockers(self) -> list[str]:
+        """Why compiled decode cannot run with this model and configuration (empty when it can): it needs the fused
+        path by the model's config (sdpa, head dims the kernel supports, only full-attention layers: no sliding
+        window, KV sharing or linear attention) and the maximum length reserved (`generate` reserves it; by hand,
+        `reserve(max_length)`). The device (CUDA) is checked by `generate` before the prefill, and by each layer at its
+        first update (after which this reports it)."""
+        text = self._text_config
+        heads = getattr(text, "num_attention_heads", None) or 1
+        head_dim = getattr(text, "head_dim", None) or getattr(text, "hidden_size", 0) // heads
+        group = heads // (getattr(text, "num_key_value_heads", None) or heads)
+        implementation = getattr(text, "_attn_implementation", None)
+        return [
+            reason
+            for failed, reason in (
+                (self.oscar_config.attention == "portable", "attention='portable'"),
+                (not _HAS_TRITON, "triton is not installed"),
+                (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
+                (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
+                (group > DECODE_MAX_QUERY_ROWS, f"{group} query heads per KV head exceed {DECODE_MAX_QUERY_ROWS}"),
+                (
+                    not all(isinstance(layer, OscarLayer) for layer in self.layers),
+                    "the model has layers other than full attention",
+                ),
+                (self.offloading, "cache offloading is on"),
+                (
+                    any(
+                        isinstance(layer, OscarLayer) and layer.is_initialized and not layer.use_kernels
+                        for layer in self.layers
+                    ),
+                    "the fused kernels do not apply to the K/V this cache holds (see OscarConfig.attention)",
+                ),
+                (
+                    any(isinstance(layer, OscarLayer) and layer.max_cache_len is None for layer in self.layers),
+                    "no maximum length is reserved",
+                ),
+            )
+            if failed
+        ]
 
     def _kernels_apply(self, key_states: torch.Tensor, value_states: torch.Tensor) -> bool:
         """Whether a layer seeing these K/V uses the Triton kernels. With attention="auto" the portable path runs
@@ -450,7 +623,7 @@ class OscarCache(DynamicCache):
                     not key_states.shape[-1] == value_states.shape[-1] in DECODE_HEAD_DIMS,
                     f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
-                (importlib.util.find_spec("triton") is None, "triton is not installed"),
+                (not _HAS_TRITON, "triton is not installed"),
             )
             if failed
         ]

@@ -2,10 +2,13 @@
 
 transformers never passes the cache to attention functions: a module calls `past_key_values.update(k, v)` and then
 its attention function on what `update` returned. An `OscarLayer` that can decode with the Triton kernel therefore
-stores the step's tokens in `update`, records a *fused step* naming itself and the key/value tensors it returns, and
-returns the new tokens only. The `sdpa` entry of transformers' `AttentionInterface`, wrapped by `install()` once an
-OscarCache decides to use kernels, recognises those tensors and runs the fused kernel on the packed storage. Every
-other call (other models, other caches, prefill) goes straight to the original sdpa.
+stores the step's tokens in `update`, records a *fused step* (the key/value tensors it returns, the new tokens only)
+and returns them. The `sdpa` entry of transformers' `AttentionInterface`, wrapped by `install()` once an OscarCache
+decides to use kernels, finds the step through the cache that recorded it (`register_cache`), at the layer named by
+the attention module's `layer_idx` (or, for a layer reading another layer's K/V, by scanning the layers), and runs the
+fused kernel on the packed storage. Every other call (other models, other caches, prefill) goes straight to the
+original sdpa. The lookup compares tensors by identity and reads plain attributes, so dynamo traces it
+(`torch.compile(fullgraph=True)`) like eager code.
 
 A step stays valid until its layer's next update, for every call that receives exactly the returned tensors: a
 layer that reuses another layer's K/V (Gemma 3n, Gemma 4 KV sharing) attends over the producer's whole history.
@@ -37,65 +40,83 @@ _FIX = "Use OscarConfig(attention='portable') for this model."
 @dataclass
 class FusedStep:
     """A decode step an `OscarLayer` stored in `update`: the K/V it returned (the new tokens only) stand for the
-    layer's whole history in the sdpa calls that receive them."""
+    layer's whole history in the sdpa calls that receive them, until the layer's next update."""
 
-    layer: object  # the OscarLayer
     keys: torch.Tensor
     values: torch.Tensor
 
 
-class _Steps(threading.local):
-    """This thread's live steps, by `id(keys)` (a step holds its `keys`, so the id is not reused meanwhile), and the
-    one waiting for its first attention call (at most one: each update is followed by its attention)."""
+class _Dispatch(threading.local):
+    """This thread's cache whose layers hold fused steps, and the layer whose step waits for its first attention
+    call (at most one: each update is followed by its attention)."""
 
     def __init__(self):
-        self.live: dict[int, FusedStep] = {}
-        self.waiting: FusedStep | None = None
-
-    def clear(self) -> None:
-        self.live.clear()
+        self.cache = None
         self.waiting = None
 
+    def clear(self) -> None:
+        self.cache = self.waiting = None
 
-_steps = _Steps()
+
+_dispatch = _Dispatch()
+
+
+def register_cache(cache) -> None:
+    """Called by `OscarCache.update` on the fused path: attention calls look for fused steps in `cache`'s layers."""
+    _dispatch.cache = cache
 
 
 def expect_fused_decode(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
     """Called by `OscarLayer.update`: sdpa calls receiving `keys`/`values` attend over `layer`'s storage."""
-    if _steps.waiting is not None:
-        _steps.clear()
+    if _dispatch.waiting is not None:
+        _dispatch.waiting = None
         raise RuntimeError(
             "OscarCache: the previous decode step's attention did not run through the fused sdpa path (the model "
             "uses its own attention function, or an attention call raised), so it would have attended to the new "
             f"tokens only. {_FIX}"
         )
-    live = _steps.live
-    for key in [key for key, step in live.items() if step.layer is layer]:
-        del live[key]  # the layer's previous step ends with its next update
-    _steps.waiting = live[id(keys)] = FusedStep(layer, keys, values)
+    layer.fused_step = FusedStep(keys, values)
+    _dispatch.waiting = layer
 
 
-def _check_call(step: FusedStep | None, query: torch.Tensor, value: torch.Tensor) -> None:
+def _layer_of(module, key: torch.Tensor):
+    """The cache layer whose fused step returned `key`, or None."""
+    cache = _dispatch.cache
+    if cache is None:
+        return None
+    index = getattr(module, "layer_idx", None)
+    if isinstance(index, int) and 0 <= index < len(cache.layers):  # the usual case: the module's own layer
+        step = getattr(cache.layers[index], "fused_step", None)
+        if step is not None and step.keys is key:
+            return cache.layers[index]
+    for layer in cache.layers:  # a layer reading another layer's K/V (KV sharing)
+        step = getattr(layer, "fused_step", None)
+        if step is not None and step.keys is key:
+            return layer
+    return None
+
+
+def _check_call(layer, query: torch.Tensor, value: torch.Tensor) -> None:
     """Raise unless this sdpa call is one the fused kernel answers correctly (see the module docstring)."""
-    waiting = _steps.waiting
-    if step is None or (waiting is not None and step is not waiting):
+    waiting = _dispatch.waiting
+    if layer is None or (waiting is not None and layer is not waiting):
         problem = (
             "received keys that are not the ones the cache returned (the model changed them after the cache update, "
             "e.g. expanded MLA latents, padding or concatenation)"
-            if step is None
+            if layer is None
             else "belongs to another layer's decode step"
         )
         raise RuntimeError(
             f"OscarCache: an attention call made while a fused decode step was waiting for its attention {problem}; "
             f"the fused kernel cannot attend over the whole history for it. {_FIX}"
         )
+    step = layer.fused_step
     if value is not step.values:
         raise RuntimeError(
             "OscarCache: an attention call received the keys of a fused decode step with other values (the model "
             f"changed the values after the cache update); the fused kernel reads the stored values. {_FIX}"
         )
-    keys = step.keys
-    batch, kv_heads, tokens, head_dim = keys.shape
+    batch, kv_heads, tokens, head_dim = step.keys.shape
     q_batch, q_heads, q_tokens, q_dim = query.shape
     if (
         (q_batch, q_tokens, q_dim) != (batch, tokens, head_dim)
@@ -104,21 +125,25 @@ def _check_call(step: FusedStep | None, query: torch.Tensor, value: torch.Tensor
     ):
         raise RuntimeError(
             f"OscarCache: an attention call with query {tuple(query.shape)} does not match the fused decode step it "
-            f"uses (keys {tuple(keys.shape)}: same batch, tokens and head_dim, query heads a multiple of the KV "
+            f"uses (keys {tuple(step.keys.shape)}: same batch, tokens and head_dim, query heads a multiple of the KV "
             f"heads, at most {DECODE_MAX_QUERY_ROWS} query rows per KV head). {_FIX}"
         )
 
 
 def _fused_sdpa(original, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    step = _steps.live.get(id(key))  # a live step holds its keys: an equal id is the same tensor
-    if step is None and _steps.waiting is None:  # not a fused step's call: untouched
+    layer = _layer_of(module, key)
+    if layer is None and _dispatch.waiting is None:  # not a fused step's call: untouched
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-    _check_call(step, query, value)
-    _steps.waiting = None
-    layer = step.layer
+    _check_call(layer, query, value)
+    _dispatch.waiting = None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if dropout or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "OscarCache: compiled decode supports plain causal attention only (no dropout, softcap, sliding "
+                "window or sinks). Run this model eagerly."
+            )
         keys, values = layer.dense_history()  # includes this step's tokens: `update` stored them already
         return original(module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     out = layer.fused_attention(query, attention_mask, scaling)  # [B, Hq, Tq, D]
@@ -127,9 +152,8 @@ def _fused_sdpa(original, module, query, key, value, attention_mask, dropout=0.0
 
 def install() -> None:
     """Wrap transformers' `sdpa` attention entry (idempotent). Called as a new cache starts using the kernels, so it
-    also forgets the steps of earlier caches (and one left waiting by a forward that raised between `update` and
-    attention)."""
-    _steps.clear()
+    also forgets a step left waiting by a forward that raised between `update` and attention."""
+    _dispatch.clear()
     original = AttentionInterface._global_mapping["sdpa"]
     if hasattr(original, _WRAPPED_MARK):
         return
@@ -143,7 +167,7 @@ def uninstall() -> None:
     original = getattr(AttentionInterface._global_mapping["sdpa"], _WRAPPED_MARK, None)
     if original is not None:
         AttentionInterface.register("sdpa", original)
-    _steps.clear()
+    _dispatch.clear()
 
 
 def is_installed() -> bool:

@@ -3,6 +3,7 @@
 
 import pytest
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -31,3 +32,22 @@ def poison_empty(monkeypatch):
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
+
+
+class _ForceTokens(LogitsProcessor):
+    """Teacher forcing inside generate: step i must emit tokens[:, i] (the raw logits are still reported)."""
+
+    def __init__(self, tokens: torch.Tensor, prompt_length: int):
+        self.tokens, self.prompt_length = tokens, prompt_length
+
+    def __call__(self, input_ids, scores):
+        forced = torch.full_like(scores, float("-inf"))
+        step = input_ids.shape[1] - self.prompt_length
+        return forced.scatter_(1, self.tokens[:, step : step + 1], 0.0)
+
+
+@pytest.fixture
+def teacher_forcing():
+    """`teacher_forcing(tokens, prompt_length)`: logits processors that make generate emit `tokens`, so that two
+    paths compare their logits step by step on the same inputs."""
+    return lambda tokens, prompt_length: LogitsProcessorList([_ForceTokens(tokens, prompt_length)])

@@ -3,7 +3,7 @@ own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest
 
 import pytest
 import torch
-from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig, LogitsProcessor, LogitsProcessorList
+from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
 from oscar_hf.integrations import fused_attention
@@ -23,19 +23,7 @@ def model_on_device(tiny_llama):
     return make
 
 
-class _ForceTokens(LogitsProcessor):
-    """Teacher forcing inside generate: step i must emit tokens[:, i] (the raw logits are still reported)."""
-
-    def __init__(self, tokens: torch.Tensor, prompt_length: int):
-        self.tokens, self.prompt_length = tokens, prompt_length
-
-    def __call__(self, input_ids, scores):
-        forced = torch.full_like(scores, float("-inf"))
-        step = input_ids.shape[1] - self.prompt_length
-        return forced.scatter_(1, self.tokens[:, step : step + 1], 0.0)
-
-
-def _generate(model, ids, mask, attention, new_tokens, forced=None):
+def _generate(model, ids, mask, attention, new_tokens, logits_processor=None):
     cache = OscarCache(model.config, OscarConfig(attention=attention))
     out = model.generate(
         ids,
@@ -46,18 +34,18 @@ def _generate(model, ids, mask, attention, new_tokens, forced=None):
         min_new_tokens=new_tokens,
         output_logits=True,
         return_dict_in_generate=True,
-        logits_processor=None if forced is None else LogitsProcessorList([_ForceTokens(forced, ids.shape[1])]),
+        logits_processor=logits_processor,
     )
     return out, cache
 
 
-def _assert_fused_matches_portable(model, ids, mask, new_tokens):
+def _assert_fused_matches_portable(model, ids, mask, new_tokens, teacher_forcing):
     """Greedy decoding on the fused path; the portable path replays the same tokens (teacher forcing), so every
     step's logits compare on the same inputs, and each fused token must be the portable argmax wherever the
     portable top-2 margin exceeds the numerical difference between the paths."""
     fused, cache = _generate(model, ids, mask, FUSED, new_tokens)
     tokens = fused.sequences[:, ids.shape[1] :]
-    portable, _ = _generate(model, ids, mask, "portable", new_tokens, forced=tokens)
+    portable, _ = _generate(model, ids, mask, "portable", new_tokens, teacher_forcing(tokens, ids.shape[1]))
     assert torch.equal(portable.sequences, fused.sequences)
     for step, (a, b) in enumerate(zip(fused.logits, portable.logits)):
         a, b = a.float(), b.float()
@@ -72,7 +60,7 @@ def _assert_fused_matches_portable(model, ids, mask, new_tokens):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.bfloat16])
-def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monkeypatch):
+def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monkeypatch, teacher_forcing):
     model = model_on_device(dtype)
     ids = torch.randint(3, 101, (2, 150), device=DEVICE)
     mask = torch.ones_like(ids)
@@ -80,18 +68,18 @@ def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monke
     calls = []
     original = OscarLayer.fused_attention
     monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
-    cache = _assert_fused_matches_portable(model, ids, mask, new_tokens=6)  # prefill: 128 quantized, 22 exact
+    cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing)  # prefill: 128 quantized, 22 exact
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
 
 
-def test_fused_decode_across_a_flush_matches_portable(model_on_device):
+def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
-    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), new_tokens=10)  # flush at 257
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 10, teacher_forcing)  # flush at 257
     assert cache.layers[0].quantized_length == 256
 
 
-def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch):
+def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, teacher_forcing):
     """Gemma 3n: the last layers reuse the K/V that the last full-attention layer's `update` returned. On the fused
     path those are the new tokens only, standing for the producer's storage: the reuse layer must attend over the
     whole history (it attended to 1 key before the fix, 0.4 relative logit error, no error raised)."""
@@ -118,7 +106,7 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch):
     original = OscarLayer.fused_attention
     monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(self), original(self, *a))[1])
     ids = torch.randint(3, 101, (1, 150), device=DEVICE)
-    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), new_tokens=3)
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 3, teacher_forcing)
     # Layer 1 (the full-attention producer) and layer 3 (its reuse layer) both read layer 1's storage, 2 steps each.
     assert [type(layer).__name__ for layer in cache.layers][1] == "OscarLayer"
     assert calls == [cache.layers[1]] * 4
@@ -140,7 +128,7 @@ def test_unconsumed_fused_step_is_an_error():
     fresh = OscarCache(config, OscarConfig(attention=FUSED))
     fresh.update(kv[0], kv[1], 0)
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
-    assert fused_attention._steps.waiting.layer is fresh.layers[0]
+    assert fused_attention._dispatch.waiting is fresh.layers[0]
     fused_attention.uninstall()  # restore transformers' sdpa for the other tests
 
 
@@ -156,7 +144,7 @@ def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8
     keys, _ = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: portable
-    assert keys.shape[2] == 149 and fused_attention._steps.waiting is None
+    assert keys.shape[2] == 149 and fused_attention._dispatch.waiting is None
     keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused, only the new ones back
-    assert keys.shape[2] == 8 and fused_attention._steps.waiting.layer is cache.layers[0]
+    assert keys.shape[2] == 8 and fused_attention._dispatch.waiting is cache.layers[0]
     fused_attention.uninstall()  # restore transformers' sdpa for the other tests

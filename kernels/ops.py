@@ -1,0 +1,102 @@
+"""The Triton launchers as PyTorch custom ops, so that `torch.compile` traces a decode step without graph breaks.
+
+    torch.ops.oscar.decode_attention(query, quantized, residual_keys, residual_values, key_padding_mask, scaling,
+                                     config) -> [B, Hq, Tq, D]
+    torch.ops.oscar.quantize_kv(keys, values, config) -> the non-None fields of a QuantizedKV
+
+The ops take plain tensors: `quantized` is the list of `QuantizedKV` fields in order (an empty list for no
+quantized region; absent fields, e.g. `key_norms` without token scaling, as None), and `config` is the
+`OscarConfig` as JSON (`config_key`). Their fake implementations derive every output shape from the storage contract
+(`oscar_hf.layout.StorageLayout`) and the query, so the boundary does not depend on which kernel is behind it.
+Both are opaque to the compiler (`custom_op`): Inductor calls them as they are, CUDA graphs capture their launches.
+
+`decode_attention(...)` and `quantize_kv(...)` below are the typed Python entry points the cache calls (traceable:
+they take the config's key string and look nothing up but a dict filled eagerly).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import torch
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.layout import QuantizedKV, StorageLayout
+
+
+def config_key(config: OscarConfig) -> str:
+    """The op argument standing for `config`: its fields as canonical JSON. Computed eagerly (once per cache layer)
+    and passed on as a constant string, so that traced code never serializes anything."""
+    key = json.dumps(config.to_dict(), sort_keys=True)
+    _PRESENT_FIELDS.setdefault(key, tuple(dtype is not None for dtype in StorageLayout.of(config).dtypes))
+    return key
+
+
+# Which `QuantizedKV` fields a config stores (e.g. no `key_norms` without token scaling), by `config_key`.
+_PRESENT_FIELDS: dict[str, tuple[bool, ...]] = {}
+
+
+@functools.cache
+def _config(key: str) -> OscarConfig:
+    return OscarConfig.from_dict(json.loads(key))
+
+
+@torch.library.custom_op("oscar::decode_attention", mutates_args=())
+def _decode_attention_op(
+    query: torch.Tensor,
+    quantized: list[torch.Tensor | None],
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: str,
+) -> torch.Tensor:
+    from . import decode_attention_triton
+
+    stored = QuantizedKV(*quantized) if quantized else None
+    return decode_attention_triton(
+        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config)
+    )
+
+
+@_decode_attention_op.register_fake
+def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("oscar::quantize_kv", mutates_args=())
+def _quantize_kv_op(keys: torch.Tensor, values: torch.Tensor, config: str) -> list[torch.Tensor]:
+    from . import quantize_kv_triton
+
+    return [t for t in quantize_kv_triton(keys, values, _config(config)) if t is not None]
+
+
+@_quantize_kv_op.register_fake
+def _(keys, values, config):
+    batch, heads, tokens, head_dim = keys.shape
+    stored = StorageLayout.of(_config(config)).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
+    return [t for t in stored if t is not None]
+
+
+def decode_attention(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: str,
+) -> torch.Tensor:
+    """`decode_attention_triton` through the `oscar::decode_attention` op (same contract; `config` from
+    `config_key`)."""
+    fields = [] if quantized is None else list(quantized)
+    return torch.ops.oscar.decode_attention(
+        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config
+    )
+
+
+def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: str) -> QuantizedKV:
+    """`quantize_kv_triton` through the `oscar::quantize_kv` op (same contract; `config` from `config_key`)."""
+    parts = iter(torch.ops.oscar.quantize_kv(keys, values, config))
+    return QuantizedKV(*(next(parts) if present else None for present in _PRESENT_FIELDS[config]))

@@ -1,0 +1,205 @@
+"""Compiled decode (issue 8): `torch.compile(fullgraph=True)` traces an OScaR decode step (custom ops, device-side
+write position and block flush, the fused dispatch) in one graph, and gives the eager tokens. On CPU the kernels run
+in Triton's interpreter and the graphs run with the aot_eager backend; the GPU tests use generate's own automatic
+compile (Inductor, CUDA graphs)."""
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import LlamaConfig
+from transformers.generation import CompileConfig
+
+from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.integrations import fused_attention
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _restore_sdpa():
+    yield
+    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
+
+
+def _sdpa_llama_config(**overrides):
+    options = dict(num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256)
+    config = LlamaConfig(**{**options, **overrides})
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def test_is_compileable_only_where_the_fused_path_applies(gemma3_config):
+    def compileable(config, reserve=True, **options):
+        cache = OscarCache(config, OscarConfig(**options))
+        if reserve:
+            cache.reserve(1000)
+        return cache.is_compileable
+
+    assert compileable(_sdpa_llama_config())
+    assert not compileable(_sdpa_llama_config(), reserve=False)  # no maximum length: storage cannot be static
+    assert not compileable(_sdpa_llama_config(), attention="portable")
+    assert not compileable(_sdpa_llama_config(head_dim=32))
+    eager = _sdpa_llama_config()
+    eager._attn_implementation = "eager"
+    assert not compileable(eager)
+    gemma3_config._attn_implementation = "sdpa"
+    assert not compileable(gemma3_config)  # sliding-window layers keep transformers' dynamic layers
+    assert "the model has layers other than full attention" in OscarCache(gemma3_config).compile_blockers()
+
+
+def _decode(model, forward, prompt, steps, **options):
+    """Eager prefill, then `steps` greedy single-token steps through `forward`; returns tokens and logits."""
+    cache = OscarCache(model.config, OscarConfig(**options))
+    cache.reserve(prompt.shape[1] + steps)
+    with torch.no_grad():
+        out = model(prompt, past_key_values=cache, use_cache=True)
+        token, tokens, logits = out.logits[:, -1:].argmax(-1), [], []
+        for _ in range(steps):
+            tokens.append(token)
+            out = forward(input_ids=token, past_key_values=cache, use_cache=True)
+            logits.append(out.logits[:, -1].float())
+            token = out.logits[:, -1:].argmax(-1)
+    return torch.cat(tokens, 1), logits, cache
+
+
+def test_compiled_decode_matches_eager_across_a_flush(tiny_llama):
+    """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
+    )
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 101, (1, 28), device=DEVICE)
+    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32)
+    eager_tokens, eager_logits, _ = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    tokens, logits, cache = _decode(model, compiled, prompt, 6, **options)
+    assert torch.equal(tokens, eager_tokens)
+    for a, b in zip(logits, eager_logits):
+        # Same codes and kernel; the compiled step reads the reserved storage whole, masked: fp32-level differences.
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    layer = cache.layers[0]
+    assert layer.get_seq_length() == 34 and layer.quantized_length == 32  # host lengths read back from the device
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step, flush included
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def test_a_compiled_step_the_cache_cannot_run_is_an_error(tiny_llama):
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
+    )
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 101, (1, 20), device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.to(DEVICE).forward, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="compiled forward can only run single-token decode steps on the fused path"):
+        _decode(model, compiled, prompt, 1, attention="portable")
+
+
+@pytest.mark.slow
+def test_generate_auto_compiles_an_oscar_cache(tiny_llama):
+    """generate's own route (`_valid_auto_compile_criteria`, `compile_config`) on a left-padded batch across a
+    flush: one graph for every decode step, the eager tokens. On CPU only through `_compile_all_devices`."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
+    )
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 101, (2, 28), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    prompt[1, :5], mask[1, :5] = 0, 0
+    options = dict(
+        attention_mask=mask,
+        cache_implementation="oscar",
+        cache_config={"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": 32},
+        do_sample=False,
+        max_new_tokens=8,
+        min_new_tokens=8,
+    )
+    eager = model.to(DEVICE).generate(prompt, disable_compile=True, **options)
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(prompt, compile_config=compile_config, **options)
+    assert torch.equal(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def _generate(model, prompt, mask, new_tokens, compiled, logits_processor=None):
+    options = dict(disable_compile=True)
+    if compiled:
+        options = dict(compile_config=CompileConfig(fullgraph=True))  # generate's default: Inductor, CUDA graphs
+    return model.generate(
+        prompt,
+        attention_mask=mask,
+        cache_implementation="oscar",
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+        logits_processor=logits_processor,
+        **options,
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, batch):
+    """generate's automatic compile (fullgraph, CUDA graphs) on a random GQA Llama, 1000 steps across seven block
+    flushes (B=3 left-padded): every step's logits match eager OScaR on the same tokens (teacher forcing), each
+    compiled token is the eager argmax wherever the eager top-2 margin exceeds the difference, and the whole
+    generation compiles a bounded number of graphs."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+    ).to(DEVICE)  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 1000, (batch, 300), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    if batch > 1:
+        prompt[1:, :57], mask[1:, :57] = 0, 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, prompt, mask, 1000, compiled=True)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs == 1, graphs  # one graph for all 999 decode steps (measured on CPU: 1)
+    tokens = compiled.sequences[:, prompt.shape[1] :]
+    eager = _generate(model, prompt, mask, 1000, False, teacher_forcing(tokens, prompt.shape[1]))
+    assert torch.equal(eager.sequences, compiled.sequences)
+    for step, (a, b) in enumerate(zip(compiled.logits, eager.logits)):
+        a, b = a.float(), b.float()
+        assert ((a - b).norm() / b.norm()).item() < 2e-2, step  # bf16 outputs of differently split attention
+        top2 = b.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
+        assert torch.equal(tokens[decisive, step], b.argmax(-1)[decisive]), step
+
+
+@pytest.mark.gpu
+def test_compiled_decode_steps_never_synchronise_the_host(tiny_llama):
+    """The manual route (README): 200 compiled steps across a block flush run with CUDA's sync debug mode set to
+    raise on any host-device synchronisation."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+    ).to(DEVICE)  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 1000, (2, 100), device=DEVICE)
+    cache = OscarCache(model.config, OscarConfig())
+    cache.reserve(prompt.shape[1] + 210)
+    torch._dynamo.reset()
+    decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        for _ in range(5):  # compile, warm up, record the CUDA graph
+            token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(200):  # tokens 105..304: the flush of block [128, 256) happens on the way
+                token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    assert cache.get_seq_length() == 305 and cache.layers[0].quantized_length == 256

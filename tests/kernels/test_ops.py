@@ -1,0 +1,63 @@
+"""The custom-op boundary (oscar_hf.kernels.ops): registered correctly (torch.library.opcheck: schema, fake tensors,
+autograd registration, AOT dispatch), the same results as the launchers, and traced by dynamo without graph breaks.
+On CPU the kernels run in Triton's interpreter."""
+
+import pytest
+import torch
+from oscar_hf.kernels import decode_attention_triton, ops, quantize_kv_triton
+
+from oscar_hf import OscarConfig
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _inputs(config, batch=1, quantized_tokens=32, residual=8):
+    keys, values = torch.randn(2, batch, 2, quantized_tokens + residual, 64, device=DEVICE, dtype=torch.bfloat16)
+    stored = quantize_kv_triton(keys[:, :, :quantized_tokens], values[:, :, :quantized_tokens], config)
+    query = torch.randn(batch, 4, 1, 64, device=DEVICE, dtype=torch.bfloat16)
+    mask = torch.rand(batch, quantized_tokens + residual, device=DEVICE) > 0.2
+    return query, stored, keys[:, :, quantized_tokens:], values[:, :, quantized_tokens:], mask
+
+
+@pytest.mark.parametrize("token_scaling", [True, False])
+def test_quantize_op_matches_the_launcher_and_passes_opcheck(token_scaling):
+    config = OscarConfig(residual_length=32, token_scaling=token_scaling)
+    keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
+    got, expected = ops.quantize_kv(keys, values, ops.config_key(config)), quantize_kv_triton(keys, values, config)
+    for name, a, b in zip(got._fields, got, expected):
+        assert (a is None) == (b is None), name
+        if a is not None:
+            assert torch.equal(a, b), name
+    torch.library.opcheck(torch.ops.oscar.quantize_kv.default, (keys, values, ops.config_key(config)))
+
+
+@pytest.mark.parametrize("with_history", [True, False])
+def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history):
+    config = OscarConfig(residual_length=32)
+    query, stored, residual_keys, residual_values, mask = _inputs(config)
+    if not with_history:
+        stored, mask = None, mask[:, -residual_keys.shape[2] :]
+    args = (query, stored, residual_keys, residual_values, mask, 0.125, config)
+    assert torch.equal(ops.decode_attention(*args[:-1], ops.config_key(config)), decode_attention_triton(*args))
+    fields = [] if stored is None else list(stored)
+    op_args = (query, fields, residual_keys, residual_values, mask, 0.125, ops.config_key(config))
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, op_args)
+
+
+def test_ops_compile_without_graph_breaks():
+    config = OscarConfig(residual_length=32)
+    query, stored, residual_keys, residual_values, mask = _inputs(config)
+
+    key = ops.config_key(config)
+
+    def step(query, keys, values, stored, residual_keys, residual_values, mask):
+        block = ops.quantize_kv(keys, values, key)
+        out = ops.decode_attention(query, stored, residual_keys, residual_values, mask, 0.125, key)
+        return out, block
+
+    keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
+    args = (query, keys, values, stored, residual_keys, residual_values, mask)
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    (out, block), (expected_out, expected_block) = compiled(*args), step(*args)
+    assert torch.equal(out, expected_out)
+    assert all(torch.equal(a, b) for a, b in zip(block, expected_block) if a is not None)
