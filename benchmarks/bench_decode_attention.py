@@ -235,11 +235,9 @@ def sweep(config, gen, shapes) -> list:
 
 
 def git_commit() -> str | None:
-    """HEAD of the checkout, or $OSCAR_GIT_COMMIT where the tree travelled without .git (the lent GPU machine)."""
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("OSCAR_GIT_COMMIT")
+    """$OSCAR_GIT_COMMIT where it is set (the lent GPU machine's copy of the tree carries a stale .git), else HEAD."""
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
 
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.

@@ -130,13 +130,13 @@ def main() -> None:
     model.generation_config.pad_token_id = 0
 
     gpu = torch.cuda.get_device_name()
-    # The GPU machine gets a copy of the tree without .git: OSCAR_GIT_COMMIT names the commit there.
+    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "model.generate decode step, Llama-3.1-8B shape, random bf16 weights, greedy",
         "device": gpu,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or os.environ.get("OSCAR_GIT_COMMIT"),
+        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
         "model": LLAMA_31_8B,
         "new_tokens": new_tokens,

@@ -210,7 +210,7 @@ def main() -> None:
         "random bf16 weights",
         "device": f"2x {gpu}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": commit or os.environ.get("OSCAR_GIT_COMMIT"),  # the GPU machine's copy has no .git
+        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
         "versions": {
             "torch": torch.__version__,
             "transformers": transformers.__version__,

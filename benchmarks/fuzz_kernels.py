@@ -18,6 +18,7 @@ import datetime
 import importlib.util
 import json
 import multiprocessing
+import os
 import random
 import re
 import subprocess
@@ -87,7 +88,9 @@ def main() -> None:
     worst = max(passed, key=lambda r: r["rel_rmse"], default=None)
 
     device = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip() or None
+    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    commit = os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
     record = {
         "device": device,
         "torch": torch.__version__,

@@ -538,10 +538,9 @@ def copy_bandwidth() -> dict:
 
 
 def git_commit() -> str | None:
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
-    except Exception:
-        return os.environ.get("OSCAR_GIT_COMMIT")
+    """$OSCAR_GIT_COMMIT where it is set (the lent GPU machine's copy of the tree carries a stale .git), else HEAD."""
+    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
+    return os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
 
 
 # ---------------------------------------------------------------------------------------------------------------
