@@ -127,7 +127,7 @@ def tp_worker(args) -> None:
             held, total = layer.residual_keys.shape[1], model.config.num_key_value_heads
             if layer.head_group is None or held * torch.distributed.get_world_size() != total:
                 raise AssertionError(f"rank {rank}: layer 0 holds {held} of {total} KV heads, group {layer.head_group}")
-        results[cache] = dict(tokens=tokens, step_ms=step_ms)
+        results[cache] = dict(tokens=tokens, step_ms=step_ms, **_kernels(kv))
     if rank == 0:
         Path(args.tp_worker).write_text(json.dumps(results))
     torch.distributed.barrier()
@@ -163,9 +163,11 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map="cuda:0").eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for cache in CACHES:
-        tokens, step_ms, _ = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
+        tokens, step_ms, kv = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
         reference[cache] = tokens
-        rows.append(dict(mode="single", cache=cache, gpus=1, tokens_equal_single_gpu=True, step_ms=step_ms))
+        rows.append(
+            dict(mode="single", cache=cache, gpus=1, tokens_equal_single_gpu=True, step_ms=step_ms, **_kernels(kv))
+        )
     del model
     torch.cuda.empty_cache()
 
@@ -179,7 +181,7 @@ def main() -> None:
         raise AssertionError(f"device_map='auto' with max_memory={cap} placed everything on {placed}")
     for cache in CACHES:
         tokens, step_ms, kv = generate(model, ids.to(model.device), cache, args.new_tokens)
-        row = dict(mode="device_map", cache=cache, gpus=2, step_ms=step_ms)
+        row = dict(mode="device_map", cache=cache, gpus=2, step_ms=step_ms, **_kernels(kv))
         if cache == "oscar":
             row["layer_devices"] = sorted(set(check_layers_on_their_devices(model, kv)))
         rows.append(_compare(row, tokens, reference[cache]))
@@ -200,8 +202,9 @@ def main() -> None:
         subprocess.run([*command, *options, "--tp-worker", out.name], check=True)
         tp = json.loads(Path(out.name).read_text())
     for cache in CACHES:
-        row = dict(mode="tp", cache=cache, gpus=2, step_ms=tp[cache]["step_ms"])
-        rows.append(_compare(row, tp[cache]["tokens"], reference[cache]))
+        tokens = tp[cache].pop("tokens")
+        row = dict(mode="tp", cache=cache, gpus=2, **tp[cache])  # step_ms, fused_kernels
+        rows.append(_compare(row, tokens, reference[cache]))
 
     gpu = torch.cuda.get_device_name()
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -232,6 +235,12 @@ def main() -> None:
             f"{row['mode']:11s} {row['cache']:8s} {row['gpus']:4d} {row['step_ms']:8.2f}  "
             f"{row['tokens_equal_single_gpu']}{diverged}"
         )
+
+
+def _kernels(cache) -> dict:
+    """Whether the OScaR layers decode with the fused Triton kernels (absent for DynamicCache)."""
+    layer = cache.layers[0]
+    return {"fused_kernels": layer.use_kernels} if isinstance(layer, OscarLayer) else {}
 
 
 def _compare(row: dict, tokens: list[int], reference: list[int]) -> dict:

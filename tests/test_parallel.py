@@ -12,6 +12,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS
 from transformers import LlamaConfig
 
 from oscar_hf import OscarCache, OscarLayer
@@ -21,9 +22,9 @@ WORLD = 2
 KV_HEADS, HEAD_DIM, TOKENS = 4, 32, 150  # 150 tokens: one block of 128 is quantized, 22 stay in the residual
 
 
-def _config() -> LlamaConfig:
+def _config() -> LlamaConfig:  # GQA 8: 32 query heads over 4 KV heads
     return LlamaConfig(
-        hidden_size=256, num_attention_heads=8, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_hidden_layers=1
+        hidden_size=256, num_attention_heads=32, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM, num_hidden_layers=1
     )
 
 
@@ -81,6 +82,8 @@ def _check_sharded_cache(rank, want):
     cache.update(_shard(keys, rank), _shard(values, rank), 0)
     layer = cache.layers[0]
     assert layer.head_group is dist.group.WORLD
+    # the fused kernel's limit on query rows per KV head uses the model's GQA group (8), which sharding keeps
+    assert layer.fused_query_tokens == DECODE_MAX_QUERY_ROWS // 8
     stored = layer.quantized()
     assert layer.quantized_length == 128
     torch.testing.assert_close(stored.key_norms, want.key_norms, rtol=1e-6, atol=0)
