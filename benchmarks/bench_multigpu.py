@@ -2,7 +2,7 @@
 with a Llama-3.1-8B-shaped model (the real shape: 32 layers, 32 query / 8 KV heads, head_dim 128; random bf16
 weights), the OScaR cache against DynamicCache, greedy tokens compared with the single-GPU run.
 
-    python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32]
+    python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
 
 One command runs everything (the tensor-parallel part launches `torchrun --nproc-per-node 2` on this script itself):
 
@@ -18,7 +18,9 @@ after a device synchronisation), warm-up run excluded. Writes benchmarks/results
 (mode, cache). `tokens_equal_single_gpu` compares the new tokens with the single-GPU run of the same cache.
 device_map runs the same kernels on the same shapes, so its tokens should be bit-identical. Tensor parallel sums the
 row-parallel projections across ranks in another order, so even DynamicCache may diverge from one GPU on random
-weights (near-uniform logits); its row is the yardstick for the OScaR row.
+weights (near-uniform logits); its row is the yardstick for the OScaR row. `--dtype float32` runs the same bf16
+weights in float32, where the reordered sums differ by ~1e-7 instead of ~1e-3, and `--append` adds those rows to the
+record (each row names its dtype).
 """
 
 from __future__ import annotations
@@ -117,7 +119,9 @@ def tp_worker(args) -> None:
     rank = int(os.environ["RANK"])
     if torch.cuda.is_available():  # (the CPU runs this worker too, with gloo, to check the script)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, tp_plan="auto").eval()
+    model = AutoModelForCausalLM.from_pretrained(
+        args.model_dir, dtype=getattr(torch, args.dtype), tp_plan="auto"
+    ).eval()
     ids = prompt(model.config.vocab_size, args.context).to(model.device)
     results = {}
     for cache in CACHES:
@@ -139,6 +143,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=4096, help="prompt tokens")
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "oscar-llama-3.1-8b-random")
+    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
+    parser.add_argument("--append", action="store_true", help="keep the record's rows of other dtypes")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--tp-worker", help=argparse.SUPPRESS)  # internal: run as a torchrun rank, write here
     args = parser.parse_args()
@@ -160,7 +166,8 @@ def main() -> None:
     ids = prompt(LLAMA_31_8B["vocab_size"], args.context)
 
     print("single GPU")
-    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=torch.bfloat16, device_map="cuda:0").eval()
+    dtype = getattr(torch, args.dtype)
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, device_map="cuda:0").eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for cache in CACHES:
         tokens, step_ms, kv = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
@@ -173,9 +180,7 @@ def main() -> None:
 
     print("device_map='auto' over 2 GPUs")
     cap = {0: f"{weight_bytes * 0.55 / 2**30:.1f}GiB", 1: f"{torch.cuda.mem_get_info(1)[1] * 0.9 / 2**30:.0f}GiB"}
-    model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, dtype=torch.bfloat16, device_map="auto", max_memory=cap
-    ).eval()
+    model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, device_map="auto", max_memory=cap).eval()
     placed = sorted({str(d) for d in model.hf_device_map.values()})
     if len(placed) < 2:
         raise AssertionError(f"device_map='auto' with max_memory={cap} placed everything on {placed}")
@@ -198,6 +203,8 @@ def main() -> None:
             str(args.new_tokens),
             "--model-dir",
             str(args.model_dir),
+            "--dtype",
+            args.dtype,
         ]
         subprocess.run([*command, *options, "--tp-worker", out.name], check=True)
         tp = json.loads(Path(out.name).read_text())
@@ -210,7 +217,7 @@ def main() -> None:
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
         "benchmark": "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, "
-        "random bf16 weights",
+        "random bf16 weights (run in each row's dtype)",
         "device": f"2x {gpu}",
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
@@ -223,9 +230,14 @@ def main() -> None:
         "device_map_max_memory": cap,
         "results": rows,
     }
+    for row in rows:
+        row["dtype"] = args.dtype
     args.out.mkdir(parents=True, exist_ok=True)
     slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
     path = args.out / f"multigpu_{slug}.json"
+    if args.append and path.exists():
+        kept = [row for row in json.loads(path.read_text())["results"] if row.get("dtype") != args.dtype]
+        record["results"] = kept + rows
     path.write_text(json.dumps(record, indent=2))
     print(f"\n{record['device']}, context {args.context}, {args.new_tokens} new tokens ({path})")
     print(f"{'mode':11s} {'cache':8s} {'gpus':>4s} {'step ms':>8s}  tokens equal to 1 GPU")
