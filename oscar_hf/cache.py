@@ -344,6 +344,34 @@ def kv_memory(cache: Cache) -> KVMemory:
     return total
 
 
+def _refuse_latent_attention(text_config: PretrainedConfig) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi, MiniCPM3, LongCat, Mistral Large 3...) caches a compressed
+    latent shared by all heads (and a rotary part) in place of per-head keys and values; quantizing it per channel and
+    per token as K/V would be silently wrong. Such configs name the latent's rank (`kv_lora_rank`) or the rotary part's
+    width (`qk_rope_head_dim`)."""
+    markers = {name: getattr(text_config, name, None) for name in ("kv_lora_rank", "qk_rope_head_dim")}
+    markers = {name: value for name, value in markers.items() if value is not None}
+    if markers:
+        details = ", ".join(f"{name}={value}" for name, value in markers.items())
+        raise ValueError(
+            f"OscarCache does not support multi-head latent attention: this {type(text_config).__name__} ({details}) "
+            "caches a compressed latent, not per-head keys and values, so OScaR's K/V quantization does not apply. "
+            "Use the model's default cache (drop cache_implementation='oscar')."
+        )
+
+
+def _refuse_cross_attention(text_config: PretrainedConfig) -> None:
+    """Mllama's text model reads `past_key_values.layers[i].keys` of every layer to find its cross-attention layers'
+    image K/V; an `OscarLayer` keeps no dense `keys` tensor to show it."""
+    layers = getattr(text_config, "cross_attention_layers", None)
+    if layers:
+        raise ValueError(
+            f"OscarCache does not support models with cross-attention layers: this {type(text_config).__name__} "
+            f"(cross_attention_layers={list(layers)}) reads every cache layer's dense `keys` tensor, which 2-bit "
+            "layers do not hold. Use the model's default cache (drop cache_implementation='oscar')."
+        )
+
+
 class OscarCache(DynamicCache):
     """A `DynamicCache` whose full-attention layers are `OscarLayer`s; other layer types (sliding window, linear
     attention, KV-sharing) keep transformers' own layers.
@@ -367,6 +395,8 @@ class OscarCache(DynamicCache):
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
             raise ValueError("OscarCache supports decoder-only models; this model is an encoder-decoder.")
+        _refuse_latent_attention(text_config)
+        _refuse_cross_attention(text_config)
         head_dim = getattr(text_config, "head_dim", None)
         if isinstance(head_dim, int):
             check_head_dim(head_dim, oscar_config)

@@ -147,6 +147,16 @@ def test_bad_method_or_option_fails_early(model, tokenizer):
         OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2", cache_config={"bitz": 2})
 
 
+def test_an_oscar_config_is_taken_whole_where_the_method_agrees(model, tokenizer):
+    config = OscarConfig(bits=4, residual_length=64)
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int4", cache_config=config)
+    assert wrapper.make_cache().oscar_config == config and wrapper.rolling_chunk == 64
+    with pytest.raises(ValueError, match=r"'kivi-int2' sets .* but the OscarConfig has \{'rotation': True"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="kivi-int2", cache_config=OscarConfig())
+    with pytest.raises(ValueError, match="does not use an OscarCache"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", cache_config=OscarConfig())
+
+
 @pytest.mark.slow
 def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
     """The console script on the real SmolLM2, offline, one document each of a likelihood and a generation task."""

@@ -79,6 +79,20 @@ class PrefillStore:
         self._entries.clear()
 
 
+def _options_of(method: str, config: OscarConfig) -> dict:
+    """The `cache_config` dict of a whole `OscarConfig`, refused where it contradicts the method's own options."""
+    implementation, defaults = METHODS[method]
+    if implementation != "oscar":
+        raise ValueError(f"method {method!r} does not use an OscarCache; an OscarConfig does not apply to it.")
+    conflicts = {name: getattr(config, name) for name, value in defaults.items() if getattr(config, name) != value}
+    if conflicts:
+        raise ValueError(
+            f"method {method!r} sets {defaults}, but the OscarConfig has {conflicts}; pass a dict of the options to "
+            "change, or a method that agrees with the config."
+        )
+    return config.to_dict()
+
+
 @register_model("oscar-hf")
 class OscarHFLM(HFLM):
     """HFLM with a chosen KV cache method in generation and in (rolling) loglikelihood scoring.
@@ -88,7 +102,8 @@ class OscarHFLM(HFLM):
             `oscar_hf.offline_models.MODELS` (e.g. "smollm2-135m"; its tokenizer comes with it).
         method: one of `METHODS` ("oscar-int2" by default).
         cache_config: options merged over the method's own (e.g. `{"residual_length": 64}` for an oscar method,
-            `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error.
+            `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error. An `OscarConfig` is taken
+            whole, for an oscar method whose own options it agrees with.
         rolling_chunk: tokens per forward when scoring perplexity through the cache (default: residual length).
         prefill_store: a `PrefillStore` to share exact prefills with other wrappers around the same model.
         **kwargs: HFLM's own arguments (batch_size, max_length, dtype, device, ...).
@@ -98,13 +113,15 @@ class OscarHFLM(HFLM):
         self,
         pretrained,
         method: str = "oscar-int2",
-        cache_config: dict | None = None,
+        cache_config: dict | OscarConfig | None = None,
         rolling_chunk: int | None = None,
         prefill_store: PrefillStore | None = None,
         **kwargs,
     ):
         if method not in METHODS:
             raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+        if isinstance(cache_config, OscarConfig):
+            cache_config = _options_of(method, cache_config)
         if isinstance(pretrained, str) and pretrained in MODELS:
             dtype = kwargs.pop("dtype", "auto")  # HFLM's argument: "auto", a name ("bfloat16") or a torch.dtype
             dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype) if isinstance(dtype, str) else dtype
