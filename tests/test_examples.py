@@ -19,7 +19,7 @@ def test_quickstart_runs_and_both_caches_answer(smollm2):  # smollm2: the model 
     )
     answers = [line for line in result.stdout.splitlines() if line.strip().startswith("output:")]
     assert len(answers) == 2 and all("68217" in line for line in answers), result.stdout
-    assert "2-bit region" in result.stdout
+    assert "vs the model's dtype" in result.stdout and "the quantized region alone" in result.stdout
 
 
 def test_notebook_code_cells_run(smollm2, monkeypatch):
