@@ -157,6 +157,18 @@ def test_an_oscar_config_is_taken_whole_where_the_method_agrees(model, tokenizer
         OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", cache_config=OscarConfig())
 
 
+def test_oscar_eval_help_is_its_own_lists_the_methods_and_does_not_import_lm_eval():
+    probe = (
+        "import sys\nfrom oscar_hf.eval import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('lm_eval imported:', 'lm_eval' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("usage: oscar-eval") and "lm_eval imported: False" in result.stdout, result.stdout
+    for method, (_, options) in METHODS.items():
+        assert f"  {method} " in result.stdout and str(options or "DynamicCache") in result.stdout, method
+    assert "--model MODEL" not in result.stdout  # lm-eval's own usage is behind --lm-eval-help
+
+
 @pytest.mark.slow
 def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
     """The console script on the real SmolLM2, offline, one document each of a likelihood and a generation task."""

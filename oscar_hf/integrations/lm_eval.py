@@ -40,21 +40,8 @@ from transformers import DynamicCache, QuantizedCache
 
 from ..cache import OscarCache
 from ..config import OscarConfig
-from ..offline_models import MODELS, load_model
-
-# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
-# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
-METHODS: dict[str, tuple[str | None, dict]] = {
-    "bf16": (None, {}),
-    "oscar-int2": ("oscar", {"bits": 2}),
-    "oscar-int4": ("oscar", {"bits": 4}),
-    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
-    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
-    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
-    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
-    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
-}
+from ..methods import METHODS
+from ..offline_models import MODELS, model_path
 
 
 class PrefillStore:
@@ -123,10 +110,9 @@ class OscarHFLM(HFLM):
         if isinstance(cache_config, OscarConfig):
             cache_config = _options_of(method, cache_config)
         if isinstance(pretrained, str) and pretrained in MODELS:
-            dtype = kwargs.pop("dtype", "auto")  # HFLM's argument: "auto", a name ("bfloat16") or a torch.dtype
-            dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            pretrained, tokenizer = load_model(pretrained, dtype=dtype)
-            kwargs.setdefault("tokenizer", tokenizer)
+            # The local float32 folder of the offline model, loaded by HFLM itself as any path would be (a model
+            # object would make HFLM warn that its other arguments may be ignored).
+            pretrained = str(model_path(pretrained))
         super().__init__(pretrained=pretrained, **kwargs)
         self.method = method
         self.cache_implementation, defaults = METHODS[method]
