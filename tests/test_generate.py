@@ -274,6 +274,7 @@ def _passkey_prompt(key: str, repeats: int) -> str:
     )
 
 
+@pytest.mark.slow
 def test_real_model_retrieves_a_passkey_from_quantized_history(smollm2):
     model, tokenizer = smollm2
     inputs = tokenizer(_passkey_prompt("71432", 14), return_tensors="pt")
@@ -289,6 +290,7 @@ def test_real_model_retrieves_a_passkey_from_quantized_history(smollm2):
     assert memory.quantized_ratio_vs_bf16 >= 4  # 5.19x at head_dim 64 with fp16 scales and 3 KV heads
 
 
+@pytest.mark.slow
 def test_real_model_left_padded_batch_answers_like_each_row_alone(smollm2):
     """Rows of a left-padded batch give the same answer as alone. Plumbing equality is exact (see the exact-cache
     tests); with real 2-bit codes the padding shifts which tokens share a key quantization group, so later tokens
@@ -305,6 +307,7 @@ def test_real_model_left_padded_batch_answers_like_each_row_alone(smollm2):
         assert torch.equal(together[row], alone), (tokenizer.decode(together[row]), tokenizer.decode(alone))
 
 
+@pytest.mark.slow
 def test_real_model_beam_search_runs(smollm2):
     model, tokenizer = smollm2
     inputs = tokenizer(_passkey_prompt("2718", 12), return_tensors="pt")
