@@ -10,10 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 
 from .methods import METHODS
 
+NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
 EXAMPLE = """\
 example (offline, from the repository root; SmolLM2-135M, 4 documents, about a minute on 2 CPU cores):
   python eval_configs/build_data.py --lengths 1k
@@ -59,6 +61,9 @@ def main(argv: list[str] | None = None) -> None:
 
     from .integrations import lm_eval as _registers_oscar_hf  # noqa: F401
 
+    # The tasks of eval_configs/ build their documents with a `custom_dataset` function, which makes lm-eval suggest
+    # `--metadata` kwargs that they do not take; that advice never applies here.
+    logging.getLogger("lm_eval.api.task").addFilter(lambda record: NOT_APPLICABLE not in record.getMessage())
     if ours.lm_eval_help:
         rest = ["run", "--help"]
     elif not rest or rest[0] not in ("ls", "validate"):  # an evaluation ("run", explicit or implied)
