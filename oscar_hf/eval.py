@@ -17,7 +17,7 @@ from .methods import METHODS
 
 NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
 EXAMPLE = """\
-example (offline, from the repository root; SmolLM2-135M, 4 documents, about a minute on 2 CPU cores):
+example (offline, from the repository root; SmolLM2-135M, 4 documents, about 3 CPU-minutes):
   python eval_configs/build_data.py --lengths 1k
   oscar-eval --model_args pretrained=smollm2-135m --method oscar-int2 \\
       --include_path eval_configs --tasks oscar_passkey_1k --limit 4
