@@ -87,7 +87,11 @@ def test_bf16_rolling_matches_hflm(model, tokenizer):
     assert got == pytest.approx(expected, abs=1e-3)
 
 
-@pytest.mark.parametrize("method", ["oscar-int2", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"])
+@pytest.mark.parametrize(
+    "method",
+    # transformers' QuantizedCache backends are baselines, and slow on a CPU (quanto: minutes)
+    ["oscar-int2", "kivi-int2", pytest.param("hf-quanto-int2", marks=pytest.mark.slow), "hf-hqq-int2"],
+)
 def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     pytest.importorskip({"hf-quanto-int2": "optimum.quanto", "hf-hqq-int2": "hqq"}.get(method, "oscar_hf"))
     base = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
