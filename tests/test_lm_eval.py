@@ -173,6 +173,26 @@ def test_oscar_eval_help_is_its_own_lists_the_methods_and_does_not_import_lm_eva
     assert "--model MODEL" not in result.stdout  # lm-eval's own usage is behind --lm-eval-help
 
 
+def test_oscar_eval_hides_lm_eval_advice_that_does_not_apply(monkeypatch, caplog):
+    import logging
+
+    import lm_eval.__main__
+
+    from oscar_hf import eval as oscar_eval
+
+    def fake_cli():  # what lm-eval logs while loading one of our tasks, and a warning that does apply
+        task_logger = logging.getLogger("lm_eval.api.task")
+        task_logger.warning("oscar_passkey_1k: Custom kwargs can be passed to `--metadata` in console (as json string)")
+        task_logger.warning("--limit SHOULD ONLY BE USED FOR TESTING.")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli)
+    monkeypatch.setattr(sys, "argv", ["oscar-eval"])
+    with caplog.at_level(logging.WARNING):
+        oscar_eval.main(["--tasks", "oscar_passkey_1k"])
+    assert sys.argv == ["oscar-eval", "--tasks", "oscar_passkey_1k", "--model", "oscar-hf"]
+    assert "--metadata" not in caplog.text and "--limit SHOULD ONLY" in caplog.text
+
+
 @pytest.mark.slow
 def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
     """The console script on the real SmolLM2, offline, one document each of a likelihood and a generation task."""
