@@ -427,18 +427,21 @@ class OscarLayer(CacheLayerMixin):
         if self._storage is not None:
             allocated += sum(t.nbytes for t in self._storage if t is not None)
         quantized = self.quantized()
+        element_size = self.residual_keys.element_size()
         return KVMemory(
             quantized_bytes=0 if quantized is None else sum(t.nbytes for t in quantized if t is not None),
             quantized_bf16_bytes=2 * elements_per_token * self.quantized_length,
-            exact_bytes=self.residual_keys.element_size() * elements_per_token * self.residual_length,
+            exact_bytes=element_size * elements_per_token * self.residual_length,
             exact_bf16_bytes=2 * elements_per_token * self.residual_length,
             allocated_bytes=allocated,
+            model_dtype_bytes=element_size * elements_per_token * self.get_seq_length(),
         )
 
 
 @dataclass(frozen=True)
 class KVMemory:
-    """Bytes held by a cache (summed over layers), and what a bf16 DynamicCache would hold for the same tokens.
+    """Bytes held by a cache (summed over layers), and what a DynamicCache would hold for the same tokens, in the
+    model's dtype and in bf16. `print(memory)` shows the whole cache's ratios to both.
 
     `quantized_*` covers the 2-bit region of the OScaR layers; `exact_*` everything kept in full precision (residual
     windows, and the layers OScaR leaves alone, e.g. sliding-window layers). `allocated_bytes` includes spare
@@ -450,6 +453,7 @@ class KVMemory:
     exact_bytes: int = 0
     exact_bf16_bytes: int = 0
     allocated_bytes: int = 0
+    model_dtype_bytes: int = 0  # the same tokens in the model's dtype (a DynamicCache)
 
     def __add__(self, other: KVMemory) -> KVMemory:
         return KVMemory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(KVMemory)))
@@ -468,9 +472,29 @@ class KVMemory:
         return self.bf16_bytes / self.total_bytes if self.total_bytes else float("nan")
 
     @property
+    def ratio_vs_model_dtype(self) -> float:
+        """How many times smaller the whole cache is than a DynamicCache of the same tokens in the model's dtype."""
+        return self.model_dtype_bytes / self.total_bytes if self.total_bytes else float("nan")
+
+    @property
     def quantized_ratio_vs_bf16(self) -> float:
         """How many times smaller than bf16 the quantized region is (about 5.3x at 2 bits, D=128, fp16 scales)."""
         return self.quantized_bf16_bytes / self.quantized_bytes if self.quantized_bytes else float("nan")
+
+    def __str__(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:.2f} MiB"
+
+        text = f"KV cache {mib(self.total_bytes)}"
+        if self.quantized_bytes:
+            text += f" ({mib(self.quantized_bytes)} quantized + {mib(self.exact_bytes)} exact)"
+        text += (
+            f"; compression {self.ratio_vs_model_dtype:.2f}x vs the model's dtype ({mib(self.model_dtype_bytes)}), "
+            f"{self.ratio_vs_bf16:.2f}x vs bf16 ({mib(self.bf16_bytes)})"
+        )
+        if self.quantized_bytes:
+            text += f"; the quantized region alone: {self.quantized_ratio_vs_bf16:.2f}x vs bf16"
+        return text
 
 
 def kv_memory(cache: Cache) -> KVMemory:
@@ -482,8 +506,37 @@ def kv_memory(cache: Cache) -> KVMemory:
             continue
         tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
         held = sum(t.nbytes for t in tensors)
-        total += KVMemory(exact_bytes=held, exact_bf16_bytes=sum(2 * t.numel() for t in tensors), allocated_bytes=held)
+        bf16 = sum(2 * t.numel() for t in tensors)
+        total += KVMemory(exact_bytes=held, exact_bf16_bytes=bf16, allocated_bytes=held, model_dtype_bytes=held)
     return total
+
+
+def _refuse_latent_attention(text_config: PretrainedConfig) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi, MiniCPM3, LongCat, Mistral Large 3...) caches a compressed
+    latent shared by all heads (and a rotary part) in place of per-head keys and values; quantizing it per channel and
+    per token as K/V would be silently wrong. Such configs name the latent's rank (`kv_lora_rank`) or the rotary part's
+    width (`qk_rope_head_dim`)."""
+    markers = {name: getattr(text_config, name, None) for name in ("kv_lora_rank", "qk_rope_head_dim")}
+    markers = {name: value for name, value in markers.items() if value is not None}
+    if markers:
+        details = ", ".join(f"{name}={value}" for name, value in markers.items())
+        raise ValueError(
+            f"OscarCache does not support multi-head latent attention: this {type(text_config).__name__} ({details}) "
+            "caches a compressed latent, not per-head keys and values, so OScaR's K/V quantization does not apply. "
+            "Use the model's default cache (drop cache_implementation='oscar')."
+        )
+
+
+def _refuse_cross_attention(text_config: PretrainedConfig) -> None:
+    """Mllama's text model reads `past_key_values.layers[i].keys` of every layer to find its cross-attention layers'
+    image K/V; an `OscarLayer` keeps no dense `keys` tensor to show it."""
+    layers = getattr(text_config, "cross_attention_layers", None)
+    if layers:
+        raise ValueError(
+            f"OscarCache does not support models with cross-attention layers: this {type(text_config).__name__} "
+            f"(cross_attention_layers={list(layers)}) reads every cache layer's dense `keys` tensor, which 2-bit "
+            "layers do not hold. Use the model's default cache (drop cache_implementation='oscar')."
+        )
 
 
 class OscarCache(DynamicCache):
@@ -514,6 +567,8 @@ class OscarCache(DynamicCache):
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
             raise ValueError("OscarCache supports decoder-only models; this model is an encoder-decoder.")
+        _refuse_latent_attention(text_config)
+        _refuse_cross_attention(text_config)
         head_dim = getattr(text_config, "head_dim", None)
         if isinstance(head_dim, int):
             check_head_dim(head_dim, oscar_config)

@@ -1,39 +1,73 @@
-"""`oscar-eval`: lm-eval's own command line, with the `oscar-hf` model registered and two cache shortcuts.
+"""`oscar-eval`: lm-eval's command line with the `oscar-hf` model registered and the cache method as an option.
 
 lm-eval has no plugin entry point for models, so the model has to be registered (by importing
-`oscar_hf.integrations.lm_eval`) in the process that runs lm-eval's CLI. Everything lm-eval accepts is accepted
-and handled by lm-eval itself; on top of it:
-
-    --method NAME         a cache method of oscar_hf.integrations.lm_eval.METHODS (default: oscar-int2)
-    --cache_config JSON   options merged over the method's own, e.g. '{"residual_length": 64}'
-
-both folded into --model_args; --model defaults to oscar-hf. Example (offline, from the repository root):
-
-    python eval_configs/build_data.py
-    oscar-eval --model_args pretrained=smollm2-135m --method kivi-int2 \\
-        --include_path eval_configs --tasks oscar_passkey_2k,oscar_pg_ppl_2k --limit 10
+`oscar_hf.integrations.lm_eval`) in the process that runs lm-eval's CLI. Every other option is lm-eval's own and
+handled by lm-eval; `--method` and `--cache_config` are folded into `--model_args`, and `--model` defaults to
+`oscar-hf`. Only an evaluation imports lm-eval, so `--help` is quick.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
+
+from .methods import METHODS
+
+NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
+EXAMPLE = """\
+example (offline, from the repository root; SmolLM2-135M, 4 documents, about 3 CPU-minutes):
+  python eval_configs/build_data.py --lengths 1k
+  oscar-eval --model_args pretrained=smollm2-135m --method oscar-int2 \\
+      --include_path eval_configs --tasks oscar_passkey_1k --limit 4
+
+pretrained= takes a local model folder, a hub id, or an offline model of oscar_hf.offline_models
+(smollm2-135m, qwen2.5-0.5b, qwen2.5-1.5b, gemma-3-270m). Every other option is lm-eval's: see
+`oscar-eval --lm-eval-help` (e.g. --tasks, --limit, --batch_size, --output_path, --include_path, --device)."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    methods = "\n".join(f"  {name:26} {_describe(*METHODS[name])}" for name in METHODS)
+    parser = argparse.ArgumentParser(
+        prog="oscar-eval",
+        description=f"{__doc__.splitlines()[0][14:]}\n\nmethods (--method):\n{methods}",
+        epilog=EXAMPLE,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--method", choices=sorted(METHODS), help="the KV cache to evaluate (default: oscar-int2)")
+    parser.add_argument(
+        "--cache_config",
+        type=json.loads,
+        metavar="JSON",
+        help="options merged over the method's own, e.g. '{\"residual_length\": 64}'",
+    )
+    parser.add_argument("--lm-eval-help", action="store_true", help="show lm-eval's own options and exit")
+    return parser
+
+
+def _describe(implementation: str | None, options: dict) -> str:
+    if implementation is None:
+        return "transformers' DynamicCache in the model's dtype (the baseline)"
+    if implementation == "quantized":
+        return f"transformers' QuantizedCache {options}"
+    return f"OscarCache {options}"
 
 
 def main(argv: list[str] | None = None) -> None:
+    ours, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
+    # Imported only now: lm-eval's CLI takes seconds to import.
     from lm_eval.__main__ import cli_evaluate
 
     from .integrations import lm_eval as _registers_oscar_hf  # noqa: F401
 
-    parser = argparse.ArgumentParser(add_help=False)
-    parser.add_argument("--method")
-    parser.add_argument("--cache_config", type=json.loads)
-    ours, rest = parser.parse_known_args(sys.argv[1:] if argv is None else argv)
-    if any(arg in ("-h", "--help") for arg in rest):
-        print(__doc__)  # our two options, before lm-eval's own help
-    if not rest or rest[0] not in ("ls", "validate"):  # an evaluation ("run", explicit or implied)
-        extra = {key: value for key, value in vars(ours).items() if value is not None}
+    # The tasks of eval_configs/ build their documents with a `custom_dataset` function, which makes lm-eval suggest
+    # `--metadata` kwargs that they do not take; that advice never applies here.
+    logging.getLogger("lm_eval.api.task").addFilter(lambda record: NOT_APPLICABLE not in record.getMessage())
+    if ours.lm_eval_help:
+        rest = ["run", "--help"]
+    elif not rest or rest[0] not in ("ls", "validate"):  # an evaluation ("run", explicit or implied)
+        extra = {key: value for key, value in vars(ours).items() if value is not None and key != "lm_eval_help"}
         if not any(arg in ("--model", "-M") or arg.startswith("--model=") for arg in rest):
             rest = [*rest, "--model", "oscar-hf"]
         if extra:

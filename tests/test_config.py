@@ -58,7 +58,15 @@ def test_unsupported_value_head_dim_is_refused_at_first_update():
         cache.update(torch.randn(1, 2, 4, 64), torch.randn(1, 2, 4, 40), 0)
 
 
-@pytest.mark.parametrize("attention", ["portable", "fused"])
+# On CPU the Triton interpreter runs the kernel in numpy, which warns about the fp16 overflow (and the inf/inf that
+# follows) that this test provokes on purpose; the cache's finiteness check turns it into the error asserted here.
+INTERPRETER_OVERFLOW = pytest.mark.filterwarnings(
+    "ignore:overflow encountered in cast:RuntimeWarning:triton.runtime.interpreter",
+    "ignore:invalid value encountered in divide:RuntimeWarning:triton.runtime.interpreter",
+)
+
+
+@pytest.mark.parametrize("attention", ["portable", pytest.param("fused", marks=INTERPRETER_OVERFLOW)])
 def test_values_too_large_for_fp16_scales_are_refused(attention):
     """Both quantizers (PyTorch, and the Triton kernel: on CPU through its interpreter) go through the same check."""
     config = LlamaConfig(

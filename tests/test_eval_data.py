@@ -64,6 +64,7 @@ def task_data(build_data):
         build_data.build(["1k"], n_docs=20, seed=0)
 
 
+@pytest.mark.slow  # lm-eval's TaskManager indexes every task it ships: minutes on a CPU
 def test_offline_tasks_load_without_network(task_data, tmp_path, monkeypatch):
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -93,6 +94,7 @@ def test_missing_data_names_the_fix(tmp_path):
         module.load_jsonl("data/no_such_task.jsonl")
 
 
+@pytest.mark.slow  # lm-eval's TaskManager indexes every task it ships: minutes on a CPU
 def test_online_group_is_indexed():
     """The online group resolves to lm-eval's own tasks (its data is not downloaded here)."""
     manager = TaskManager(include_path=str(EVAL_CONFIGS))

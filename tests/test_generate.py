@@ -4,11 +4,20 @@ import json
 
 import pytest
 import torch
-from transformers import DynamicCache, Gemma3ForCausalLM, T5Config, T5ForConditionalGeneration
+from transformers import (
+    DeepseekV3Config,
+    DeepseekV3ForCausalLM,
+    DynamicCache,
+    Gemma3ForCausalLM,
+    MllamaConfig,
+    MllamaForConditionalGeneration,
+    T5Config,
+    T5ForConditionalGeneration,
+)
 from transformers.generation import configuration_utils
 
 import oscar_hf
-from oscar_hf import OscarCache, OscarLayer
+from oscar_hf import OscarCache, OscarConfig, OscarLayer
 
 GREEDY = dict(do_sample=False, return_dict_in_generate=True)
 
@@ -89,6 +98,57 @@ def test_exact_cache_hybrid_sliding_model_equals_dynamic_cache(exact_oscar_cache
     assert [type(layer).__name__ for layer in cache.layers][:2] == ["DynamicSlidingWindowLayer", "ExactOscarLayer"]
 
 
+def tiny_mllama() -> MllamaForConditionalGeneration:
+    """A tiny Mllama: text layers 0 and 2 self-attend, layer 1 cross-attends to one 28x28 image tile."""
+    vision = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_global_layers=1,
+        attention_heads=2,
+        image_size=28,
+        patch_size=14,
+        max_num_tiles=1,
+        vision_output_dim=64,
+        intermediate_layers_indices=[0],
+        supported_aspect_ratios=[[1, 1]],
+    )
+    text = dict(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        cross_attention_layers=[1],
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    config = MllamaConfig(vision_config=vision, text_config=text, image_token_index=96)
+    return MllamaForConditionalGeneration(config).eval()
+
+
+def test_cross_attention_model_is_refused():
+    """Mllama reads the dense `keys` of every cache layer (to find its cross-attention layers' image K/V), which an
+    OscarLayer does not hold: refused with the layer type named, not an AttributeError inside the model."""
+    model = tiny_mllama()
+    message = r"cross-attention layers: this MllamaTextConfig \(cross_attention_layers=\[1\]\)"
+    with pytest.raises(ValueError, match=message):
+        OscarCache(model.config, OscarConfig())
+    ids = torch.cat([torch.tensor([[96]]), torch.randint(3, 90, (1, 9))], 1)  # the image token, then text
+    inputs = dict(
+        input_ids=ids,
+        pixel_values=torch.randn(1, 1, 1, 3, 28, 28),
+        aspect_ratio_ids=torch.tensor([[1]]),
+        aspect_ratio_mask=torch.ones(1, 1, 1, dtype=torch.long),
+        cross_attention_mask=torch.ones(1, ids.shape[1], 1, 1, dtype=torch.long),
+    )
+    assert model.generate(**inputs, max_new_tokens=2, **GREEDY).sequences.shape[1] == 12  # the default cache works
+    with pytest.raises(ValueError, match=message):
+        model.generate(**inputs, max_new_tokens=2, cache_implementation="oscar")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Registration
 
@@ -110,6 +170,18 @@ def test_generate_builds_an_oscar_cache_from_cache_config(tiny_llama, tmp_path):
     assert model.generation_config.cache_implementation is None
     model.generation_config.save_pretrained(tmp_path)
     assert "oscar" not in json.dumps(json.loads((tmp_path / "generation_config.json").read_text()))
+
+
+def test_generate_accepts_an_oscar_config_object(tiny_llama):
+    out = tiny_llama().generate(
+        torch.randint(3, 97, (1, 140)),
+        max_new_tokens=2,
+        cache_implementation="oscar",
+        cache_config=OscarConfig(bits=4, residual_length=64),
+        **GREEDY,
+    )
+    assert out.past_key_values.oscar_config == OscarConfig(bits=4, residual_length=64)
+    assert out.past_key_values.layers[0].quantized_length == 128
 
 
 def test_other_cache_implementations_are_untouched(tiny_llama):
@@ -159,6 +231,35 @@ def test_encoder_decoder_model_is_refused():
         model.generate(torch.randint(3, 50, (1, 5)), max_new_tokens=2, cache_implementation="oscar")
 
 
+def test_latent_attention_model_is_refused():
+    """DeepSeek-V3's multi-head latent attention caches a latent and a rotary part in place of K/V: quantizing them as
+    K/V would be silently wrong, so both ways of building the cache refuse it."""
+    config = DeepseekV3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        kv_lora_rank=64,
+        q_lora_rank=None,
+        qk_rope_head_dim=32,
+        qk_nope_head_dim=32,
+        v_head_dim=32,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+    )
+    message = r"multi-head latent attention: this DeepseekV3Config \(kv_lora_rank=64, qk_rope_head_dim=32\)"
+    with pytest.raises(ValueError, match=message):
+        OscarCache(config, OscarConfig())
+    model = DeepseekV3ForCausalLM(config).eval()
+    with pytest.raises(ValueError, match=message):
+        model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar")
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A real model, offline: SmolLM2-135M-Instruct (head_dim 64, 3 KV heads), float32 on the CPU.
 
@@ -173,6 +274,7 @@ def _passkey_prompt(key: str, repeats: int) -> str:
     )
 
 
+@pytest.mark.slow
 def test_real_model_retrieves_a_passkey_from_quantized_history(smollm2):
     model, tokenizer = smollm2
     inputs = tokenizer(_passkey_prompt("71432", 14), return_tensors="pt")
@@ -188,6 +290,7 @@ def test_real_model_retrieves_a_passkey_from_quantized_history(smollm2):
     assert memory.quantized_ratio_vs_bf16 >= 4  # 5.19x at head_dim 64 with fp16 scales and 3 KV heads
 
 
+@pytest.mark.slow
 def test_real_model_left_padded_batch_answers_like_each_row_alone(smollm2):
     """Rows of a left-padded batch give the same answer as alone. Plumbing equality is exact (see the exact-cache
     tests); with real 2-bit codes the padding shifts which tokens share a key quantization group, so later tokens
@@ -204,6 +307,7 @@ def test_real_model_left_padded_batch_answers_like_each_row_alone(smollm2):
         assert torch.equal(together[row], alone), (tokenizer.decode(together[row]), tokenizer.decode(alone))
 
 
+@pytest.mark.slow
 def test_real_model_beam_search_runs(smollm2):
     model, tokenizer = smollm2
     inputs = tokenizer(_passkey_prompt("2718", 12), return_tensors="pt")

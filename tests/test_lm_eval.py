@@ -87,7 +87,11 @@ def test_bf16_rolling_matches_hflm(model, tokenizer):
     assert got == pytest.approx(expected, abs=1e-3)
 
 
-@pytest.mark.parametrize("method", ["oscar-int2", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"])
+@pytest.mark.parametrize(
+    "method",
+    # transformers' QuantizedCache backends are baselines, and slow on a CPU (quanto: minutes)
+    ["oscar-int2", "kivi-int2", pytest.param("hf-quanto-int2", marks=pytest.mark.slow), "hf-hqq-int2"],
+)
 def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     pytest.importorskip({"hf-quanto-int2": "optimum.quanto", "hf-hqq-int2": "hqq"}.get(method, "oscar_hf"))
     base = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
@@ -147,6 +151,48 @@ def test_bad_method_or_option_fails_early(model, tokenizer):
         OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2", cache_config={"bitz": 2})
 
 
+def test_an_oscar_config_is_taken_whole_where_the_method_agrees(model, tokenizer):
+    config = OscarConfig(bits=4, residual_length=64)
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int4", cache_config=config)
+    assert wrapper.make_cache().oscar_config == config and wrapper.rolling_chunk == 64
+    with pytest.raises(ValueError, match=r"'kivi-int2' sets .* but the OscarConfig has \{'rotation': True"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="kivi-int2", cache_config=OscarConfig())
+    with pytest.raises(ValueError, match="does not use an OscarCache"):
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", cache_config=OscarConfig())
+
+
+def test_oscar_eval_help_is_its_own_lists_the_methods_and_does_not_import_lm_eval():
+    probe = (
+        "import sys\nfrom oscar_hf.eval import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('lm_eval imported:', 'lm_eval' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert result.stdout.startswith("usage: oscar-eval") and "lm_eval imported: False" in result.stdout, result.stdout
+    for method, (_, options) in METHODS.items():
+        assert f"  {method} " in result.stdout and str(options or "DynamicCache") in result.stdout, method
+    assert "--model MODEL" not in result.stdout  # lm-eval's own usage is behind --lm-eval-help
+
+
+def test_oscar_eval_hides_lm_eval_advice_that_does_not_apply(monkeypatch, caplog):
+    import logging
+
+    import lm_eval.__main__
+
+    from oscar_hf import eval as oscar_eval
+
+    def fake_cli():  # what lm-eval logs while loading one of our tasks, and a warning that does apply
+        task_logger = logging.getLogger("lm_eval.api.task")
+        task_logger.warning("oscar_passkey_1k: Custom kwargs can be passed to `--metadata` in console (as json string)")
+        task_logger.warning("--limit SHOULD ONLY BE USED FOR TESTING.")
+
+    monkeypatch.setattr(lm_eval.__main__, "cli_evaluate", fake_cli)
+    monkeypatch.setattr(sys, "argv", ["oscar-eval"])
+    with caplog.at_level(logging.WARNING):
+        oscar_eval.main(["--tasks", "oscar_passkey_1k"])
+    assert sys.argv == ["oscar-eval", "--tasks", "oscar_passkey_1k", "--model", "oscar-hf"]
+    assert "--metadata" not in caplog.text and "--limit SHOULD ONLY" in caplog.text
+
+
 @pytest.mark.slow
 def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
     """The console script on the real SmolLM2, offline, one document each of a likelihood and a generation task."""
@@ -156,7 +202,7 @@ def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
         subprocess.run([sys.executable, str(EVAL_CONFIGS / "build_data.py"), "--lengths", "1k"], check=True)
     script = Path(sys.executable).with_name("oscar-eval")
     command = [str(script)] if script.exists() else [sys.executable, "-c", "from oscar_hf.eval import main; main()"]
-    subprocess.run(
+    run = subprocess.run(
         [
             *command,
             "--model_args",
@@ -174,9 +220,13 @@ def test_oscar_eval_cli_end_to_end(tmp_path, monkeypatch):
             "--output_path",
             str(tmp_path),
         ],
-        check=True,
+        capture_output=True,
+        text=True,
         cwd=tmp_path,  # the task data must load from anywhere, not only from the repository root
     )
+    assert run.returncode == 0, run.stderr[-5000:]
+    # lm-eval's warnings that do not apply to oscar-hf runs are not shown
+    assert "not of type `str`" not in run.stderr and "--metadata" not in run.stderr, run.stderr[-5000:]
     (result_file,) = tmp_path.rglob("results_*.json")
     results = json.loads(result_file.read_text())
     assert results["config"]["model"] == "oscar-hf"

@@ -1,9 +1,9 @@
 """The built wheel (not only the editable install) ships `oscar_hf.kernels` and no top-level `kernels` package,
 which would shadow HuggingFace's own `kernels` that transformers probes with find_spec("kernels")."""
 
+import os
 import subprocess
 import sys
-import venv
 import zipfile
 from pathlib import Path
 
@@ -32,14 +32,12 @@ def test_wheel_ships_kernels_inside_oscar_hf(wheel):
 
 
 def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
-    env = tmp_path / "venv"
-    venv.create(env, system_site_packages=True, with_pip=False)  # torch/transformers come from the system
-    python = env / "bin" / "python"
-    site = subprocess.run(
-        [python, "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True
-    ).stdout.strip()
+    """The wheel installed into a folder of its own, imported by the interpreter running the tests (whose packages,
+    torch and transformers, it needs) from outside the checkout: PYTHONPATH puts the folder before site-packages, so
+    the wheel's copy wins over any editable install of the checkout."""
+    target = tmp_path / "site"
     subprocess.run(
-        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", site, wheel], check=True
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, wheel], check=True
     )
     probe = (
         "import importlib.util, oscar_hf, oscar_hf.kernels; "
@@ -47,8 +45,9 @@ def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
         "print(oscar_hf.__file__); print(oscar_hf.kernels.__file__); "
         "print(spec.origin if spec else None)"
     )
-    lines = subprocess.run(
-        [python, "-c", probe], cwd=tmp_path, capture_output=True, text=True, check=True
-    ).stdout.splitlines()
-    assert lines[0].startswith(site) and lines[1].startswith(site)
+    env = {**os.environ, "PYTHONPATH": str(target)}
+    result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert result.returncode == 0, f"the probe failed:\n{result.stderr}"
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith(str(target)) and lines[1].startswith(str(target)), lines
     assert lines[2] == "None" or not lines[2].startswith(str(ROOT)) and "oscar_hf" not in lines[2]

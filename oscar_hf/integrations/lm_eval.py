@@ -40,21 +40,8 @@ from transformers import DynamicCache, QuantizedCache
 
 from ..cache import OscarCache
 from ..config import OscarConfig
-from ..offline_models import MODELS, load_model
-
-# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
-# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
-METHODS: dict[str, tuple[str | None, dict]] = {
-    "bf16": (None, {}),
-    "oscar-int2": ("oscar", {"bits": 2}),
-    "oscar-int4": ("oscar", {"bits": 4}),
-    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
-    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
-    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
-    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
-    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
-}
+from ..methods import METHODS
+from ..offline_models import MODELS, model_path
 
 
 class PrefillStore:
@@ -79,6 +66,20 @@ class PrefillStore:
         self._entries.clear()
 
 
+def _options_of(method: str, config: OscarConfig) -> dict:
+    """The `cache_config` dict of a whole `OscarConfig`, refused where it contradicts the method's own options."""
+    implementation, defaults = METHODS[method]
+    if implementation != "oscar":
+        raise ValueError(f"method {method!r} does not use an OscarCache; an OscarConfig does not apply to it.")
+    conflicts = {name: getattr(config, name) for name, value in defaults.items() if getattr(config, name) != value}
+    if conflicts:
+        raise ValueError(
+            f"method {method!r} sets {defaults}, but the OscarConfig has {conflicts}; pass a dict of the options to "
+            "change, or a method that agrees with the config."
+        )
+    return config.to_dict()
+
+
 @register_model("oscar-hf")
 class OscarHFLM(HFLM):
     """HFLM with a chosen KV cache method in generation and in (rolling) loglikelihood scoring.
@@ -88,7 +89,8 @@ class OscarHFLM(HFLM):
             `oscar_hf.offline_models.MODELS` (e.g. "smollm2-135m"; its tokenizer comes with it).
         method: one of `METHODS` ("oscar-int2" by default).
         cache_config: options merged over the method's own (e.g. `{"residual_length": 64}` for an oscar method,
-            `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error.
+            `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error. An `OscarConfig` is taken
+            whole, for an oscar method whose own options it agrees with.
         rolling_chunk: tokens per forward when scoring perplexity through the cache (default: residual length).
         prefill_store: a `PrefillStore` to share exact prefills with other wrappers around the same model.
         **kwargs: HFLM's own arguments (batch_size, max_length, dtype, device, ...).
@@ -98,18 +100,19 @@ class OscarHFLM(HFLM):
         self,
         pretrained,
         method: str = "oscar-int2",
-        cache_config: dict | None = None,
+        cache_config: dict | OscarConfig | None = None,
         rolling_chunk: int | None = None,
         prefill_store: PrefillStore | None = None,
         **kwargs,
     ):
         if method not in METHODS:
             raise ValueError(f"Unknown method {method!r}; choose one of {sorted(METHODS)}.")
+        if isinstance(cache_config, OscarConfig):
+            cache_config = _options_of(method, cache_config)
         if isinstance(pretrained, str) and pretrained in MODELS:
-            dtype = kwargs.pop("dtype", "auto")  # HFLM's argument: "auto", a name ("bfloat16") or a torch.dtype
-            dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype) if isinstance(dtype, str) else dtype
-            pretrained, tokenizer = load_model(pretrained, dtype=dtype)
-            kwargs.setdefault("tokenizer", tokenizer)
+            # The local float32 folder of the offline model, loaded by HFLM itself as any path would be (a model
+            # object would make HFLM warn that its other arguments may be ignored).
+            pretrained = str(model_path(pretrained))
         super().__init__(pretrained=pretrained, **kwargs)
         self.method = method
         self.cache_implementation, defaults = METHODS[method]

@@ -17,7 +17,6 @@ from transformers.generation import configuration_utils
 from transformers.generation.utils import GenerationMixin
 
 from ..cache import OscarCache
-from ..config import OscarConfig
 from . import fused_attention
 
 CACHE_IMPLEMENTATION = "oscar"
@@ -34,8 +33,8 @@ def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_
             f'cache_implementation="oscar" needs a decoder-only model with a standard KV cache; '
             f"{type(self).__name__} does not use one."
         )
-    cache = OscarCache(
-        self.config, OscarConfig.from_dict(generation_config.cache_config), tp_group=_tensor_parallel_group(self)
+    cache = OscarCache(  # cache_config: a dict of OscarConfig fields, or an OscarConfig
+        self.config, generation_config.cache_config, tp_group=_tensor_parallel_group(self)
     )
     cache.reserve(max_cache_length)
     if generation_config.is_assistant:

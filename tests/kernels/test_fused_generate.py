@@ -10,6 +10,8 @@ from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+# A whole generate through Triton's interpreter takes minutes on a CPU: there it runs with `pytest -m slow`.
+SLOW_ON_CPU = pytest.mark.slow if DEVICE.type == "cpu" else pytest.mark.usefixtures()  # no mark on a GPU
 
 
 @pytest.fixture
@@ -59,6 +61,7 @@ def _assert_fused_matches_portable(model, ids, mask, new_tokens, teacher_forcing
     return cache
 
 
+@SLOW_ON_CPU
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.bfloat16])
 def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monkeypatch, teacher_forcing):
     model = model_on_device(dtype)
@@ -72,6 +75,7 @@ def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monke
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
 
 
+@SLOW_ON_CPU
 def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
