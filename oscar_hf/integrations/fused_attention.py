@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import threading
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -47,8 +48,9 @@ class FusedStep:
 
 
 class _Dispatch(threading.local):
-    """This thread's cache whose layers hold fused steps, and the layer whose step waits for its first attention
-    call (at most one: each update is followed by its attention)."""
+    """This thread's cache whose layers hold fused steps (a weak reference: the cache dies with its last user
+    reference), and the layer whose step waits for its first attention call (at most one: each update is followed
+    by its attention)."""
 
     def __init__(self):
         self.cache = None
@@ -63,7 +65,7 @@ _dispatch = _Dispatch()
 
 def register_cache(cache) -> None:
     """Called by `OscarCache.update` on the fused path: attention calls look for fused steps in `cache`'s layers."""
-    _dispatch.cache = cache
+    _dispatch.cache = weakref.ref(cache)
 
 
 def expect_fused_decode(layer, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -81,7 +83,7 @@ def expect_fused_decode(layer, keys: torch.Tensor, values: torch.Tensor) -> None
 
 def _layer_of(module, key: torch.Tensor):
     """The cache layer whose fused step returned `key`, or None."""
-    cache = _dispatch.cache
+    cache = None if _dispatch.cache is None else _dispatch.cache()
     if cache is None:
         return None
     index = getattr(module, "layer_idx", None)

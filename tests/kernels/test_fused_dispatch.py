@@ -1,6 +1,9 @@
 """The fused dispatch never attends to the new tokens only: an attention call that the pending fused step was not
 prepared for fails loudly (issue 12). On CPU the kernels run in Triton's interpreter, with attention="fused"."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig
@@ -166,3 +169,14 @@ def test_deepseek_v3_latents_are_refused():
     model = DeepseekV3ForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
     with pytest.raises((RuntimeError, ValueError), match="not the ones the cache returned|MLA|latent"):
         _generate(model, OscarCache(config, OscarConfig(**OPTIONS)))
+
+
+def test_the_dispatch_keeps_no_cache_alive():
+    """The wrapped sdpa finds steps through the cache of the latest update, without holding its storage."""
+    cache = _cache_with_history(layers=1)
+    keys, values = _decode_update(cache, 0)
+    _sdpa(0, _query(), keys, values)
+    collected = weakref.ref(cache)
+    del cache, keys, values
+    gc.collect()
+    assert collected() is None
