@@ -32,7 +32,15 @@ from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
 from .config import OscarConfig
 from .integrations import fused_attention
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
-from .reference import QuantizedKV, check_finite, check_head_dim, dequantize_kv, empty_quantized_kv, quantize_kv
+from .reference import (
+    QuantizedKV,
+    check_finite,
+    check_head_dim,
+    dequantize_kv,
+    empty_quantized_kv,
+    key_rotation_choice,
+    quantize_kv,
+)
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 _QUANTIZE_CHUNK_TOKENS = 4096
@@ -65,6 +73,7 @@ class OscarLayer(CacheLayerMixin):
         self._reserved_tokens = 0
         self.residual_keys: torch.Tensor | None = None  # [B, Hkv, config.residual_length, Dk], model dtype
         self.residual_values: torch.Tensor | None = None
+        self.key_rotated: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_head_dim(key_states.shape[-1], self.config)
@@ -117,7 +126,7 @@ class OscarLayer(CacheLayerMixin):
 
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
-        self._storage = self.residual_keys = self.residual_values = None
+        self._storage = self.residual_keys = self.residual_values = self.key_rotated = None
         self.is_initialized = False
 
     def crop(self, tokens_to_remove: int) -> None:
@@ -184,6 +193,10 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
+        if self.config.rotation and self.config.method.startswith("auto"):
+            if self.key_rotated is None:
+                self.key_rotated = key_rotation_choice(keys, self.config)
+            return quantize_kv(keys, values, self.config, self.key_rotated)
         if self.use_kernels:
             from .kernels import quantize_kv_triton
 
@@ -227,7 +240,7 @@ class OscarLayer(CacheLayerMixin):
     def _dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype."""
         math_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        keys, values = dequantize_kv(self._stored(start, end), self.config, math_dtype)
+        keys, values = dequantize_kv(self._stored(start, end), self.config, math_dtype, self.key_rotated)
         return keys.to(self.dtype), values.to(self.dtype)
 
     def reserve(self, tokens: int) -> None:
@@ -272,6 +285,8 @@ class OscarLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.residual_keys, self.residual_values = fn(self.residual_keys), fn(self.residual_values)
+        if self.key_rotated is not None:
+            self.key_rotated = fn(self.key_rotated)
         if self._storage is not None:
             self._storage = QuantizedKV(*(None if t is None else fn(t) for t in self._storage))
 

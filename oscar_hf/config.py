@@ -38,6 +38,8 @@ class OscarConfig:
     token_scaling: bool = True
     scale_dtype: str = "float16"
     attention: str = "auto"
+    method: str = "paper"
+    rotation_block: int = 0
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:

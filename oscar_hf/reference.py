@@ -48,13 +48,13 @@ def check_head_dim(head_dim: int, config: OscarConfig) -> None:
         )
 
 
-def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor, block: int = 0) -> torch.Tensor:
     """Normalized fast Walsh-Hadamard transform along the last dim (x H, with H = H^T = H^-1), O(D log D).
 
     Iterative butterflies: at stride h, pairs (i, i + h) inside each 2h-block become (a + b, a - b).
     """
     head_dim = x.shape[-1]
-    block = rotation_block_size(head_dim)
+    block = min(block, rotation_block_size(head_dim)) if block else rotation_block_size(head_dim)
     y = x.unflatten(-1, (head_dim // block, block))
     h = 1
     while h < block:
@@ -136,13 +136,54 @@ class QuantizedKV(NamedTuple):
     value_min: torch.Tensor
 
 
-def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
+def rotate(x: torch.Tensor, config: OscarConfig) -> torch.Tensor:
+    return hadamard_transform(x, config.rotation_block)
+
+
+def fake_quantize_keys(k: torch.Tensor, rotated: bool, config: OscarConfig) -> torch.Tensor:
+    """Round trip of float keys (no packing), in the un-rotated domain: what `key_rotation_choice` compares."""
+    norms = token_norms(k).unsqueeze(-1) if config.token_scaling else 1.0
+    u = (rotate(k, config) if rotated else k) / norms
+    codes, scale, mn = quantize_groups(u, config.bits, config.group_size, -2, config.scale_torch_dtype)
+    u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, k.dtype) * norms
+    return rotate(u_hat, config) if rotated else u_hat
+
+
+def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor:
+    """Per (batch row, KV head): rotate this head's keys or not, `[B, Hkv]` bool, from the keys alone.
+
+    SCREEN: method selects the statistic."""
+    k = keys.float() if keys.dtype != torch.float64 else keys
+    err_rot = (fake_quantize_keys(k, True, config) - k).square()
+    err_plain = (fake_quantize_keys(k, False, config) - k).square()
+    if config.method == "auto-frob":
+        weight = torch.ones_like(k[..., :1, :])
+    elif config.method == "auto-energy":
+        weight = k.square().mean(-2, keepdim=True)
+    elif config.method == "auto-var":
+        weight = k.var(-2, keepdim=True)
+    elif config.method == "auto-mean2":
+        weight = k.mean(-2, keepdim=True).square()
+    else:
+        raise AssertionError(config.method)
+    cost_rot = (err_rot * weight).sum((-2, -1))
+    cost_plain = (err_plain * weight).sum((-2, -1))
+    return cost_rot < cost_plain
+
+
+def quantize_kv(
+    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, key_rotated: torch.Tensor | None = None
+) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size)."""
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
     norms = token_norms(k) if config.token_scaling else None
     if config.rotation:
-        k, v = hadamard_transform(k), hadamard_transform(v)
+        v = rotate(v, config)
+        if key_rotated is None:
+            k = rotate(k, config)
+        else:
+            k = torch.where(key_rotated[:, :, None, None], rotate(k, config), k)
     if norms is not None:
         k = k / norms.unsqueeze(-1)
     key_codes, key_scale, key_min = quantize_groups(k, config.bits, config.group_size, -2, config.scale_torch_dtype)
@@ -172,7 +213,7 @@ def check_finite(qkv: QuantizedKV, config: OscarConfig) -> None:
 
 
 def dequantize_kv(
-    qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32
+    qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32, key_rotated: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain."""
     g = config.group_size
@@ -181,7 +222,11 @@ def dequantize_kv(
     if qkv.key_norms is not None:
         k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
     if config.rotation:
-        k, v = hadamard_transform(k), hadamard_transform(v)
+        v = rotate(v, config)
+        if key_rotated is None:
+            k = rotate(k, config)
+        else:
+            k = torch.where(key_rotated[:, :, None, None], rotate(k, config), k)
     return k, v
 
 
