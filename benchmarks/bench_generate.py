@@ -83,8 +83,8 @@ def main() -> None:
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     caches = {
         "bf16 DynamicCache (sdpa)": lambda: DynamicCache(config=model.config),
-        "oscar int2 (fused)": lambda: OscarCache(model.config, OscarConfig(attention="fused")),
-        "oscar int2 (portable)": lambda: OscarCache(model.config, OscarConfig(attention="portable")),
+        "oscar int2 (fused)": lambda: OscarCache(model.config, OscarConfig(attention="fused", method="paper")),
+        "oscar int2 (portable)": lambda: OscarCache(model.config, OscarConfig(attention="portable", method="paper")),
     }
     results = {}
     for name, make in caches.items():

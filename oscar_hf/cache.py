@@ -73,6 +73,7 @@ class OscarLayer(CacheLayerMixin):
         self._reserved_tokens = 0
         self.residual_keys: torch.Tensor | None = None  # [B, Hkv, config.residual_length, Dk], model dtype
         self.residual_values: torch.Tensor | None = None
+        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block.
         self.key_rotated: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -193,16 +194,14 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
-        if self.config.rotation and self.config.method.startswith("auto"):
-            if self.key_rotated is None:
-                self.key_rotated = key_rotation_choice(keys, self.config)
-            return quantize_kv(keys, values, self.config, self.key_rotated)
+        if self.key_rotated is None and self.config.rotation and self.config.method == "oscar":
+            self.key_rotated = key_rotation_choice(keys, self.config)  # once, from the first block: the prompt
         if self.use_kernels:
             from .kernels import quantize_kv_triton
 
             block = quantize_kv_triton(keys, values, self.config)
         else:
-            block = quantize_kv(keys, values, self.config)
+            block = quantize_kv(keys, values, self.config, self.key_rotated)
         check_finite(block, self.config)
         return block
 
@@ -426,6 +425,11 @@ class OscarCache(DynamicCache):
                     f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
                 (importlib.util.find_spec("triton") is None, "triton is not installed"),
+                (
+                    self.oscar_config.rotation and self.oscar_config.method == "oscar",
+                    "the kernels do not implement method='oscar' (per-head key rotation) yet; method='paper' or "
+                    "rotation=False use them",
+                ),
             )
             if failed
         ]

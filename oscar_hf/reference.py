@@ -48,13 +48,13 @@ def check_head_dim(head_dim: int, config: OscarConfig) -> None:
         )
 
 
-def hadamard_transform(x: torch.Tensor, block: int = 0) -> torch.Tensor:
+def hadamard_transform(x: torch.Tensor) -> torch.Tensor:
     """Normalized fast Walsh-Hadamard transform along the last dim (x H, with H = H^T = H^-1), O(D log D).
 
     Iterative butterflies: at stride h, pairs (i, i + h) inside each 2h-block become (a + b, a - b).
     """
     head_dim = x.shape[-1]
-    block = min(block, rotation_block_size(head_dim)) if block else rotation_block_size(head_dim)
+    block = rotation_block_size(head_dim)
     y = x.unflatten(-1, (head_dim // block, block))
     h = 1
     while h < block:
@@ -136,54 +136,52 @@ class QuantizedKV(NamedTuple):
     value_min: torch.Tensor
 
 
-def rotate(x: torch.Tensor, config: OscarConfig) -> torch.Tensor:
-    return hadamard_transform(x, config.rotation_block)
-
-
-def fake_quantize_keys(k: torch.Tensor, rotated: bool, config: OscarConfig) -> torch.Tensor:
-    """Round trip of float keys (no packing), in the un-rotated domain: what `key_rotation_choice` compares."""
-    norms = token_norms(k).unsqueeze(-1) if config.token_scaling else 1.0
-    u = (rotate(k, config) if rotated else k) / norms
+def fake_quantize_keys(keys: torch.Tensor, rotated: bool, config: OscarConfig) -> torch.Tensor:
+    """The keys' round trip (token scaling and per-channel groups of `config`, with or without the rotation), back in
+    the model's domain, unpacked: what `key_rotation_choice` compares."""
+    norms = token_norms(keys).unsqueeze(-1) if config.token_scaling else 1.0
+    u = (hadamard_transform(keys) if rotated else keys) / norms
     codes, scale, mn = quantize_groups(u, config.bits, config.group_size, -2, config.scale_torch_dtype)
-    u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, k.dtype) * norms
-    return rotate(u_hat, config) if rotated else u_hat
+    u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, keys.dtype) * norms
+    return hadamard_transform(u_hat) if rotated else u_hat
 
 
 def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor:
-    """Per (batch row, KV head): rotate this head's keys or not, `[B, Hkv]` bool, from the keys alone.
+    """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from keys alone.
 
-    SCREEN: method selects the statistic."""
+    What quantization costs attention is the logit error q.(k^ - k), and queries weigh channels unevenly: a rotation
+    spreads every channel's error evenly over all channels, per-channel quantization (no rotation) keeps each
+    channel's own error, small in quiet channels. The cache never sees the queries, so the expected squared logit
+    error is estimated with the keys' own per-channel energy standing in for the queries' (in RoPE models the
+    large query and key channels coincide): cost = sum_c E_t[k_tc^2] * sum_t (k^_tc - k_tc)^2, computed for both
+    round trips of these keys (the first quantized block: the prompt); the cheaper one is kept.
+    """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    err_rot = (fake_quantize_keys(k, True, config) - k).square()
-    err_plain = (fake_quantize_keys(k, False, config) - k).square()
-    if config.method == "auto-frob":
-        weight = torch.ones_like(k[..., :1, :])
-    elif config.method == "auto-energy":
-        weight = k.square().mean(-2, keepdim=True)
-    elif config.method == "auto-var":
-        weight = k.var(-2, keepdim=True)
-    elif config.method == "auto-mean2":
-        weight = k.mean(-2, keepdim=True).square()
-    else:
-        raise AssertionError(config.method)
-    cost_rot = (err_rot * weight).sum((-2, -1))
-    cost_plain = (err_plain * weight).sum((-2, -1))
-    return cost_rot < cost_plain
+    weight = k.square().mean(-2, keepdim=True)
+    cost_rotated = ((fake_quantize_keys(k, True, config) - k).square() * weight).sum((-2, -1))
+    cost_plain = ((fake_quantize_keys(k, False, config) - k).square() * weight).sum((-2, -1))
+    return cost_rotated < cost_plain
+
+
+def rotate_keys(keys: torch.Tensor, key_rotated: torch.Tensor | None) -> torch.Tensor:
+    """`keys H` for the heads that rotate (all of them when `key_rotated` is None: method="paper")."""
+    if key_rotated is None:
+        return hadamard_transform(keys)
+    return torch.where(key_rotated[:, :, None, None], hadamard_transform(keys), keys)
 
 
 def quantize_kv(
     keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, key_rotated: torch.Tensor | None = None
 ) -> QuantizedKV:
-    """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size)."""
+    """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size).
+
+    `key_rotated` (`[B, Hkv]` bool, method="oscar"): which heads' keys are rotated; None rotates all (method="paper").
+    Values are always rotated when `config.rotation` is on. Ignored when it is off."""
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
     norms = token_norms(k) if config.token_scaling else None
     if config.rotation:
-        v = rotate(v, config)
-        if key_rotated is None:
-            k = rotate(k, config)
-        else:
-            k = torch.where(key_rotated[:, :, None, None], rotate(k, config), k)
+        k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     if norms is not None:
         k = k / norms.unsqueeze(-1)
     key_codes, key_scale, key_min = quantize_groups(k, config.bits, config.group_size, -2, config.scale_torch_dtype)
@@ -215,19 +213,24 @@ def check_finite(qkv: QuantizedKV, config: OscarConfig) -> None:
 def dequantize_kv(
     qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32, key_rotated: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain."""
+    """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain; `key_rotated`
+    as given to `quantize_kv`."""
     g = config.group_size
     k = dequantize_groups(unpack_codes(qkv.key_codes, config.bits), qkv.key_scale, qkv.key_min, g, -2, dtype)
     v = dequantize_groups(unpack_codes(qkv.value_codes, config.bits), qkv.value_scale, qkv.value_min, g, -1, dtype)
     if qkv.key_norms is not None:
         k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
     if config.rotation:
-        v = rotate(v, config)
-        if key_rotated is None:
-            k = rotate(k, config)
-        else:
-            k = torch.where(key_rotated[:, :, None, None], rotate(k, config), k)
+        k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     return k, v
+
+
+def round_trip_kv(
+    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize then dequantize, as a fresh cache's first block (method="oscar" chooses from these keys)."""
+    key_rotated = key_rotation_choice(keys, config) if config.rotation and config.method == "oscar" else None
+    return dequantize_kv(quantize_kv(keys, values, config, key_rotated), config, dtype, key_rotated)
 
 
 def empty_quantized_kv(

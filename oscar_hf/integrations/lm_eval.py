@@ -46,10 +46,11 @@ from ..offline_models import MODELS, load_model
 # "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
 METHODS: dict[str, tuple[str | None, dict]] = {
     "bf16": (None, {}),
-    "oscar-int2": ("oscar", {"bits": 2}),
+    "oscar-int2": ("oscar", {"bits": 2}),  # the default method: per-head choice of the key rotation
+    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's exact method
     "oscar-int4": ("oscar", {"bits": 4}),
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
     "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
     "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
     "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
