@@ -149,15 +149,20 @@ def fake_quantize_keys(keys: torch.Tensor, rotated: bool, config: OscarConfig) -
 def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor:
     """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from keys alone.
 
-    What quantization costs attention is the logit error q.(k^ - k), and queries weigh channels unevenly: a rotation
-    spreads every channel's error evenly over all channels, per-channel quantization (no rotation) keeps each
-    channel's own error, small in quiet channels. The cache never sees the queries, so the expected squared logit
-    error is estimated with the keys' own per-channel energy standing in for the queries' (in RoPE models the
-    large query and key channels coincide): cost = sum_c E_t[k_tc^2] * sum_t (k^_tc - k_tc)^2, computed for both
-    round trips of these keys (the first quantized block: the prompt); the cheaper one is kept.
+    What quantization costs attention is the logit error q.(k^ - k) relative to the logits' own spread over the keys,
+    sum_c q_c (k_tc - mean_c). Per-channel quantization (no rotation) gives each channel an error proportional to
+    its own range, so its relative logit error is about the same whatever channels the queries weigh. The rotation
+    mixes all channels: it cuts ranges inflated by rare large values (heavy tails, outlier tokens) but hands every
+    channel the same share of the error, which the quiet channels (Qwen2's k_proj-bias channels, Gemma 3's
+    k_norm-scaled keys) cannot absorb. The cache never sees the queries, so each channel is taken to carry an equal
+    share of the logit spread (q_c^2 ~ 1 / Var_t(k_c)): the cost of a round trip is its squared error relative to
+    each channel's own variance, sum_c sum_t (k^_tc - k_tc)^2 / Var_t(k_c), computed for both round trips of these
+    keys (the first quantized block: the prompt); the cheaper one is kept.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    weight = k.square().mean(-2, keepdim=True)
+    variance = k.var(-2, keepdim=True)
+    floor = (1e-6 * variance.mean(-1, keepdim=True)).clamp_min(torch.finfo(k.dtype).tiny)
+    weight = 1 / variance.clamp_min(floor)  # a constant channel: plain quantization is exact there, weight stays finite
     cost_rotated = ((fake_quantize_keys(k, True, config) - k).square() * weight).sum((-2, -1))
     cost_plain = ((fake_quantize_keys(k, False, config) - k).square() * weight).sum((-2, -1))
     return cost_rotated < cost_plain

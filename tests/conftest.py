@@ -81,8 +81,8 @@ def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, 
     """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
     a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
     rounds (scales/mins to scale_dtype, token norms to float32). method="oscar": each (batch row, KV head) rotates
-    its keys iff that lowers the key-energy-weighted squared error of the first `choice_tokens` tokens (the cache's
-    first quantized block; default all N)."""
+    its keys iff that lowers the squared error relative to each channel's variance over the first `choice_tokens`
+    tokens (the cache's first quantized block; default all N)."""
     k, v = keys.double(), values.double()
     levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
     eye = torch.eye(k.shape[-1], dtype=torch.float64)
@@ -111,7 +111,8 @@ def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, 
     rot_k = rot.expand(b, h, d, d)
     if config.rotation and config.method == "oscar":
         first = k[:, :, : choice_tokens or n]
-        weight = first.pow(2).mean(2, keepdim=True)
+        variance = first.var(2, keepdim=True)
+        weight = 1 / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))
         cost = {
             name: ((keys_round_trip(first, m.expand(b, h, d, d)) - first).pow(2) * weight).sum((2, 3))
             for name, m in (("rotated", rot), ("plain", eye))
