@@ -31,17 +31,17 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPE = torch.float32  # bf16 matmuls are several times slower on this CPU (no AVX512-BF16)
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
+# Candidates by OscarConfig options. Screened earlier and dropped (their rows stay in the JSON records): key-rotation
+# choices weighting the error by the key channels' energy E[k^2] ("auto-energy", always rotated on Gemma 3), mean^2
+# ("auto-mean2"), variance ("auto-var"), or unweighted ("auto-frob"); block-diagonal Hadamard rotations of 16 and 32
+# channels ("block16", "block32"); and "auto-white" = today's method="oscar", "auto-both" (rotate only if both the
+# energy and the variance weighting agree; it chose as auto-white). Code of those variants: commit 9242c06.
 CANDIDATES: dict[str, dict | None] = {
     "bf16": None,
     "paper": {"method": "paper"},
     "kivi": {"rotation": False, "token_scaling": False},
     "scaling-only": {"rotation": False},
-    "auto-energy": {"method": "auto-energy"},
-    "auto-frob": {"method": "auto-frob"},
-    "auto-var": {"method": "auto-var"},
-    "auto-mean2": {"method": "auto-mean2"},
-    "block16": {"rotation_block": 16},
-    "block32": {"rotation_block": 32},
+    "oscar": {},
 }
 
 
