@@ -6,6 +6,7 @@ from transformers import LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf.reference import key_rotation_choice
 
 B, HKV, D = 2, 2, 32
 
@@ -110,15 +111,21 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
     with other statistics use the same choice, and batch reordering carries it with its row."""
     config = OscarConfig(scale_dtype="float32")
     cache = _cache(config)
-    keys = torch.randn(B, HKV, 500, D, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, HKV, 500, D, dtype=torch.float64, generator=gen)
+
+    def with_spikes(x):  # rare large values in every channel: heavy tails that the rotation spreads out
+        return torch.where(torch.rand(x.shape, generator=gen) < 0.03, 30 * x, x)
+
     keys[0, 0, :300, :4] = 0.01 * keys[0, 0, :300, :4] + 30  # quiet offset channels: keep unrotated
-    keys[1, 1, :, :2] *= 40  # loud channels: rotate
-    keys[0, 0, 300:, :2] *= 40  # later tokens that alone would choose the rotation for row 0, head 0
+    keys[1, 1] = with_spikes(keys[1, 1])  # rotate
+    keys[0, 0, 300:] = with_spikes(keys[0, 0, 300:])  # later tokens that alone would choose the rotation
     values = torch.randn_like(keys)
     cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)  # flushes 256 tokens
     layer = cache.layers[0]
     choice = layer.key_rotated.clone()
     assert not choice[0, 0] and choice[1, 1], choice
+    assert key_rotation_choice(keys[:, :, 256:384], config)[0, 0]  # the next block alone would rotate row 0, head 0
     cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
     assert layer.quantized_length == 384 and torch.equal(layer.key_rotated, choice)
     want = _expected_history(oracle, keys, values, config, first_block=256, stored=True)
