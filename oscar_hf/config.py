@@ -25,12 +25,13 @@ class OscarConfig:
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
         scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
             "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
-        method: how `rotation` treats the keys. "oscar" (default): each (batch row, KV head) of each layer decides
-            once, at its first quantized block (the prompt), whether rotating its keys lowers the expected
-            attention-logit error (`reference.key_rotation_choice`), and keeps that choice; values are always
-            rotated. "paper": every key is rotated, the paper's exact method (arXiv 2605.19660). On models whose
-            keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's k_norm) the rotation spreads
-            quantization error into the channels the queries weigh most; see benchmarks/results/ACCURACY.md.
+        method: how `rotation` treats the keys. "paper" (default): every key is rotated, the paper's method (arXiv
+            2605.19660). "oscar" (experimental, portable path only for now): each (batch row, KV head) of each layer
+            decides once, at its first quantized block (the prompt), whether rotating its keys lowers the key error
+            relative to each channel's variance (`reference.key_rotation_choice`), and keeps that choice; values are
+            always rotated. It avoids the rotation's damage on models whose keys carry large near-constant channels
+            (Qwen2's k_proj bias, Gemma 3's k_norm) but is not yet better everywhere: see
+            benchmarks/results/ACCURACY.md.
         attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
             head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
             what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and
@@ -44,7 +45,7 @@ class OscarConfig:
     token_scaling: bool = True
     scale_dtype: str = "float16"
     attention: str = "auto"
-    method: str = "oscar"
+    method: str = "paper"
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -73,8 +74,8 @@ class OscarConfig:
         )
         check(
             self.method in ("oscar", "paper"),
-            f"method={self.method!r} is not supported; use 'oscar' (default: per-head choice of the key rotation) "
-            "or 'paper' (the paper's method: every key rotated).",
+            f"method={self.method!r} is not supported; use 'paper' (default: the paper's method, every key rotated) "
+            "or 'oscar' (experimental: a per-head choice of the key rotation).",
         )
         check(
             self.attention in ("auto", "fused", "portable"),

@@ -55,7 +55,7 @@ def _assert_history(got, want, what):
         {},
         {"rotation": False, "token_scaling": False},
         {"bits": 4, "residual_length": 64},
-        {"method": "paper", "residual_length": 64},
+        {"method": "oscar", "residual_length": 64},
     ],
 )
 def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
@@ -109,7 +109,7 @@ def test_chunks_arriving_with_history_match_oracle(oracle):
 def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batch_ops(oracle):
     """method="oscar" decides each (row, head)'s key rotation at the first quantized block and keeps it: later blocks
     with other statistics use the same choice, and batch reordering carries it with its row."""
-    config = OscarConfig(scale_dtype="float32")
+    config = OscarConfig(scale_dtype="float32", method="oscar")
     cache = _cache(config)
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(B, HKV, 500, D, dtype=torch.float64, generator=gen)
