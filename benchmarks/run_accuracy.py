@@ -41,7 +41,8 @@ RESULTS = ROOT / "benchmarks" / "results"
 EVAL_CONFIGS = ROOT / "eval_configs"
 
 ALL_METHODS = list(METHODS)
-CORE_METHODS = ["bf16", "oscar-int2", "oscar-int4", "kivi-int2", "hf-quanto-int2", "hf-hqq-int2"]
+# The issue-9 evidence: the new default against the paper's method and KIVI, bf16 and INT4.
+EVIDENCE_METHODS = ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2", "oscar-int4"]
 ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
@@ -51,24 +52,17 @@ def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
-# What fits in about 90 minutes of 2 shared CPU cores at one thread (prefill cost grows with params x length, and each
-# method then re-quantizes and scores every context): runs of (model, tasks, documents per task, methods), in
-# priority order. Ablations and the context sweep only on the smallest model. HF QuantizedCache refuses models with
-# sliding-window layers, so gemma-3 runs without the hf-* methods.
-SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "kivi-int2"]
+# Runs of (model, tasks, documents per task, methods), in priority order: 2k retrieval with 30 documents per task
+# and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build the data with
+# `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2 shared CPU
+# cores; every entry is saved as soon as it is measured, so it can run in pieces.
+SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
-    ("smollm2-135m", retrieval("2k"), 10, ALL_METHODS),
-    ("smollm2-135m", ["oscar_pg_ppl_2k"], 4, ALL_METHODS),
-    ("qwen2.5-0.5b", retrieval("2k"), 10, CORE_METHODS),
-    ("qwen2.5-0.5b", ["oscar_pg_ppl_1k"], 4, CORE_METHODS),
-    ("gemma-3-270m", retrieval("2k") + ["oscar_pg_ppl_1k"], 10, ["bf16", "oscar-int2", "oscar-int4", "kivi-int2"]),
-    ("qwen2.5-1.5b", retrieval("1k"), 10, ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"]),
-    ("qwen2.5-1.5b", ["oscar_pg_ppl_1k"], 2, ["bf16", "oscar-int2", "kivi-int2", "hf-quanto-int2"]),
-    (SWEEP_MODEL, retrieval("1k", "4k"), 10, SWEEP_METHODS),
-    (SWEEP_MODEL, retrieval("8k"), 5, SWEEP_METHODS),
-    # Qwen2's keys carry a large constant per-channel offset (k_proj bias): which OScaR half helps or hurts there.
-    ("qwen2.5-0.5b", retrieval("2k"), 10, ABLATIONS),
-    ("qwen2.5-0.5b", ["oscar_pg_ppl_1k"], 4, ABLATIONS),
+    *((name, ["oscar_multikey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_pg_ppl_1k"], 20, EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_niah_2k", "oscar_passkey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
+    *((name, retrieval("4k"), 30, EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_passkey_gen_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
 ]
 # Where the INT2 loss comes from (keys or values), on the main retrieval tasks: (model, tasks, documents per task).
 DECOMPOSE = [
@@ -126,7 +120,7 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     from transformers import AttentionInterface, DynamicCache
     from transformers.cache_utils import DynamicLayer
 
-    from oscar_hf.reference import dequantize_kv, quantize_kv
+    from oscar_hf.reference import round_trip_kv
 
     AttentionInterface.register("capture_queries", _capture_queries)
     original = model.config._attn_implementation
@@ -156,7 +150,7 @@ def kv_stats(model, tokenizer, text: str) -> dict:
         logits = queries @ keys.repeat_interleave(expand, dim=1).transpose(-1, -2)
         spread = (logits - logits.mean(-1, keepdim=True)).std()
         for method, config in configs.items():
-            k, v = dequantize_kv(quantize_kv(keys, values, config), config)
+            k, v = round_trip_kv(keys, values, config)
             errors[method]["keys"].append(float((k - keys).norm() / keys.norm()))
             errors[method]["values"].append(float((v - values).norm() / values.norm()))
             first = keys[..., :1, :]
@@ -185,10 +179,10 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
     the cache itself, an independent check of its numbers."""
     from transformers.cache_utils import DynamicLayer
 
-    from oscar_hf.reference import dequantize_kv, quantize_kv
+    from oscar_hf.reference import round_trip_kv
 
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
-    configs = {"oscar-int2": OscarConfig(bits=2), "kivi-int2": OscarConfig(**METHODS["kivi-int2"][1])}
+    configs = {m: OscarConfig(**METHODS[m][1]) for m in ("oscar-perhead-int2", "oscar-paper-int2", "kivi-int2")}
     variants = [("none", None, "")] + [(f"{m} {part}", m, part) for m in configs for part in ("K", "V", "KV")]
     scores = {name: {"acc": [], "answer_loglik": []} for name, _, _ in variants}
     name = task.removeprefix("oscar_")
@@ -202,9 +196,7 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
                 if method is None or type(layer) is not DynamicLayer:
                     continue
                 n = layer.keys.shape[-2] // configs[method].residual_length * configs[method].residual_length
-                keys, values = dequantize_kv(
-                    quantize_kv(layer.keys[..., :n, :], layer.values[..., :n, :], configs[method]), configs[method]
-                )
+                keys, values = round_trip_kv(layer.keys[..., :n, :], layer.values[..., :n, :], configs[method])
                 if "K" in part:
                     layer.keys[..., :n, :] = keys
                 if "V" in part:
@@ -406,6 +398,42 @@ def markdown_table(model_name: str) -> str:
     return "\n".join(lines)
 
 
+def summarize(model_names: list[str]) -> Path:
+    """accuracy_summary.json: per model and method, the perplexity change vs bf16 (the longest perplexity task run)
+    and the retrieval accuracy pooled over the 2k retrieval tasks run for every method, with its binomial standard
+    error and the number of documents."""
+    summary = {}
+    for name in model_names:
+        entries = load_results(name)["entries"]
+        methods = sorted({k.split("|")[0] for k in entries}, key=ALL_METHODS.index)
+        ppl_tasks = sorted({k.split("|")[1] for k in entries if "_ppl_" in k and k.startswith("bf16|")})
+        retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in methods)]
+        summary[name] = {}
+        for m in methods:
+            row = {}
+            if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
+                e, base = entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"]
+                row |= {
+                    "ppl_task": ppl_tasks[-1],
+                    "ppl_delta_pct": round(100 * (e["word_perplexity"] / base["word_perplexity"] - 1), 2),
+                    "ppl_n": e["n"],
+                }
+            cells = [entries[f"{m}|{t}"] for t in retrieval_tasks]
+            if cells:
+                n = sum(c["n"] for c in cells)
+                acc = sum(c["acc"] * c["n"] for c in cells) / n
+                row |= {
+                    "retrieval_tasks": retrieval_tasks,
+                    "retrieval_acc": round(acc, 4),
+                    "retrieval_se": round(math.sqrt(acc * (1 - acc) / n), 4),
+                    "retrieval_n": n,
+                }
+            summary[name][m] = row
+    path = RESULTS / "accuracy_summary.json"
+    path.write_text(json.dumps(summary, indent=1) + "\n")
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
@@ -446,7 +474,7 @@ def main() -> None:
             if name in args.models:
                 run_decomposition(name, tasks, limit, dtype)
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
-    print(f"plot: {plot(done)}")
+    print(f"plot: {plot(done)}\nsummary: {summarize(done)}")
     for name in done:
         print(f"\n### {name}\n\n{markdown_table(name)}")
 

@@ -42,7 +42,14 @@ from .integrations import fused_attention
 from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .kernels import ops as kernel_ops
 from .layout import QuantizedKV, StorageLayout
-from .reference import check_finite, check_head_dim, dequantize_kv, quantize_kv, token_norms
+from .reference import (
+    check_finite,
+    check_head_dim,
+    dequantize_kv,
+    key_rotation_choice,
+    quantize_kv,
+    token_norms,
+)
 
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
@@ -78,6 +85,8 @@ class OscarLayer(CacheLayerMixin):
         self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
         self._length: torch.Tensor | None = None  # tokens held, on the device (compiled decode only)
         self._length_is_newer = False  # compiled steps advanced `_length` past the host-side lengths
+        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block.
+        self.key_rotated: torch.Tensor | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_head_dim(key_states.shape[-1], self.config)
@@ -226,6 +235,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
         self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
+        self.key_rotated = None
         self._length_is_newer = False
         self.is_initialized = False
 
@@ -295,17 +305,19 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
+        if self.key_rotated is None and self.config.rotation and self.config.method == "oscar":
+            self.key_rotated = key_rotation_choice(keys, self.config)  # once, from the first block: the prompt
         if self.head_group is not None and self.config.token_scaling:
             # The norm covers the heads of every rank (one all-reduce per block). The Triton quantizer computes norms
             # over the heads it sees and takes none, so sharded layers quantize with the reference (once per block).
             norms = token_norms(keys, self.head_group)
-            block = quantize_kv(keys, values, self.config, norms=norms)
+            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms)
         elif self.use_kernels:
             from .kernels import quantize_kv_triton
 
             block = quantize_kv_triton(keys, values, self.config)
         else:
-            block = quantize_kv(keys, values, self.config)
+            block = quantize_kv(keys, values, self.config, self.key_rotated)
         check_finite(block, keys, values, self.config)
         return block
 
@@ -367,7 +379,7 @@ class OscarLayer(CacheLayerMixin):
     def _dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype."""
         math_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        keys, values = dequantize_kv(self._stored(start, end), self.config, math_dtype)
+        keys, values = dequantize_kv(self._stored(start, end), self.config, math_dtype, self.key_rotated)
         return keys.to(self.dtype), values.to(self.dtype)
 
     def reserve(self, tokens: int) -> None:
@@ -413,6 +425,8 @@ class OscarLayer(CacheLayerMixin):
         if not self.is_initialized:
             return
         self.residual_keys, self.residual_values = fn(self.residual_keys), fn(self.residual_values)
+        if self.key_rotated is not None:
+            self.key_rotated = fn(self.key_rotated)
         if self._storage is not None:
             self._storage = QuantizedKV(*(None if t is None else fn(t) for t in self._storage))
 
@@ -633,6 +647,10 @@ class OscarCache(DynamicCache):
             reason
             for failed, reason in (
                 (self.oscar_config.attention == "portable", "attention='portable'"),
+                (
+                    self.oscar_config.rotation and self.oscar_config.method == "oscar",
+                    "method='oscar' (per-head key rotation) runs on the portable path",
+                ),
                 (not _HAS_TRITON, "triton is not installed"),
                 (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
                 (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
@@ -679,6 +697,11 @@ class OscarCache(DynamicCache):
                     f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
                 (not _HAS_TRITON, "triton is not installed"),
+                (
+                    self.oscar_config.rotation and self.oscar_config.method == "oscar",
+                    "the kernels do not implement method='oscar' (per-head key rotation) yet; method='paper' or "
+                    "rotation=False use them",
+                ),
             )
             if failed
         ]

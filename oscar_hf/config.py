@@ -20,11 +20,18 @@ class OscarConfig:
         group_size: tokens per key quantization group (per channel) and channels per value group (per token).
         residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
             quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
-        rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values.
+        rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values (see `method` for keys).
         token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
         scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
             "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
+        method: how `rotation` treats the keys. "paper" (default): every key is rotated, the paper's method (arXiv
+            2605.19660). "oscar" (experimental, portable path only for now): each (batch row, KV head) of each layer
+            decides once, at its first quantized block (the prompt), whether rotating its keys lowers the key error
+            relative to each channel's variance (`reference.key_rotation_choice`), and keeps that choice; values are
+            always rotated. It avoids the rotation's damage on models whose keys carry large near-constant channels
+            (Qwen2's k_proj bias, Gemma 3's k_norm) but is not yet better everywhere: see
+            benchmarks/results/ACCURACY.md.
         attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
             head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
             what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and
@@ -38,6 +45,7 @@ class OscarConfig:
     token_scaling: bool = True
     scale_dtype: str = "float16"
     attention: str = "auto"
+    method: str = "paper"
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -63,6 +71,11 @@ class OscarConfig:
         check(
             self.scale_dtype in _SCALE_DTYPES,
             f"scale_dtype={self.scale_dtype!r} is not supported; use one of {sorted(_SCALE_DTYPES)}.",
+        )
+        check(
+            self.method in ("oscar", "paper"),
+            f"method={self.method!r} is not supported; use 'paper' (default: the paper's method, every key rotated) "
+            "or 'oscar' (experimental: a per-head choice of the key rotation).",
         )
         check(
             self.attention in ("auto", "fused", "portable"),

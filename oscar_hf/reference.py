@@ -95,13 +95,57 @@ def dequantize_groups(
     return codes.to(dtype) * scale + mn
 
 
+def fake_quantize_keys(keys: torch.Tensor, rotated: bool, config: OscarConfig) -> torch.Tensor:
+    """The keys' round trip (token scaling and per-channel groups of `config`, with or without the rotation), back in
+    the model's domain, unpacked: what `key_rotation_choice` compares."""
+    norms = token_norms(keys).unsqueeze(-1) if config.token_scaling else 1.0
+    u = (hadamard_transform(keys) if rotated else keys) / norms
+    codes, scale, mn = quantize_groups(u, config.bits, config.group_size, -2, config.scale_torch_dtype)
+    u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, keys.dtype) * norms
+    return hadamard_transform(u_hat) if rotated else u_hat
+
+
+def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor:
+    """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from keys alone.
+
+    What quantization costs attention is the logit error q.(k^ - k) relative to the logits' own spread over the keys,
+    sum_c q_c (k_tc - mean_c). Per-channel quantization (no rotation) gives each channel an error proportional to
+    its own range, so its relative logit error is about the same whatever channels the queries weigh. The rotation
+    mixes all channels: it cuts ranges inflated by rare large values (heavy tails, outlier tokens) but hands every
+    channel the same share of the error, which the quiet channels (Qwen2's k_proj-bias channels, Gemma 3's
+    k_norm-scaled keys) cannot absorb. The cache never sees the queries, so each channel is taken to carry an equal
+    share of the logit spread (q_c^2 ~ 1 / Var_t(k_c)): the cost of a round trip is its squared error relative to
+    each channel's own variance, sum_c sum_t (k^_tc - k_tc)^2 / Var_t(k_c), computed for both round trips of these
+    keys (the first quantized block: the prompt); the cheaper one is kept.
+    """
+    k = keys.float() if keys.dtype != torch.float64 else keys
+    variance = k.var(-2, keepdim=True)
+    floor = (1e-6 * variance.mean(-1, keepdim=True)).clamp_min(torch.finfo(k.dtype).tiny)
+    weight = 1 / variance.clamp_min(floor)  # a constant channel: plain quantization is exact there, weight stays finite
+    cost_rotated = ((fake_quantize_keys(k, True, config) - k).square() * weight).sum((-2, -1))
+    cost_plain = ((fake_quantize_keys(k, False, config) - k).square() * weight).sum((-2, -1))
+    return cost_rotated < cost_plain
+
+
+def rotate_keys(keys: torch.Tensor, key_rotated: torch.Tensor | None) -> torch.Tensor:
+    """`keys H` for the heads that rotate (all of them when `key_rotated` is None: method="paper")."""
+    if key_rotated is None:
+        return hadamard_transform(keys)
+    return torch.where(key_rotated[:, :, None, None], hadamard_transform(keys), keys)
+
+
 def quantize_kv(
-    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, norms: torch.Tensor | None = None
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
+    norms: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size).
 
-    `norms` overrides the token norms computed from `keys` (tensor parallel: `token_norms(keys, group)` covers the
-    KV heads of every rank)."""
+    `key_rotated` (`[B, Hkv]` bool, method="oscar"): which heads' keys are rotated; None rotates all (method="paper").
+    Values are always rotated when `config.rotation` is on. Ignored when it is off. `norms` overrides the token norms
+    computed from `keys` (tensor parallel: `token_norms(keys, group)` covers the KV heads of every rank)."""
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
     if not config.token_scaling:
@@ -109,7 +153,7 @@ def quantize_kv(
     elif norms is None:
         norms = token_norms(k)
     if config.rotation:
-        k, v = hadamard_transform(k), hadamard_transform(v)
+        k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     if norms is not None:
         k = k / norms.unsqueeze(-1)
     key_codes, key_scale, key_min = quantize_groups(k, config.bits, config.group_size, -2, config.scale_torch_dtype)
@@ -146,17 +190,26 @@ def check_finite(qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, con
 
 
 def dequantize_kv(
-    qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32
+    qkv: QuantizedKV, config: OscarConfig, dtype: torch.dtype = torch.float32, key_rotated: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain."""
+    """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain; `key_rotated`
+    as given to `quantize_kv`."""
     g, layout = config.group_size, StorageLayout.of(config)
     k = dequantize_groups(layout.unpack_codes(qkv.key_codes), qkv.key_scale, qkv.key_min, g, -2, dtype)
     v = dequantize_groups(layout.unpack_codes(qkv.value_codes), qkv.value_scale, qkv.value_min, g, -1, dtype)
     if qkv.key_norms is not None:
         k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
     if config.rotation:
-        k, v = hadamard_transform(k), hadamard_transform(v)
+        k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     return k, v
+
+
+def round_trip_kv(
+    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize then dequantize, as a fresh cache's first block (method="oscar" chooses from these keys)."""
+    key_rotated = key_rotation_choice(keys, config) if config.rotation and config.method == "oscar" else None
+    return dequantize_kv(quantize_kv(keys, values, config, key_rotated), config, dtype, key_rotated)
 
 
 def decode_attention(

@@ -77,13 +77,16 @@ def _sylvester_hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
-def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig):
+def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, choice_tokens: int | None = None):
     """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
     a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
-    rounds (scales/mins to scale_dtype, token norms to float32)."""
+    rounds (scales/mins to scale_dtype, token norms to float32). method="oscar": each (batch row, KV head) rotates
+    its keys iff that lowers the squared error relative to each channel's variance over the first `choice_tokens`
+    tokens (the cache's first quantized block; default all N)."""
     k, v = keys.double(), values.double()
     levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
-    rot = _sylvester_hadamard(k.shape[-1]) if config.rotation else torch.eye(k.shape[-1], dtype=torch.float64)
+    eye = torch.eye(k.shape[-1], dtype=torch.float64)
+    rot = _sylvester_hadamard(k.shape[-1]) if config.rotation else eye
 
     def fake_quant(x):  # quantize/dequantize groups along the last dim
         mn = x.amin(-1, keepdim=True).to(sd).double()
@@ -91,15 +94,32 @@ def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig):
         codes = torch.where(scale > 0, ((x - mn) / scale).round().clamp(0, levels), torch.zeros_like(x))
         return codes * scale + mn
 
-    norms = torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64)
-    if config.token_scaling:
+    def token_norms(k):
+        if not config.token_scaling:
+            return torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64)
         norms = k.pow(2).sum(dim=(1, 3)).sqrt()[:, None, :, None]
-        norms = torch.where(norms > 0, norms, torch.ones_like(norms))
-    u = (k @ rot) / norms
-    b, h, n, d = u.shape
-    u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2)).transpose(-1, -2).reshape(b, h, n, d)
+        return torch.where(norms > 0, norms, torch.ones_like(norms))
+
+    def keys_round_trip(k, rot):  # per (batch, head) rotation matrices rot [B, H, D, D]
+        norms = token_norms(k)
+        u = (k @ rot) / norms
+        b, h, n, d = u.shape
+        u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2)).transpose(-1, -2).reshape(b, h, n, d)
+        return (u_hat * norms.float().double()) @ rot.transpose(-1, -2)  # the norms are stored in float32
+
+    b, h, n, d = k.shape
+    rot_k = rot.expand(b, h, d, d)
+    if config.rotation and config.method == "oscar":
+        first = k[:, :, : choice_tokens or n]
+        variance = first.var(2, keepdim=True)
+        weight = 1 / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))
+        cost = {
+            name: ((keys_round_trip(first, m.expand(b, h, d, d)) - first).pow(2) * weight).sum((2, 3))
+            for name, m in (("rotated", rot), ("plain", eye))
+        }
+        rot_k = torch.where((cost["rotated"] < cost["plain"])[:, :, None, None], rot, eye)
     v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g)).reshape(b, h, n, d)
-    return (u_hat * norms.float().double()) @ rot.T, v_hat @ rot.T
+    return keys_round_trip(k, rot_k), v_hat @ rot.T
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, kv_memory
+from oscar_hf.reference import key_rotation_choice
 
 B, HKV, D = 2, 2, 32
 
@@ -21,15 +22,16 @@ def _cache(config=None, layers=2, heads=HKV, head_dim=D):
     return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
 
 
-def _expected_history(oracle, keys, values, config, memo=None, stored=False):
+def _expected_history(oracle, keys, values, config, first_block, memo=None, stored=False):
     """What attention sees of a history of T tokens: every complete block quantized (the oracle's values), the rest
-    exact. `stored=True`: what the layer holds after its update instead, the newest block still exact until the next
+    exact. `first_block`: tokens in the cache's first quantized block (method="oscar" decides its key rotation
+    there). `stored=True`: what the layer holds after its update instead, the newest block still exact until the next
     update. `memo` reuses the oracle's blocks between steps (they only change at a flush)."""
     window = config.residual_length
     quantized = (max(keys.shape[2] - 1, 0) if stored else keys.shape[2]) // window * window
     memo = {} if memo is None else memo
     if quantized not in memo:
-        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config)
+        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config, first_block)
     k_hat, v_hat = memo[quantized]
     return torch.cat([k_hat, keys[:, :, quantized:]], 2), torch.cat([v_hat, values[:, :, quantized:]], 2)
 
@@ -48,7 +50,13 @@ def _assert_history(got, want, what):
 
 @pytest.mark.parametrize("prefill", [50, 128, 300])
 @pytest.mark.parametrize(
-    "options", [{}, {"rotation": False, "token_scaling": False}, {"bits": 4, "residual_length": 64}]
+    "options",
+    [
+        {},
+        {"rotation": False, "token_scaling": False},
+        {"bits": 4, "residual_length": 64},
+        {"method": "oscar", "residual_length": 64},
+    ],
 )
 def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
     config = OscarConfig(scale_dtype="float32", **options)
@@ -57,6 +65,8 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
     scale = torch.logspace(-1, 1, total, dtype=torch.float64)[:, None]  # token norms spanning 100x
     keys = torch.randn(B, HKV, total, D, dtype=torch.float64) * scale
     values = torch.randn(B, HKV, total, D, dtype=torch.float64)
+    window = config.residual_length
+    first_block = max((prefill - 1) // window * window, window)  # the prefill's flush, else the first decode flush
     flushes, memo = 0, {}
     for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, total)]:
         before = cache.layers[0].quantized_length
@@ -65,7 +75,7 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
         if start == 0:  # a chunk without history attends to its own exact K/V
             assert torch.equal(got[0], keys[:, :, :end]) and torch.equal(got[1], values[:, :, :end])
         else:  # the history as stored, then the new exact token
-            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, memo)
+            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, first_block, memo)
             _assert_history(got, _with_new(want, keys, values, start, end), end)
         layer = cache.layers[0]
         assert cache.get_seq_length() == end
@@ -73,7 +83,8 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
         assert layer.quantized_length == (end - 1) // config.residual_length * config.residual_length
         assert 1 <= layer.residual_length <= config.residual_length
     assert flushes >= 2
-    _assert_history(cache.layers[0].dense_history(), _expected_history(oracle, keys, values, config, stored=True), "")
+    want = _expected_history(oracle, keys, values, config, first_block, stored=True)
+    _assert_history(cache.layers[0].dense_history(), want, "")
 
 
 def test_chunks_arriving_with_history_match_oracle(oracle):
@@ -88,10 +99,40 @@ def test_chunks_arriving_with_history_match_oracle(oracle):
         end = start + size
         got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=1)
         if start:
-            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config)
+            # 70 tokens wait in the residual; the 200 that follow flush (70 + 200 - 1) // 128 blocks: 256 tokens.
+            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, first_block=256)
             _assert_history(got, _with_new(want, keys, values, start, end), end)
         start = end
     assert cache.get_seq_length(1) == sum(chunks) and cache.get_seq_length(0) == 0
+
+
+def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batch_ops(oracle):
+    """method="oscar" decides each (row, head)'s key rotation at the first quantized block and keeps it: later blocks
+    with other statistics use the same choice, and batch reordering carries it with its row."""
+    config = OscarConfig(scale_dtype="float32", method="oscar")
+    cache = _cache(config)
+    gen = torch.Generator().manual_seed(0)
+    keys = torch.randn(B, HKV, 500, D, dtype=torch.float64, generator=gen)
+
+    def with_spikes(x):  # rare large values in every channel: heavy tails that the rotation spreads out
+        return torch.where(torch.rand(x.shape, generator=gen) < 0.03, 30 * x, x)
+
+    keys[0, 0, :300, :4] = 0.01 * keys[0, 0, :300, :4] + 30  # quiet offset channels: keep unrotated
+    keys[1, 1] = with_spikes(keys[1, 1])  # rotate
+    keys[0, 0, 300:] = with_spikes(keys[0, 0, 300:])  # later tokens that alone would choose the rotation
+    values = torch.randn_like(keys)
+    cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)  # flushes 256 tokens
+    layer = cache.layers[0]
+    choice = layer.key_rotated.clone()
+    assert not choice[0, 0] and choice[1, 1], choice
+    assert key_rotation_choice(keys[:, :, 256:384], config)[0, 0]  # the next block alone would rotate row 0, head 0
+    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
+    assert layer.quantized_length == 384 and torch.equal(layer.key_rotated, choice)
+    want = _expected_history(oracle, keys, values, config, first_block=256, stored=True)
+    _assert_history(layer.dense_history(), want, "after a later block")
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert torch.equal(layer.key_rotated, choice.flip(0))
+    _assert_history(layer.dense_history(), tuple(t.flip(0) for t in want), "after reordering")
 
 
 def test_bf16_prefill_returns_exact_tokens_and_stores_packed_blocks():

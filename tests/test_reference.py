@@ -1,5 +1,7 @@
 """The reference math (oscar_hf.reference) against first principles and an independent float64 oracle."""
 
+import math
+
 import pytest
 import torch
 
@@ -8,6 +10,7 @@ from oscar_hf.reference import (
     dequantize_groups,
     dequantize_kv,
     hadamard_transform,
+    key_rotation_choice,
     quantize_groups,
     quantize_kv,
     token_norms,
@@ -81,14 +84,34 @@ def test_token_norms_fp32_from_bf16():
     )
 
 
+def _keys_of_both_kinds(tokens=96, head_dim=64, norm_spread=1e4):
+    """Keys whose heads want opposite treatments: in batch row 0, head 0 has quiet channels with a large constant
+    offset (like Qwen2's k_proj bias: per-channel steps stay tiny there unless a rotation mixes in the other
+    channels' error); in row 1, head 1 has rare large values in every channel (heavy tails that inflate each
+    channel's range; the rotation spreads them out). (Separate rows because token norms are shared by the heads of
+    a row: a loud head would make the scaled offset vary.)"""
+    gen = torch.Generator().manual_seed(tokens)
+    k = torch.randn(2, 3, tokens, head_dim, dtype=torch.float64, generator=gen)
+    k[0, 0, :, :4] = 0.01 * k[0, 0, :, :4] + 30
+    spikes = torch.rand(tokens, head_dim, generator=gen) < 0.03
+    k[1, 1] = torch.where(spikes, 30 * k[1, 1], k[1, 1])
+    return k * torch.logspace(0, math.log10(norm_spread), tokens, dtype=torch.float64)[:, None]  # token norms vary
+
+
+@pytest.mark.parametrize("method", ["oscar", "paper"])
 @pytest.mark.parametrize("rotation", [True, False])
 @pytest.mark.parametrize("token_scaling", [True, False])
 @pytest.mark.parametrize("bits", [2, 4])
-def test_quantize_kv_matches_independent_oracle(oracle, rotation, token_scaling, bits):
-    config = OscarConfig(bits=bits, rotation=rotation, token_scaling=token_scaling, scale_dtype="float32")
-    k = torch.randn(2, 3, 96, 64, dtype=torch.float64) * torch.logspace(-2, 2, 96, dtype=torch.float64)[:, None]
+def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_scaling, bits):
+    config = OscarConfig(
+        bits=bits, rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method
+    )
+    k = _keys_of_both_kinds()
     v = torch.randn(2, 3, 96, 64, dtype=torch.float64)
-    k_hat, v_hat = dequantize_kv(quantize_kv(k, v, config), config, torch.float64)
+    key_rotated = key_rotation_choice(k, config) if method == "oscar" else None
+    if method == "oscar" and rotation and token_scaling and bits == 2:  # the choice depends on both (see docstring)
+        assert not key_rotated[0, 0] and key_rotated[1, 1], key_rotated  # both kinds occur
+    k_hat, v_hat = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
     k_ref, v_ref = oracle(k, v, config)
     # Scales/mins are rounded to float32 from float64 values that differ in their last bits between the butterflies
     # and the oracle's dense matrix, so they may land one float32 ulp apart: allow one ulp of the magnitude. A wrong
@@ -97,6 +120,24 @@ def test_quantize_kv_matches_independent_oracle(oracle, rotation, token_scaling,
         torch.testing.assert_close(
             got, want, rtol=0, atol=2 * torch.finfo(torch.float32).eps * want.abs().amax().item()
         )
+
+
+def test_oscar_method_cuts_the_logit_error_where_the_rotation_hurts():
+    """The reason for method="oscar": queries that weigh a quiet, offset key channel (head 0 above) see a much larger
+    logit error when the keys are rotated; the per-head choice keeps that head unrotated and the others rotated."""
+    k = _keys_of_both_kinds(tokens=128, norm_spread=1)
+    v = torch.randn_like(k)
+    q = torch.randn(2, 3, 16, 64, dtype=torch.float64)
+    q[0, 0, :, :4] *= 20  # queries weigh the offset channels, as in Qwen2.5-0.5B's layer 0
+    errors = {}
+    for method in ("oscar", "paper"):
+        config = OscarConfig(scale_dtype="float32", method=method)
+        key_rotated = key_rotation_choice(k, config) if method == "oscar" else None
+        k_hat, _ = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
+        error = q @ (k_hat - k).transpose(-1, -2)
+        errors[method] = (error - error.mean(-1, keepdim=True)).square().mean((2, 3)).sqrt()  # per row and head
+    assert errors["oscar"][0, 0] < errors["paper"][0, 0] / 3, errors
+    torch.testing.assert_close(errors["oscar"][1, 1], errors["paper"][1, 1])  # the outlier head still rotates
 
 
 def test_token_scaling_removes_token_norm_imbalance():
