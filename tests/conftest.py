@@ -109,7 +109,7 @@ def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, 
 
     b, h, n, d = k.shape
     rot_k = rot.expand(b, h, d, d)
-    if config.rotation and config.method == "oscar":
+    if config.rotation and config.method == "oscar" and n:
         first = k[:, :, : choice_tokens or n]
         variance = first.var(2, keepdim=True)
         weight = 1 / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))

@@ -62,6 +62,7 @@ def _decode(model, forward, prompt, steps, **options):
     return torch.cat(tokens, 1), logits, cache
 
 
+@pytest.mark.slow_on_cpu
 def test_compiled_decode_matches_eager_across_a_flush(tiny_llama):
     """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone."""
     model = tiny_llama(

@@ -19,6 +19,7 @@ def _inputs(config, batch=1, quantized_tokens=32, residual=8):
     return query, stored, keys[:, :, quantized_tokens:], values[:, :, quantized_tokens:], mask
 
 
+@pytest.mark.slow_on_cpu
 @pytest.mark.parametrize("token_scaling", [True, False])
 def test_quantize_op_matches_the_launcher_and_passes_opcheck(token_scaling):
     config = OscarConfig(residual_length=32, token_scaling=token_scaling)
@@ -31,6 +32,7 @@ def test_quantize_op_matches_the_launcher_and_passes_opcheck(token_scaling):
     torch.library.opcheck(torch.ops.oscar.quantize_kv.default, (keys, values, ops.config_key(config)))
 
 
+@pytest.mark.slow_on_cpu
 @pytest.mark.parametrize("with_history", [True, False])
 def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history):
     config = OscarConfig(residual_length=32)
