@@ -3,8 +3,8 @@
 `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`:
 
     query             [B, Hq, Tq, D]      bf16 / fp16 / fp32; Hq = g * Hkv (GQA), 1 <= Tq <= R (speculative decoding)
-    quantized         QuantizedKV or None, L quantized tokens (storage contract of `oscar_hf.reference`; tensors may
-                      be views of larger capacity buffers, any strides), L a multiple of group_size
+    quantized         QuantizedKV or None, L quantized tokens (layout: `oscar_hf.layout.StorageLayout`; tensors may be
+                      views of larger capacity buffers, any strides), L a multiple of group_size
     residual_keys     [B, Hkv, R, D]      raw post-RoPE keys, query dtype (not rotated, not scaled), 1 <= R
     residual_values   [B, Hkv, R, D]
     key_padding_mask  None or bool [B, L + R] (True = attend)
