@@ -87,11 +87,6 @@ class OscarConfig:
     def scale_torch_dtype(self) -> torch.dtype:
         return _SCALE_DTYPES[self.scale_dtype]
 
-    @property
-    def codes_per_word(self) -> int:
-        """How many codes one int32 storage word holds."""
-        return 32 // self.bits
-
     @classmethod
     def from_dict(cls, options: dict[str, Any] | None) -> OscarConfig:
         """Build from a `cache_config` dict (as passed to `generate`); unknown keys are an error, never ignored."""
