@@ -1,0 +1,81 @@
+"""Where a `model.generate` decode step's time goes: GPU time per kernel vs the step's wall time.
+
+    python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar static
+
+Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 weights, generate's automatic
+compile). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of steady decode steps, started
+and stopped from the streamer; the GPU-busy share of the window tells launch/host overhead from kernel time.
+Prints the kernels by total GPU time per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from bench_generate import LLAMA_31_8B
+from torch.profiler import ProfilerActivity, profile
+from transformers import LlamaConfig, LlamaForCausalLM
+from transformers.generation import CompileConfig
+
+import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
+
+
+class _ProfileWindow:
+    """A generate streamer that profiles new tokens `start` to `stop` (the first ones compile)."""
+
+    def __init__(self, start: int, stop: int):
+        self.start, self.stop, self.seen = start, stop, -1  # the first call carries the prompt
+        self.profiler = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+        self.wall = 0.0
+
+    def put(self, value):
+        torch.cuda.synchronize()
+        self.seen += 1
+        if self.seen == self.start:
+            self.profiler.__enter__()
+            self.wall = time.perf_counter()
+        elif self.seen == self.stop:
+            self.wall = time.perf_counter() - self.wall
+            self.profiler.__exit__(None, None, None)
+
+    def end(self):
+        pass
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static"])
+    parser.add_argument("--top", type=int, default=15)
+    args = parser.parse_args()
+
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA_31_8B), dtype=torch.bfloat16).eval()
+    model.generation_config.pad_token_id = 0
+    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device="cuda")
+    start, stop = 16, 24
+    for cache in args.cache:
+        torch._dynamo.reset()
+        window = _ProfileWindow(start, stop)
+        options = dict(max_new_tokens=stop + 2, min_new_tokens=stop + 2, do_sample=False, streamer=window,
+                       cache_implementation=cache, compile_config=CompileConfig(fullgraph=True))  # fmt: skip
+        if cache == "oscar":
+            options["cache_config"] = {"attention": "auto"}
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        steps = stop - start
+        events = [e for e in window.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        gpu_us = sum(e.self_device_time_total for e in events) / steps
+        print(f"\n{cache} compiled, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
+              f"per step, GPU busy {gpu_us / 1000:.2f} ms per step")  # fmt: skip
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+            per_step = e.self_device_time_total / steps
+            print(f"  {per_step:9.1f} us  {e.count // steps:4d}x  {e.key[:100]}")
+
+
+if __name__ == "__main__":
+    main()
