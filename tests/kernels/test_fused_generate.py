@@ -104,8 +104,8 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
         activation_sparsity_pattern=[0.0] * 4,
     )
     config._attn_implementation = "sdpa"
-    assert config.kv_sharing_modes == ["store", "store", "reuse", "reuse"]
     model = Gemma3nForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
+    assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     calls = []
     original = OscarLayer.fused_attention
     monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(self), original(self, *a))[1])
