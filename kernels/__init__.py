@@ -2,7 +2,8 @@
 
 Launchers only, imported lazily so that `import oscar_hf.kernels` works where Triton is absent:
 
-- `quantize_kv_triton(keys, values, config) -> QuantizedKV` (kernels/quantize_pack.py)
+- `quantize_kv_triton(keys, values, config) -> QuantizedKV` and `flush_residual_triton(residual_keys,
+  residual_values, storage, length, config)` (kernels/quantize_pack.py)
 - `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`
   (kernels/decode_attention.py)
 
@@ -18,6 +19,7 @@ __all__ = [
     "DECODE_MAX_QUERY_ROWS",
     "DECODE_MAX_QUERY_TOKENS",
     "decode_attention_triton",
+    "flush_residual_triton",
     "quantize_kv_triton",
 ]
 
@@ -25,7 +27,11 @@ DECODE_HEAD_DIMS = (64, 128, 256)  # head dims the decode kernel is compiled for
 DECODE_MAX_QUERY_TOKENS = 16  # query tokens per call (speculative decoding) ...
 DECODE_MAX_QUERY_ROWS = 64  # ... and query rows per KV head, (Hq / Hkv) * Tq
 
-_HOMES = {"quantize_kv_triton": ".quantize_pack", "decode_attention_triton": ".decode_attention"}
+_HOMES = {
+    "quantize_kv_triton": ".quantize_pack",
+    "flush_residual_triton": ".quantize_pack",
+    "decode_attention_triton": ".decode_attention",
+}
 
 
 def __getattr__(name: str):

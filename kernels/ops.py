@@ -2,15 +2,16 @@
 
     torch.ops.oscar.decode_attention(query, quantized, residual_keys, residual_values, key_padding_mask, scaling,
                                      config) -> [B, Hq, Tq, D]
-    torch.ops.oscar.quantize_kv(keys, values, config) -> the non-None fields of a QuantizedKV
+    torch.ops.oscar.flush_residual(residual_keys, residual_values, storage, length, config) -> None (writes storage)
 
 The ops take plain tensors: `quantized` is the list of `QuantizedKV` fields in order (an empty list for no
-quantized region; absent fields, e.g. `key_norms` without token scaling, as None), and `config` is the
-`OscarConfig` as JSON (`config_key`). Their fake implementations derive every output shape from the storage contract
-(`oscar_hf.layout.StorageLayout`) and the query, so the boundary does not depend on which kernel is behind it.
+quantized region; absent fields, e.g. `key_norms` without token scaling, as None), `storage` the list of the present
+fields only (a list the op writes to cannot hold None; `config` says which are present), and `config` is the
+`OscarConfig` as JSON (`config_key`). The fake implementations need nothing of the kernels: decode_attention's output
+has the query's shape, flush_residual returns nothing.
 Both are opaque to the compiler (`custom_op`): Inductor calls them as they are, CUDA graphs capture their launches.
 
-`decode_attention(...)` and `quantize_kv(...)` below are the typed Python entry points the cache calls (traceable:
+`decode_attention(...)` and `flush_residual(...)` below are the typed Python entry points the cache calls (traceable:
 they take the config's key string and look nothing up but a dict filled eagerly).
 """
 
@@ -65,18 +66,24 @@ def _(query, quantized, residual_keys, residual_values, key_padding_mask, scalin
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("oscar::quantize_kv", mutates_args=())
-def _quantize_kv_op(keys: torch.Tensor, values: torch.Tensor, config: str) -> list[torch.Tensor]:
-    from . import quantize_kv_triton
+@torch.library.custom_op("oscar::flush_residual", mutates_args=("storage",))
+def _flush_residual_op(
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    storage: list[torch.Tensor],
+    length: torch.Tensor,
+    config: str,
+) -> None:
+    from . import flush_residual_triton
 
-    return [t for t in quantize_kv_triton(keys, values, _config(config)) if t is not None]
+    parts = iter(storage)
+    stored = QuantizedKV(*(next(parts) if present else None for present in _PRESENT_FIELDS[config]))
+    flush_residual_triton(residual_keys, residual_values, stored, length, _config(config))
 
 
-@_quantize_kv_op.register_fake
-def _(keys, values, config):
-    batch, heads, tokens, head_dim = keys.shape
-    stored = StorageLayout.of(_config(config)).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
-    return [t for t in stored if t is not None]
+@_flush_residual_op.register_fake
+def _(residual_keys, residual_values, storage, length, config):
+    return None
 
 
 def decode_attention(
@@ -96,7 +103,9 @@ def decode_attention(
     )
 
 
-def quantize_kv(keys: torch.Tensor, values: torch.Tensor, config: str) -> QuantizedKV:
-    """`quantize_kv_triton` through the `oscar::quantize_kv` op (same contract; `config` from `config_key`)."""
-    parts = iter(torch.ops.oscar.quantize_kv(keys, values, config))
-    return QuantizedKV(*(next(parts) if present else None for present in _PRESENT_FIELDS[config]))
+def flush_residual(
+    residual_keys: torch.Tensor, residual_values: torch.Tensor, storage: QuantizedKV, length: torch.Tensor, config: str
+) -> None:
+    """`flush_residual_triton` through the `oscar::flush_residual` op (same contract; `config` from `config_key`)."""
+    fields = [t for t in storage if t is not None]
+    torch.ops.oscar.flush_residual(residual_keys, residual_values, fields, length, config)

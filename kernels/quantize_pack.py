@@ -106,6 +106,7 @@ def _quantize_pack_kernel(
     value_codes_ptr,
     value_scale_ptr,
     value_min_ptr,
+    length_ptr,
     # sizes
     num_kv_heads,
     # strides of the inputs
@@ -132,6 +133,7 @@ def _quantize_pack_kernel(
     BITS: tl.constexpr,
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
+    FLUSH_WINDOW: tl.constexpr,
 ):
     W: tl.constexpr = 32 // BITS
     LEVELS: tl.constexpr = (1 << BITS) - 1
@@ -140,9 +142,18 @@ def _quantize_pack_kernel(
 
     pid_g = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
+    out_g = pid_g  # the output group: the input's, or its place in the storage when flushing
+    if FLUSH_WINDOW:
+        # Flush: the inputs are a full residual window when the tokens held are a positive multiple of it; they
+        # go to tokens [held - FLUSH_WINDOW, held) of the storage. Otherwise there is nothing to do.
+        held = tl.load(length_ptr)
+        if (held == 0) | (held % FLUSH_WINDOW != 0):
+            return
+        out_g += (held - FLUSH_WINDOW) // GROUP
     o_t = pid_g * GROUP + tl.arange(0, GROUP)
+    o_t_out = out_g * GROUP + tl.arange(0, GROUP)
     o_d = tl.arange(0, HEAD_DIM)
-    o_w = pid_g * (GROUP // W) + tl.arange(0, GROUP // W)
+    o_w = out_g * (GROUP // W) + tl.arange(0, GROUP // W)
     o_vg = tl.arange(0, NUM_VGROUPS)
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
@@ -154,7 +165,7 @@ def _quantize_pack_kernel(
             sum_sq += tl.reduce(b_k * b_k, 1, _add)
         norms = tl.sqrt_rn(sum_sq)
         norms = tl.where(norms > 0, norms, 1.0)  # NaN > 0 is False
-        tl.store(key_norms_ptr + pid_b * stride_norms_b + o_t, norms)
+        tl.store(key_norms_ptr + pid_b * stride_norms_b + o_t_out, norms)
 
     for h in range(num_kv_heads):
         b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
@@ -171,7 +182,7 @@ def _quantize_pack_kernel(
         )
         p_codes = pid_b * stride_codes_b + h * stride_codes_h + o_w[:, None] * HEAD_DIM + o_d[None, :]
         tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
-        o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + pid_g * HEAD_DIM + o_d[None, :]
+        o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + out_g * HEAD_DIM + o_d[None, :]
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
 
@@ -186,7 +197,7 @@ def _quantize_pack_kernel(
         )
         codes = tl.reshape(codes, (GROUP, HEAD_DIM))
         tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
-        o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t[:, None] * NUM_VGROUPS + o_vg[None, :]
+        o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t_out[:, None] * NUM_VGROUPS + o_vg[None, :]
         tl.store(value_scale_ptr + o_vparam, tl.reshape(scale, (GROUP, NUM_VGROUPS)))
         tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))
 
@@ -229,9 +240,41 @@ def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarCo
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
     out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
-    if tokens == 0 or batch == 0:
-        return out
+    _launch(keys, values, out, config, length=None)
+    return out
 
+
+def flush_residual_triton(
+    residual_keys: torch.Tensor,
+    residual_values: torch.Tensor,
+    storage: QuantizedKV,
+    length: torch.Tensor,
+    config: OscarConfig,
+) -> None:
+    """A compiled decode step's flush, decided on the device: when `length` (a one-element integer tensor, the
+    tokens held) is a positive multiple of the residual window, quantize the full window `residual_keys/values`
+    (`[B, Hkv, R, D]`) into tokens `[length - R, length)` of `storage`, as `quantize_kv_triton` would; otherwise
+    write nothing. One launch either way and no host synchronisation, so a CUDA graph can replay it every step."""
+    _check_inputs(residual_keys, residual_values, config)
+    batch, heads, window, head_dim = residual_keys.shape
+    if window != config.residual_length:
+        raise ValueError(f"flush_residual_triton: got {window} residual tokens, expected {config.residual_length}.")
+    StorageLayout.of(config).check(storage, batch, heads, head_dim, residual_keys.device, "flush_residual_triton")
+    if not all(t is None or t.is_contiguous() for t in storage):
+        raise ValueError("flush_residual_triton: the storage tensors must be contiguous (as StorageLayout.empty).")
+    if length.numel() != 1 or length.dtype not in (torch.int32, torch.int64) or length.device != residual_keys.device:
+        raise ValueError(
+            f"flush_residual_triton: length must be one integer on {residual_keys.device}, got {length.numel()} "
+            f"{length.dtype} on {length.device}."
+        )
+    _launch(residual_keys, residual_values, storage, config, length=length)
+
+
+def _launch(keys, values, out: QuantizedKV, config: OscarConfig, length: torch.Tensor | None) -> None:
+    """The kernel over every group of `keys`/`values`, into `out` (from token 0, or where `length` says)."""
+    batch, heads, tokens, head_dim = keys.shape
+    if tokens == 0 or batch == 0:
+        return
     device = keys.device
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
         _quantize_pack_kernel[(tokens // config.group_size, batch)](
@@ -244,6 +287,7 @@ def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarCo
             out.value_codes,
             out.value_scale,
             out.value_min,
+            length if length is not None else out.key_scale,  # unused pointer outside a flush
             heads,
             *keys.stride(),
             *values.stride(),
@@ -253,13 +297,13 @@ def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarCo
             out.key_scale.stride(1),
             out.value_scale.stride(0),
             out.value_scale.stride(1),
-            tokens,
+            out.key_norms.stride(0) if out.key_norms is not None else 0,
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             GROUP=config.group_size,
             BITS=config.bits,
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
+            FLUSH_WINDOW=config.residual_length if length is not None else 0,
             num_warps=4,
         )
-    return out

@@ -17,8 +17,8 @@ of the residual.
 Compiled decode (`torch.compile`, CUDA graphs): where the fused path applies and the maximum length is reserved
 (`generate` does it; `OscarCache.reserve` by hand), storage is allocated once at full size and a layer keeps its
 length in a device counter. A compiled single-token step writes the token at the residual slot and flushes a
-complete block from that counter alone (the flush is computed every step and writes the block back unchanged until
-it is complete), and attends over the whole reserved storage with the unused part masked: shapes and addresses never
+complete block from that counter alone (the flush kernel is launched every step and returns at once until the
+block is complete), and attends over the whole reserved storage with the unused part masked: shapes and addresses never
 change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
 back from the counter.
 
@@ -188,15 +188,9 @@ class OscarLayer(CacheLayerMixin):
         held = self._length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
         torch._assert_async(held < self.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
         if self.layout.num_tokens(self._storage):
-            # A full residual (held a positive multiple of R) is flushed to tokens [held - R, held); otherwise the
-            # block is computed anyway and block 0 is written back unchanged.
-            flush = (held % window == 0) & (held > 0)
-            block = kernel_ops.quantize_kv(self.residual_keys, self.residual_values, self._op_config)
-            first = torch.where(flush, held - window, 0)
-            for buf, part, rows in zip(self._storage, block, self.layout.tokens_per_row):
-                if buf is not None:
-                    index = first // rows + torch.arange(part.shape[2], device=buf.device)
-                    buf.index_copy_(2, index, torch.where(flush, part, buf.index_select(2, index)))
+            # A full residual (held a positive multiple of R) goes to tokens [held - R, held): the kernel reads the
+            # counter and returns at once on the other R - 1 steps of a block.
+            kernel_ops.flush_residual(self.residual_keys, self.residual_values, self._storage, held, self._op_config)
         slot = (held % window).view(1)
         self.residual_keys.index_copy_(2, slot, key_states)
         self.residual_values.index_copy_(2, slot, value_states)

@@ -4,7 +4,7 @@ On CPU the kernels run in Triton's interpreter."""
 
 import pytest
 import torch
-from oscar_hf.kernels import decode_attention_triton, ops, quantize_kv_triton
+from oscar_hf.kernels import decode_attention_triton, flush_residual_triton, ops, quantize_kv_triton
 
 from oscar_hf import OscarConfig
 
@@ -19,17 +19,29 @@ def _inputs(config, batch=1, quantized_tokens=32, residual=8):
     return query, stored, keys[:, :, quantized_tokens:], values[:, :, quantized_tokens:], mask
 
 
+def _storage(config, batch=1, tokens=64):
+    keys, values = torch.randn(2, batch, 2, tokens, 64, device=DEVICE, dtype=torch.bfloat16)
+    return quantize_kv_triton(keys, values, config)  # random contents, in the storage layout
+
+
 @pytest.mark.slow_on_cpu
 @pytest.mark.parametrize("token_scaling", [True, False])
-def test_quantize_op_matches_the_launcher_and_passes_opcheck(token_scaling):
+def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling):
     config = OscarConfig(residual_length=32, token_scaling=token_scaling)
     keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
-    got, expected = ops.quantize_kv(keys, values, ops.config_key(config)), quantize_kv_triton(keys, values, config)
+    held = torch.tensor(64, device=DEVICE)
+    got, expected = _storage(config), _storage(config)
+    for a, b in zip(got, expected):
+        if a is not None:
+            a.copy_(b)
+    ops.flush_residual(keys, values, got, held, ops.config_key(config))
+    flush_residual_triton(keys, values, expected, held, config)
     for name, a, b in zip(got._fields, got, expected):
         assert (a is None) == (b is None), name
         if a is not None:
             assert torch.equal(a, b), name
-    torch.library.opcheck(torch.ops.oscar.quantize_kv.default, (keys, values, ops.config_key(config)))
+    fields = [t for t in got if t is not None]
+    torch.library.opcheck(torch.ops.oscar.flush_residual.default, (keys, values, fields, held, ops.config_key(config)))
 
 
 @pytest.mark.slow_on_cpu
@@ -48,18 +60,22 @@ def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_histor
 
 def test_ops_compile_without_graph_breaks():
     config = OscarConfig(residual_length=32)
-    query, stored, residual_keys, residual_values, mask = _inputs(config)
-
+    query, _, residual_keys, residual_values, mask = _inputs(config)
     key = ops.config_key(config)
 
-    def step(query, keys, values, stored, residual_keys, residual_values, mask):
-        block = ops.quantize_kv(keys, values, key)
-        out = ops.decode_attention(query, stored, residual_keys, residual_values, mask, 0.125, key)
-        return out, block
+    def step(query, keys, values, stored, held, residual_keys, residual_values, mask):
+        ops.flush_residual(keys, values, stored, held, key)
+        return ops.decode_attention(query, stored, residual_keys, residual_values, mask, 0.125, key)
 
     keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
-    args = (query, keys, values, stored, residual_keys, residual_values, mask)
+    stored, expected_stored = _storage(config, tokens=32), _storage(config, tokens=32)
+    for a, b in zip(stored, expected_stored):
+        if a is not None:
+            a.copy_(b)
+    held = torch.tensor(32, device=DEVICE)
+    args = (query, keys, values, stored, held, residual_keys, residual_values, mask)
     compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
-    (out, block), (expected_out, expected_block) = compiled(*args), step(*args)
-    assert torch.equal(out, expected_out)
-    assert all(torch.equal(a, b) for a, b in zip(block, expected_block) if a is not None)
+    out = compiled(*args)
+    expected = step(query, keys, values, expected_stored, held, residual_keys, residual_values, mask)
+    assert torch.equal(out, expected)
+    assert all(torch.equal(a, b) for a, b in zip(stored, expected_stored) if a is not None)

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from oscar_hf.kernels import quantize_kv_triton
+from oscar_hf.kernels import flush_residual_triton, quantize_kv_triton
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import StorageLayout
@@ -129,6 +129,50 @@ def test_rejects_bad_inputs():
         quantize_kv_triton(keys[..., :48].repeat(1, 1, 1, 2), values[..., :48].repeat(1, 1, 1, 2), config)
     with pytest.raises(ValueError, match="share one of"):
         quantize_kv_triton(keys, values.half(), config)
+
+
+def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int, tokens: int):
+    """Storage whose every field holds random bits (a flush must leave untouched rows exactly as they were)."""
+    stored = layout.empty(batch, heads, head_dim, heads, head_dim, tokens, DEVICE)
+    for tensor in stored:
+        if tensor is not None:
+            tensor.view(torch.uint8).copy_(torch.randint(0, 256, tensor.view(torch.uint8).shape, dtype=torch.uint8))
+    return stored
+
+
+@pytest.mark.parametrize("held", [0, 5, 32, 96, 97])
+def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held):
+    """The compiled decode step's flush: with `held` a positive multiple of the window R, tokens [held - R, held) of
+    the storage become exactly `quantize_kv_triton` of the residual; every other bit is unchanged."""
+    config = OscarConfig(residual_length=32)
+    keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
+    layout = StorageLayout.of(config)
+    storage = _random_storage(layout, 2, 2, 64, 128)
+    before = [None if t is None else t.clone() for t in storage]
+    flush_residual_triton(keys, values, storage, torch.tensor(held, device=DEVICE), config)
+    written = held > 0 and held % 32 == 0
+    expected = [None if t is None else t.clone() for t in before]
+    if written:
+        block = quantize_kv_triton(keys, values, config)
+        for buf, part in zip(layout.rows(expected, held - 32, held), block):
+            if buf is not None:
+                buf.copy_(part)
+    for name, got, want in zip(storage._fields, storage, expected):
+        if want is not None:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"held={held}: {name}"
+
+
+def test_flush_rejects_bad_inputs():
+    config = OscarConfig(residual_length=32)
+    keys, values, _ = make_inputs(Case(tokens=32))
+    storage = _random_storage(StorageLayout.of(config), 1, 2, 64, 64)
+    held = torch.tensor(32, device=DEVICE)
+    with pytest.raises(ValueError, match="got 64 residual tokens, expected 32"):
+        flush_residual_triton(keys.repeat(1, 1, 2, 1), values.repeat(1, 1, 2, 1), storage, held, config)
+    with pytest.raises(ValueError, match="key_codes has shape"):
+        flush_residual_triton(keys, values, storage._replace(key_codes=storage.key_codes[:, :1]), held, config)
+    with pytest.raises(ValueError, match="length must be one integer"):
+        flush_residual_triton(keys, values, storage, held.float(), config)
 
 
 GPU_CASES = [
