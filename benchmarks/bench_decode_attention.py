@@ -9,7 +9,9 @@ Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B), one query token, residual
   query heads of a group folded into the query-length axis, which reads each K/V head once);
 - `portable`: `oscar_hf.reference.dequantize_kv` (float32) cast to bf16 + SDPA, as the cache does without the
   fused kernel;
-- `fused`: `decode_attention_triton`.
+- `fused`: `decode_attention_triton`;
+- `fused_per_head`: the same with `method="oscar"` (each batch row and KV head's keys rotated or not, here
+  alternating), which must cost the same as `fused` (issue 9: within 5%).
 
 Every variant is timed with `triton.testing.do_bench` (median, eager launches) and with CUDA-graph replays
 (`do_bench_cudagraph`, median: kernel time without Python launch overhead); ratios use the graph times. Small
@@ -112,7 +114,7 @@ def portable(s, config, scale):
 def fused(s, config, scale, tuning=None):
     if tuning is None:
         return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
-    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, tuning)
+    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, None, tuning)
 
 
 def rel_err(out, ref) -> float:
@@ -149,6 +151,19 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
     results["sdpa_bf16_folded"] = folded
     results["sdpa_bf16"] = min((gqa, folded), key=lambda r: r["us_graph"] or r["us"])
     results["fused"] = timed(run_all(lambda s: fused(s, config, scale)), sets)
+    per_head = dataclasses.replace(config, method="oscar")
+    key_rotated = (torch.arange(batch * KV_HEADS, device="cuda") % 2 == 0).view(batch, KV_HEADS)
+    results["fused_per_head"] = timed(
+        run_all(
+            lambda s: decode_attention_triton(
+                s["q"], s["quantized"], s["rk"], s["rv"], None, scale, per_head, key_rotated
+            )
+        ),  # fmt: skip
+        sets,
+    )
+    entry["per_head_vs_fused"] = (results["fused_per_head"]["us_graph"] or results["fused_per_head"]["us"]) / (
+        results["fused"]["us_graph"] or results["fused"]["us"]
+    )
     if with_portable:
         try:
             results["portable"] = timed(run_all(lambda s: portable(s, config, scale)), sets)

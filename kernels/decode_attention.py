@@ -47,7 +47,7 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
-from .quantize_pack import _add, _fwht_rows, _maximum
+from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -152,6 +152,7 @@ def _quantized_block(
 @triton.jit
 def _quantized_part(
     q,
+    key_rotated,
     kc_ptr,
     ks_ptr,
     km_ptr,
@@ -185,18 +186,23 @@ def _quantized_part(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     ROTATION: tl.constexpr,
+    KEY_ROTATION_PER_HEAD: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
-    """Online softmax over quantized blocks [block_lo, block_hi); returns the un-rotated (acc, m, l)."""
+    """Online softmax over quantized blocks [block_lo, block_hi); returns the un-rotated (acc, m, l).
+    `key_rotated`: with KEY_ROTATION_PER_HEAD (method="oscar"), whether this head's keys are stored rotated."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     ROWS: tl.constexpr = BLOCK_N // W
     DOT_DTYPE: tl.constexpr = ks_ptr.dtype.element_ty  # fp16 scales: fp16 operands; fp32 scales: tf32
 
     q = q.to(tl.float32)
-    if ROTATION:
-        q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
+    if ROTATION:  # (q H) . (k H) = q . k: the query meets the keys in their stored domain
+        if KEY_ROTATION_PER_HEAD:
+            q = tl.where(key_rotated, _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D), q)
+        else:
+            q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
     q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
     q_max = tl.where(q_max > 0, q_max, 1.0)
     b_q = (q / q_max).to(DOT_DTYPE)
@@ -311,6 +317,7 @@ def _split_kernel(
     rk_ptr,
     rv_ptr,
     mask_ptr,
+    key_rotated_ptr,
     part_o_ptr,
     part_ml_ptr,
     # sizes
@@ -361,6 +368,8 @@ def _split_kernel(
     stride_rvd,
     stride_mb,
     stride_mt,
+    stride_krb,
+    stride_krh,
     # meta-parameters
     GQA: tl.constexpr,
     TQ: tl.constexpr,
@@ -372,6 +381,7 @@ def _split_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
     ROTATION: tl.constexpr,
+    KEY_ROTATION_PER_HEAD: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
@@ -409,8 +419,12 @@ def _split_kernel(
     else:
         block_lo = pid_s * blocks_per_split
         block_hi = tl.minimum(block_lo + blocks_per_split, (num_quantized + BLOCK_N - 1) // BLOCK_N)
+        key_rotated = False
+        if KEY_ROTATION_PER_HEAD:
+            key_rotated = tl.load(key_rotated_ptr + b * stride_krb + h * stride_krh) != 0
         acc, m_i, l_i = _quantized_part(
             q,
+            key_rotated,
             kc_ptr + b * stride_kcb + h * stride_kch,
             ks_ptr + b * stride_ksb + h * stride_ksh,
             km_ptr + b * stride_kmb + h * stride_kmh,
@@ -444,6 +458,7 @@ def _split_kernel(
             BLOCK_M,
             BLOCK_N,
             ROTATION,
+            KEY_ROTATION_PER_HEAD,
             TOKEN_SCALING,
             HAS_MASK,
         )
@@ -630,12 +645,14 @@ def decode_attention_triton(
     key_padding_mask: torch.Tensor | None,
     scaling: float,
     config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D]."""
+    """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D].
+    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as given to `quantize_kv_triton` (None for method="paper")."""
     rows = query.shape[1] // max(1, residual_keys.shape[1]) * query.shape[2]
     tuning = _default_tuning(query.shape[-1], rows, config.scale_torch_dtype)
     return _decode_attention(
-        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, tuning
+        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, tuning
     )
 
 
@@ -647,9 +664,13 @@ def _decode_attention(
     key_padding_mask: torch.Tensor | None,
     scaling: float,
     config: OscarConfig,
+    key_rotated: torch.Tensor | None,
     tuning: _Tuning,
 ) -> torch.Tensor:
     num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config)
+    check_key_rotated(
+        key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
+    )
     if num_quantized == 0:
         quantized = None
     batch, q_heads, q_len, head_dim = query.shape
@@ -685,6 +706,7 @@ def _decode_attention(
             rk_ptr=residual_keys,
             rv_ptr=residual_values,
             mask_ptr=mask,
+            key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,  # unused if None
             part_o_ptr=part_o,
             part_ml_ptr=part_ml,
             num_kv_heads=kv_heads,
@@ -704,6 +726,7 @@ def _decode_attention(
             **_strides("rk", residual_keys, "bhtd"),
             **_strides("rv", residual_values, "bhtd"),
             **_strides("m", mask, "bt"),
+            **_strides("kr", key_rotated if key_rotated is not None else mask, "bh"),
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
@@ -714,6 +737,7 @@ def _decode_attention(
             BLOCK_N=block_n,
             BLOCK_R=64,
             ROTATION=config.rotation,
+            KEY_ROTATION_PER_HEAD=key_rotated is not None,
             TOKEN_SCALING=config.token_scaling,
             HAS_MASK=key_padding_mask is not None,
             num_warps=tuning.num_warps,

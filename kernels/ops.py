@@ -1,7 +1,7 @@
 """The Triton launchers as PyTorch custom ops, so that `torch.compile` traces a decode step without graph breaks.
 
     torch.ops.oscar.decode_attention(query, quantized, residual_keys, residual_values, key_padding_mask, scaling,
-                                     config) -> [B, Hq, Tq, D]
+                                     config, key_rotated) -> [B, Hq, Tq, D]
     torch.ops.oscar.flush_residual(residual_keys, residual_values, storage, length, config) -> None (writes storage)
 
 The ops take plain tensors: `quantized` is the list of `QuantizedKV` fields in order (an empty list for no
@@ -52,17 +52,18 @@ def _decode_attention_op(
     key_padding_mask: torch.Tensor | None,
     scaling: float,
     config: str,
+    key_rotated: torch.Tensor | None,
 ) -> torch.Tensor:
     from . import decode_attention_triton
 
     stored = QuantizedKV(*quantized) if quantized else None
     return decode_attention_triton(
-        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config)
+        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config), key_rotated
     )
 
 
 @_decode_attention_op.register_fake
-def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config):
+def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -94,12 +95,13 @@ def decode_attention(
     key_padding_mask: torch.Tensor | None,
     scaling: float,
     config: str,
+    key_rotated: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_triton` through the `oscar::decode_attention` op (same contract; `config` from
     `config_key`)."""
     fields = [] if quantized is None else list(quantized)
     return torch.ops.oscar.decode_attention(
-        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config
+        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config, key_rotated
     )
 
 

@@ -107,6 +107,7 @@ def _quantize_pack_kernel(
     value_scale_ptr,
     value_min_ptr,
     length_ptr,
+    key_rotated_ptr,
     # sizes
     num_kv_heads,
     # strides of the inputs
@@ -126,6 +127,8 @@ def _quantize_pack_kernel(
     stride_vparam_b,
     stride_vparam_h,
     stride_norms_b,
+    stride_krb,
+    stride_krh,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
@@ -133,6 +136,7 @@ def _quantize_pack_kernel(
     BITS: tl.constexpr,
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
+    KEY_ROTATION_PER_HEAD: tl.constexpr,
     FLUSH_WINDOW: tl.constexpr,
 ):
     W: tl.constexpr = 32 // BITS
@@ -171,7 +175,11 @@ def _quantize_pack_kernel(
         b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
         b_v = tl.load(p_v + h * stride_vh).to(tl.float32)
         if ROTATION:
-            b_k = _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D)
+            if KEY_ROTATION_PER_HEAD:  # method="oscar": this (row, head)'s flag
+                rotated = tl.load(key_rotated_ptr + pid_b * stride_krb + h * stride_krh) != 0
+                b_k = tl.where(rotated, _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D), b_k)
+            else:
+                b_k = _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D)
             b_v = _fwht_rows(b_v, GROUP, HEAD_DIM, LOG2_D)
         if TOKEN_SCALING:
             b_k = tl.div_rn(b_k, norms[:, None])
@@ -235,12 +243,16 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig)
         )
 
 
-def quantize_kv_triton(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> QuantizedKV:
-    """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel."""
+def quantize_kv_triton(
+    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, key_rotated: torch.Tensor | None = None
+) -> QuantizedKV:
+    """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel.
+    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, which heads rotate their keys (None for method="paper")."""
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
+    check_key_rotated(key_rotated, batch, heads, keys.device, config, "quantize_kv_triton")
     out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
-    _launch(keys, values, out, config, length=None)
+    _launch(keys, values, out, config, length=None, key_rotated=key_rotated)
     return out
 
 
@@ -267,10 +279,29 @@ def flush_residual_triton(
             f"flush_residual_triton: length must be one integer on {residual_keys.device}, got {length.numel()} "
             f"{length.dtype} on {length.device}."
         )
-    _launch(residual_keys, residual_values, storage, config, length=length)
+    check_key_rotated(None, batch, heads, residual_keys.device, config, "flush_residual_triton")
+    _launch(residual_keys, residual_values, storage, config, length=length, key_rotated=None)
 
 
-def _launch(keys, values, out: QuantizedKV, config: OscarConfig, length: torch.Tensor | None) -> None:
+def check_key_rotated(key_rotated, batch: int, heads: int, device: torch.device, config: OscarConfig, who: str):
+    """method="oscar" (with rotation) needs its per-head flags, `[B, Hkv]` bool on the K/V's device; method="paper"
+    takes none."""
+    if not (config.rotation and config.method == "oscar"):
+        if key_rotated is not None:
+            raise ValueError(f"{who}: key_rotated is for method='oscar' with rotation on; this config takes None.")
+        return
+    if key_rotated is None:
+        raise ValueError(f"{who}: method='oscar' needs key_rotated, the [B, Hkv] bool of which heads rotate keys.")
+    if key_rotated.dtype != torch.bool or tuple(key_rotated.shape) != (batch, heads) or key_rotated.device != device:
+        raise ValueError(
+            f"{who}: key_rotated must be bool {(batch, heads)} on {device}, got {key_rotated.dtype} "
+            f"{tuple(key_rotated.shape)} on {key_rotated.device}."
+        )
+
+
+def _launch(
+    keys, values, out: QuantizedKV, config: OscarConfig, length: torch.Tensor | None, key_rotated: torch.Tensor | None
+) -> None:
     """The kernel over every group of `keys`/`values`, into `out` (from token 0, or where `length` says)."""
     batch, heads, tokens, head_dim = keys.shape
     if tokens == 0 or batch == 0:
@@ -288,6 +319,7 @@ def _launch(keys, values, out: QuantizedKV, config: OscarConfig, length: torch.T
             out.value_scale,
             out.value_min,
             length if length is not None else out.key_scale,  # unused pointer outside a flush
+            key_rotated.view(torch.uint8) if key_rotated is not None else out.key_scale,  # unused for method="paper"
             heads,
             *keys.stride(),
             *values.stride(),
@@ -298,12 +330,14 @@ def _launch(keys, values, out: QuantizedKV, config: OscarConfig, length: torch.T
             out.value_scale.stride(0),
             out.value_scale.stride(1),
             out.key_norms.stride(0) if out.key_norms is not None else 0,
+            *(key_rotated.stride() if key_rotated is not None else (0, 0)),
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             GROUP=config.group_size,
             BITS=config.bits,
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
+            KEY_ROTATION_PER_HEAD=key_rotated is not None,
             FLUSH_WINDOW=config.residual_length if length is not None else 0,
             num_warps=4,
         )

@@ -309,7 +309,7 @@ class OscarLayer(CacheLayerMixin):
         elif self.use_kernels:
             from .kernels import quantize_kv_triton
 
-            block = quantize_kv_triton(keys, values, self.config)
+            block = quantize_kv_triton(keys, values, self.config, self.key_rotated)
         else:
             block = quantize_kv(keys, values, self.config, self.key_rotated)
         check_finite(block, keys, values, self.config)
@@ -331,7 +331,7 @@ class OscarLayer(CacheLayerMixin):
         held = self.residual_length
         residual_keys, residual_values = self.residual_keys[:, :, :held], self.residual_values[:, :, :held]
         return decode_attention_triton(
-            query, self.quantized(), residual_keys, residual_values, padding, scaling, self.config
+            query, self.quantized(), residual_keys, residual_values, padding, scaling, self.config, self.key_rotated
         )
 
     def _compiled_attention(
@@ -353,7 +353,7 @@ class OscarLayer(CacheLayerMixin):
         stored = self._storage if capacity else None
         padding = valid.expand(query.shape[0], -1)
         return kernel_ops.decode_attention(
-            query, stored, self.residual_keys, self.residual_values, padding, scaling, self._op_config
+            query, stored, self.residual_keys, self.residual_values, padding, scaling, self._op_config, self.key_rotated
         )
 
     def quantized(self) -> QuantizedKV | None:
@@ -643,7 +643,8 @@ class OscarCache(DynamicCache):
                 (self.oscar_config.attention == "portable", "attention='portable'"),
                 (
                     self.oscar_config.rotation and self.oscar_config.method == "oscar",
-                    "method='oscar' (per-head key rotation) runs on the portable path",
+                    "method='oscar' decides its per-head key rotation at the first quantized block, which a compiled "
+                    "step cannot do (its eager fused path is supported)",
                 ),
                 (not _HAS_TRITON, "triton is not installed"),
                 (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
@@ -691,11 +692,6 @@ class OscarCache(DynamicCache):
                     f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
                 ),
                 (not _HAS_TRITON, "triton is not installed"),
-                (
-                    self.oscar_config.rotation and self.oscar_config.method == "oscar",
-                    "the kernels do not implement method='oscar' (per-head key rotation) yet; method='paper' or "
-                    "rotation=False use them",
-                ),
             )
             if failed
         ]

@@ -220,6 +220,7 @@ def decode_attention(
     key_padding_mask: torch.Tensor | None,
     scaling: float,
     config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
     out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
@@ -227,12 +228,12 @@ def decode_attention(
     attention in `compute_dtype`: the contract of the fused `oscar_hf.kernels.decode_attention_triton`.
 
     Materialises the whole dequantized cache: the executable definition the fused kernel is tested against.
-    The result is cast to `out_dtype` (default: the query dtype).
+    The result is cast to `out_dtype` (default: the query dtype); `key_rotated` as given to `quantize_kv`.
     """
     q_heads, q_len, kv_heads = query.shape[1], query.shape[2], residual_keys.shape[1]
     keys, values = residual_keys.to(compute_dtype), residual_values.to(compute_dtype)
     if quantized is not None and quantized.value_scale.shape[2] > 0:
-        k_q, v_q = dequantize_kv(quantized, config, compute_dtype)
+        k_q, v_q = dequantize_kv(quantized, config, compute_dtype, key_rotated)
         keys, values = torch.cat((k_q, keys), dim=2), torch.cat((v_q, values), dim=2)
     total = keys.shape[2]
     keys = keys.repeat_interleave(q_heads // kv_heads, dim=1)

@@ -93,18 +93,3 @@ def test_non_finite_keys_or_values_are_named_as_such(attention):
     with pytest.raises(ValueError, match="non-finite keys or values") as error:
         OscarCache(config, OscarConfig(attention=attention, scale_dtype="float32")).update(keys, values, 0)
     assert "scale_dtype" not in str(error.value)
-
-
-def test_fused_attention_names_what_the_kernels_lack_for_the_per_head_method():
-    """The fused kernels rotate every key (method="paper"); the experimental per-head choice takes the portable path
-    under attention="auto" and is refused, with the fix, under attention="fused"."""
-    config = LlamaConfig(
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
-    )
-    config._attn_implementation = "sdpa"
-    keys = torch.randn(1, 1, 4, 64)
-    with pytest.raises(ValueError, match="do not implement method='oscar'.*method='paper'"):
-        OscarCache(config, OscarConfig(attention="fused", method="oscar")).update(keys, keys, 0)
-    cache = OscarCache(config, OscarConfig(method="oscar"))
-    cache.update(keys, keys, 0)
-    assert not cache.layers[0].use_kernels

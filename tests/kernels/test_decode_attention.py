@@ -50,6 +50,7 @@ class Case:
     left_pad: int = 0
     extreme_norms: bool = False
     views: bool = False
+    method: str = "paper"
 
     @property
     def id(self) -> str:
@@ -61,6 +62,7 @@ class Case:
                 (f"-pad{self.left_pad}", self.left_pad),
                 ("-extreme", self.extreme_norms),
                 ("-views", self.views),
+                ("-perHeadKeyRotation", self.method == "oscar"),
                 (f"-G{self.group_size}", self.group_size != 32),
                 ("-fp32scales", self.scale_dtype != "float16"),
             )
@@ -104,6 +106,9 @@ CASES = [
     replace(BASE, group_size=64, quantized=192, head_dim=128),
     replace(BASE, scale_dtype="float32"),
     replace(BASE, dtype=torch.float32),
+    # method="oscar": keys rotated or not per (row, KV head); with GQA, speculative queries and padding
+    replace(BASE, method="oscar", quantized=128, kv_heads=3, gqa=2),
+    replace(BASE, method="oscar", q_len=3, residual=7, left_pad=5, head_dim=128),
 ]
 
 
@@ -132,7 +137,14 @@ def make_inputs(case: Case, seed: int = 0):
         token_scaling=case.token_scaling,
         group_size=case.group_size,
         scale_dtype=case.scale_dtype,
+        method=case.method,
     )
+    # method="oscar": a random per-(row, head) choice, both kinds present whenever there are two heads
+    key_rotated = None
+    if case.rotation and case.method == "oscar":
+        key_rotated = (torch.arange(case.batch * case.kv_heads) + seed) % 2 == 0
+        key_rotated = key_rotated[torch.randperm(key_rotated.numel(), generator=gen)].view(case.batch, case.kv_heads)
+        key_rotated = key_rotated.to(DEVICE)
     q_heads = case.kv_heads * case.gqa
     if case.views:  # HF's layout: [B, T, H, D] transposed to [B, H, T, D]
         query = randn(case.batch, case.q_len, q_heads, case.head_dim).transpose(1, 2)
@@ -145,7 +157,7 @@ def make_inputs(case: Case, seed: int = 0):
         if case.extreme_norms:
             keys[:, :, 3] *= 0.01
             keys[:, :, case.quantized // 2 + 1] *= 100.0
-        quantized = quantize_kv(keys, values, config)
+        quantized = quantize_kv(keys, values, config, key_rotated)
         if case.views:
             quantized = QuantizedKV(*(None if t is None else _capacity_view(t, 2, 48) for t in quantized))
     residual_keys = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
@@ -159,7 +171,7 @@ def make_inputs(case: Case, seed: int = 0):
         mask[0, : case.left_pad] = False
         if case.batch > 1:
             mask[1, : case.left_pad // 2] = False
-    return query, quantized, residual_keys, residual_values, mask, 1.0 / math.sqrt(case.head_dim), config
+    return query, quantized, residual_keys, residual_values, mask, 1.0 / math.sqrt(case.head_dim), config, key_rotated
 
 
 def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, label: str) -> None:
@@ -187,7 +199,7 @@ def test_decode_attention_matches_reference(case: Case):
 
 
 def test_quantized_none_equals_zero_tokens():
-    query, quantized, rk, rv, mask, scaling, config = make_inputs(replace(BASE, quantized=32, batch=1))
+    query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
     empty = QuantizedKV(*(None if t is None else t[..., :0, :] if t.dim() == 4 else t[..., :0] for t in quantized))
     a = decode_attention_triton(query, None, rk, rv, None, scaling, config)
     b = decode_attention_triton(query, empty, rk, rv, None, scaling, config)
@@ -195,7 +207,7 @@ def test_quantized_none_equals_zero_tokens():
 
 
 def test_rejects_bad_inputs():
-    query, quantized, rk, rv, mask, scaling, config = make_inputs(replace(BASE, quantized=32, batch=1))
+    query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
     with pytest.raises(ValueError, match="Tq"):
         decode_attention_triton(query.expand(-1, -1, 6, -1), quantized, rk, rv, None, scaling, config)
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -204,6 +216,10 @@ def test_rejects_bad_inputs():
         decode_attention_triton(query[..., :48], None, rk[..., :48], rv[..., :48], None, scaling, config)
     with pytest.raises(ValueError, match="key_codes"):
         decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, bits=4))
+    with pytest.raises(ValueError, match="needs key_rotated"):
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, method="oscar"))
+    with pytest.raises(ValueError, match="this config takes None"):
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, config, torch.ones(1, 2, dtype=torch.bool))
 
 
 GPU_CASES = [
@@ -212,6 +228,7 @@ GPU_CASES = [
     Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, bits=4, dtype=torch.float16),
     Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
     Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
 ]
 
 
@@ -258,6 +275,7 @@ def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv
         scale_dtype="float32" if rng.random() < 0.05 else "float16",
         left_pad=rng.randint(1, quantized + residual - q_len) if rng.random() < 0.3 else 0,
         views=rng.random() < 0.3,
+        method="oscar" if rng.random() < 0.2 else "paper",
     )
 
 

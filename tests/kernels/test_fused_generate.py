@@ -6,6 +6,7 @@ import torch
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import cache as cache_module
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
@@ -24,8 +25,8 @@ def model_on_device(tiny_llama):
     return make
 
 
-def _generate(model, ids, mask, attention, new_tokens, logits_processor=None):
-    cache = OscarCache(model.config, OscarConfig(attention=attention))
+def _generate(model, ids, mask, attention, new_tokens, logits_processor=None, **options):
+    cache = OscarCache(model.config, OscarConfig(attention=attention, **options))
     out = model.generate(
         ids,
         attention_mask=mask,
@@ -40,13 +41,14 @@ def _generate(model, ids, mask, attention, new_tokens, logits_processor=None):
     return out, cache
 
 
-def _assert_fused_matches_portable(model, ids, mask, new_tokens, teacher_forcing):
+def _assert_fused_matches_portable(model, ids, mask, new_tokens, teacher_forcing, **options):
     """Greedy decoding on the fused path; the portable path replays the same tokens (teacher forcing), so every
     step's logits compare on the same inputs, and each fused token must be the portable argmax wherever the
     portable top-2 margin exceeds the numerical difference between the paths."""
-    fused, cache = _generate(model, ids, mask, FUSED, new_tokens)
+    fused, cache = _generate(model, ids, mask, FUSED, new_tokens, **options)
     tokens = fused.sequences[:, ids.shape[1] :]
-    portable, _ = _generate(model, ids, mask, "portable", new_tokens, teacher_forcing(tokens, ids.shape[1]))
+    replay = teacher_forcing(tokens, ids.shape[1])
+    portable, _ = _generate(model, ids, mask, "portable", new_tokens, replay, **options)
     assert torch.equal(portable.sequences, fused.sequences)
     for step, (a, b) in enumerate(zip(fused.logits, portable.logits)):
         a, b = a.float(), b.float()
@@ -72,6 +74,24 @@ def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monke
     monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
     cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing)  # prefill: 128 quantized, 22 exact
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
+
+
+@pytest.mark.slow_on_cpu
+def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_device, monkeypatch, teacher_forcing):
+    """method="oscar": the kernels quantize and attend with each (row, KV head)'s own key rotation. The choice is
+    pinned to a mixed pattern (the rule's own choice on random weights could be uniform, hiding a flag ignored)."""
+    model = model_on_device(torch.bfloat16, num_key_value_heads=2)
+    monkeypatch.setattr(
+        cache_module,
+        "key_rotation_choice",
+        lambda keys, config: torch.tensor([[True, False], [False, True]], device=keys.device),
+    )
+    ids = torch.randint(3, 101, (2, 150), device=DEVICE)
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 4, teacher_forcing, method="oscar")
+    assert all(layer.use_kernels for layer in cache.layers)
+    assert all(
+        torch.equal(layer.key_rotated.cpu(), torch.tensor([[True, False], [False, True]])) for layer in cache.layers
+    )
 
 
 @pytest.mark.slow_on_cpu

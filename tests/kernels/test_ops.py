@@ -45,16 +45,18 @@ def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling):
 
 
 @pytest.mark.slow_on_cpu
-@pytest.mark.parametrize("with_history", [True, False])
-def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history):
-    config = OscarConfig(residual_length=32)
-    query, stored, residual_keys, residual_values, mask = _inputs(config)
+@pytest.mark.parametrize(("with_history", "method"), [(True, "paper"), (False, "paper"), (True, "oscar")])
+def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history, method):
+    config = OscarConfig(residual_length=32, method=method)
+    key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
+    query, stored, residual_keys, residual_values, mask = _inputs(OscarConfig(residual_length=32))
     if not with_history:
         stored, mask = None, mask[:, -residual_keys.shape[2] :]
-    args = (query, stored, residual_keys, residual_values, mask, 0.125, config)
-    assert torch.equal(ops.decode_attention(*args[:-1], ops.config_key(config)), decode_attention_triton(*args))
+    args = (query, stored, residual_keys, residual_values, mask, 0.125)
+    expected = decode_attention_triton(*args, config, key_rotated)
+    assert torch.equal(ops.decode_attention(*args, ops.config_key(config), key_rotated), expected)
     fields = [] if stored is None else list(stored)
-    op_args = (query, fields, residual_keys, residual_values, mask, 0.125, ops.config_key(config))
+    op_args = (query, fields, *args[2:], ops.config_key(config), key_rotated)
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, op_args)
 
 

@@ -131,6 +131,20 @@ def test_rejects_bad_inputs():
         quantize_kv_triton(keys, values.half(), config)
 
 
+@pytest.mark.parametrize("case", [Case(batch=2, heads=3), Case(head_dim=128, dtype=torch.float16)], ids=lambda c: c.id)
+def test_per_head_key_rotation_matches_reference(case: Case):
+    """method="oscar": each (row, KV head) rotates its keys or not, as its flag says; values always rotate."""
+    keys, values, _ = make_inputs(case)
+    config = OscarConfig(method="oscar")
+    key_rotated = torch.arange(case.batch * case.heads, device=DEVICE).view(case.batch, case.heads) % 2 == 1
+    out = quantize_kv_triton(keys, values, config, key_rotated)
+    assert_matches_reference(out, quantize_kv(keys, values, config, key_rotated), config, case.id)
+    with pytest.raises(ValueError, match="needs key_rotated"):
+        quantize_kv_triton(keys, values, config)
+    with pytest.raises(ValueError, match="must be bool"):
+        quantize_kv_triton(keys, values, config, key_rotated.int())
+
+
 def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int, tokens: int):
     """Storage whose every field holds random bits (a flush must leave untouched rows exactly as they were)."""
     stored = layout.empty(batch, heads, head_dim, heads, head_dim, tokens, DEVICE)
