@@ -3,6 +3,7 @@
     python benchmarks/bench_generate.py            # rows B=1 32K, B=1 128K, B=8 32K, B=4 128K
     python benchmarks/bench_generate.py --quick    # rows B=1 32K and B=8 32K, 24 new tokens
     python benchmarks/bench_generate.py --rows 1x131072 4x131072 --append   # add rows to the existing record
+    python benchmarks/bench_generate.py --rows 1x32768 --variants static-compiled oscar-compiled --append
 
 Caches per row: bf16 DynamicCache; bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA
 graphs); OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`); OScaR with generate's automatic
@@ -49,13 +50,13 @@ LLAMA_31_8B = dict(
 )
 ROWS = ["1x32768", "1x131072", "8x32768", "4x131072"]
 QUICK_ROWS = ["1x32768", "8x32768"]
-# (cache label, generate's cache_implementation, compiled)
-VARIANTS = [
-    ("dynamic", "dynamic", False),
-    ("static", "static", True),
-    ("oscar", "oscar", False),
-    ("oscar", "oscar", True),
-]
+# name: (cache label, generate's cache_implementation, compiled)
+VARIANTS = {
+    "dynamic": ("dynamic", "dynamic", False),
+    "static-compiled": ("static", "static", True),
+    "oscar": ("oscar", "oscar", False),
+    "oscar-compiled": ("oscar", "oscar", True),
+}
 
 
 class _TokenClock:
@@ -118,6 +119,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS}, 24 new tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--append", action="store_true", help="keep the record's other rows (a run split in two)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
     shapes = [tuple(int(x) for x in row.split("x")) for row in rows]  # (batch, context)
@@ -147,14 +149,24 @@ def main() -> None:
     path = args.out / f"generate_{slug}.json"
     if args.append and path.exists():
         earlier = json.loads(path.read_text())
-        record["rows"] = [r for r in earlier["rows"] if (r["batch"], r["context"]) not in shapes]
+        rerun = {(b, c, *VARIANTS[v][::2]) for b, c in shapes for v in args.variants}
+        record["rows"] = [
+            r for r in earlier["rows"] if (r["batch"], r["context"], r["cache"], r["compiled"]) not in rerun
+        ]
         record["earlier_runs"] = [{k: earlier[k] for k in ("date", "commit", "new_tokens")}]
     probe = OscarCache(model.config, OscarConfig())
     probe.reserve(1)  # generate reserves its maximum length
     oscar_blockers = probe.compile_blockers()
     for batch, context in shapes:
-        for cache, implementation, compiled in VARIANTS:
-            entry = {"batch": batch, "context": context, "cache": cache, "compiled": compiled}
+        for cache, implementation, compiled in (VARIANTS[v] for v in args.variants):
+            # Rows kept by --append come from earlier runs: each row names its commit (compare rows of one commit).
+            entry = {
+                "batch": batch,
+                "context": context,
+                "cache": cache,
+                "compiled": compiled,
+                "commit": record["commit"],
+            }
             print(f"B={batch} context={context} {cache}{' compiled' if compiled else ''} ...", flush=True)
             if cache == "oscar" and compiled and oscar_blockers:
                 entry["skipped"] = f"OscarCache is not compileable here: {'; '.join(oscar_blockers)}"
