@@ -83,9 +83,11 @@ def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[lis
     tunes; 256 tokens quantize one block, so the OScaR kernels are compiled before the timed run)."""
 
     def options() -> dict:
+        # Eager steps for both caches (OscarCache could compile its steps on one GPU; this compares placements)
+        common = dict(do_sample=False, return_dict_in_generate=True, disable_compile=True)
         if cache == "oscar":
-            return dict(cache_implementation="oscar", do_sample=False, return_dict_in_generate=True)
-        return dict(past_key_values=DynamicCache(config=model.config), do_sample=False, return_dict_in_generate=True)
+            return dict(cache_implementation="oscar", **common)
+        return dict(past_key_values=DynamicCache(config=model.config), **common)
 
     model.generate(ids[:, :256], max_new_tokens=4, **options())
     timer = StepTimer()
@@ -162,7 +164,34 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
 
+    gpu = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {
+        "benchmark": "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, "
+        "random bf16 weights (run in each row's dtype), eager decode steps",
+        "device": f"2x {gpu}",
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
+        "versions": {
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+            "oscar_hf": oscar_hf.__version__,
+        },
+        "shape": {"batch": 1, "context": args.context, "new_tokens": args.new_tokens, **LLAMA_31_8B},
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / f"multigpu_{gpu.lower().replace('nvidia', '').strip().replace(' ', '-')}.json"
+    kept = []
+    if args.append and path.exists():
+        kept = [row for row in json.loads(path.read_text())["results"] if row.get("dtype") != args.dtype]
     rows, reference = [], {}
+
+    def save():
+        """Write the record after every mode, so the modes that finished survive a later failure."""
+        for row in rows:
+            row["dtype"] = args.dtype
+        path.write_text(json.dumps({**record, "results": kept + rows}, indent=2))
+
     ids = prompt(LLAMA_31_8B["vocab_size"], args.context)
 
     print("single GPU")
@@ -177,6 +206,7 @@ def main() -> None:
         )
     del model
     torch.cuda.empty_cache()
+    save()
 
     print("device_map='auto' over 2 GPUs")
     cap = {0: f"{weight_bytes * 0.55 / 2**30:.1f}GiB", 1: f"{torch.cuda.mem_get_info(1)[1] * 0.9 / 2**30:.0f}GiB"}
@@ -190,8 +220,10 @@ def main() -> None:
         if cache == "oscar":
             row["layer_devices"] = sorted(set(check_layers_on_their_devices(model, kv)))
         rows.append(_compare(row, tokens, reference[cache]))
+    record["device_map_max_memory"] = cap
     del model
     torch.cuda.empty_cache()
+    save()
 
     print("tensor parallel (torchrun --nproc-per-node 2)")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
@@ -212,33 +244,8 @@ def main() -> None:
         tokens = tp[cache].pop("tokens")
         row = dict(mode="tp", cache=cache, gpus=2, **tp[cache])  # step_ms, fused_kernels
         rows.append(_compare(row, tokens, reference[cache]))
+    save()
 
-    gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {
-        "benchmark": "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, "
-        "random bf16 weights (run in each row's dtype)",
-        "device": f"2x {gpu}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "oscar_hf": oscar_hf.__version__,
-        },
-        "shape": {"batch": 1, "context": args.context, "new_tokens": args.new_tokens, **LLAMA_31_8B},
-        "device_map_max_memory": cap,
-        "results": rows,
-    }
-    for row in rows:
-        row["dtype"] = args.dtype
-    args.out.mkdir(parents=True, exist_ok=True)
-    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
-    path = args.out / f"multigpu_{slug}.json"
-    if args.append and path.exists():
-        kept = [row for row in json.loads(path.read_text())["results"] if row.get("dtype") != args.dtype]
-        record["results"] = kept + rows
-    path.write_text(json.dumps(record, indent=2))
     print(f"\n{record['device']}, context {args.context}, {args.new_tokens} new tokens ({path})")
     print(f"{'mode':11s} {'cache':8s} {'gpus':>4s} {'step ms':>8s}  tokens equal to 1 GPU")
     for row in rows:

@@ -656,6 +656,10 @@ class OscarCache(DynamicCache):
                 ),
                 (self.offloading, "cache offloading is on"),
                 (
+                    self.tp_group is not None or any(getattr(layer, "head_group", None) for layer in self.layers),
+                    "tensor parallel: the token norms' all-reduce over the ranks' KV heads runs in eager code",
+                ),
+                (
                     any(
                         isinstance(layer, OscarLayer) and layer.is_initialized and not layer.use_kernels
                         for layer in self.layers

@@ -82,6 +82,8 @@ def _check_sharded_cache(rank, want):
     cache.update(_shard(keys, rank), _shard(values, rank), 0)
     layer = cache.layers[0]
     assert layer.head_group is dist.group.WORLD
+    # compiled steps would quantize with per-rank norms: the cache must not let generate compile them
+    assert any(reason.startswith("tensor parallel") for reason in cache.compile_blockers())
     # the fused kernel's limit on query rows per KV head uses the model's GQA group (8), which sharding keeps
     assert layer.fused_query_tokens == DECODE_MAX_QUERY_ROWS // 8
     stored = layer.quantized()
