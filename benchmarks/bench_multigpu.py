@@ -188,8 +188,8 @@ def main() -> None:
 
     def save():
         """Write the record after every mode, so the modes that finished survive a later failure."""
-        for row in rows:
-            row["dtype"] = args.dtype
+        for row in rows:  # rows kept by --append come from earlier runs: each row names its own commit
+            row.update(dtype=args.dtype, commit=record["commit"])
         path.write_text(json.dumps({**record, "results": kept + rows}, indent=2))
 
     ids = prompt(LLAMA_31_8B["vocab_size"], args.context)
