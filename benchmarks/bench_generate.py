@@ -153,7 +153,12 @@ def main() -> None:
         record["rows"] = [
             r for r in earlier["rows"] if (r["batch"], r["context"], r["cache"], r["compiled"]) not in rerun
         ]
-        record["earlier_runs"] = [{k: earlier[k] for k in ("date", "commit", "new_tokens")}]
+        for row in record["rows"]:
+            row.setdefault("commit", earlier["commit"])  # rows from before rows named their commit
+        record["earlier_runs"] = [
+            *earlier.get("earlier_runs", []),
+            {k: earlier[k] for k in ("date", "commit", "new_tokens")},
+        ]
     probe = OscarCache(model.config, OscarConfig())
     probe.reserve(1)  # generate reserves its maximum length
     oscar_blockers = probe.compile_blockers()
