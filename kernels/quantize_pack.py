@@ -13,8 +13,9 @@ butterflies run in the reference's order, so codes differ from the reference onl
 summation order.
 
 One program per (group of G tokens, batch row) loops over the KV heads twice: first the token norms (a norm
-needs every head of the token), then, per head, rotation (fp32 butterflies in registers), scaling, the two kinds
-of min/max groups, rounding and packing. The second read of K hits L2 (G * D * Hkv elements per program).
+needs every head of the token; under tensor parallelism the caller passes norms over every rank's heads), then,
+per head, rotation (fp32 butterflies in registers), scaling, the two kinds of min/max groups, rounding and
+packing. The second read of K hits L2 (G * D * Hkv elements per program).
 Non-finite inputs produce non-finite scales here; the reference raises instead (checking would need a host
 synchronisation).
 """
@@ -137,6 +138,7 @@ def _quantize_pack_kernel(
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     KEY_ROTATION_PER_HEAD: tl.constexpr,
+    NORMS_GIVEN: tl.constexpr,
     FLUSH_WINDOW: tl.constexpr,
 ):
     W: tl.constexpr = 32 // BITS
@@ -162,7 +164,9 @@ def _quantize_pack_kernel(
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
 
-    if TOKEN_SCALING:
+    if NORMS_GIVEN:  # already in the output (tensor parallel: all-reduced over the ranks' heads)
+        norms = tl.load(key_norms_ptr + pid_b * stride_norms_b + o_t_out)
+    elif TOKEN_SCALING:
         sum_sq = tl.full([GROUP], 0.0, tl.float32)
         for h in range(num_kv_heads):
             b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
@@ -244,15 +248,30 @@ def _check_inputs(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig)
 
 
 def quantize_kv_triton(
-    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, key_rotated: torch.Tensor | None = None
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
+    norms: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel.
-    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, which heads rotate their keys (None for method="paper")."""
+    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, which heads rotate their keys (None for method="paper").
+    `norms`: the token norms `[B, 1, N]` float32 to scale by, instead of the norms over the heads in `keys` (tensor
+    parallel: `reference.token_norms(keys, group)` covers the heads of every rank)."""
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
     check_key_rotated(key_rotated, batch, heads, keys.device, config, "quantize_kv_triton")
     out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
-    _launch(keys, values, out, config, length=None, key_rotated=key_rotated)
+    if norms is not None:
+        if out.key_norms is None:
+            raise ValueError("quantize_kv_triton: norms were given, but token scaling is off.")
+        if norms.shape != out.key_norms.shape or norms.dtype != torch.float32 or norms.device != keys.device:
+            raise ValueError(
+                f"quantize_kv_triton: norms must be float32 {tuple(out.key_norms.shape)} on {keys.device}, got "
+                f"{norms.dtype} {tuple(norms.shape)} on {norms.device}."
+            )
+        out.key_norms.copy_(norms)  # the kernel reads them from its output
+    _launch(keys, values, out, config, length=None, key_rotated=key_rotated, norms_given=norms is not None)
     return out
 
 
@@ -300,7 +319,13 @@ def check_key_rotated(key_rotated, batch: int, heads: int, device: torch.device,
 
 
 def _launch(
-    keys, values, out: QuantizedKV, config: OscarConfig, length: torch.Tensor | None, key_rotated: torch.Tensor | None
+    keys,
+    values,
+    out: QuantizedKV,
+    config: OscarConfig,
+    length: torch.Tensor | None,
+    key_rotated: torch.Tensor | None,
+    norms_given: bool = False,
 ) -> None:
     """The kernel over every group of `keys`/`values`, into `out` (from token 0, or where `length` says)."""
     batch, heads, tokens, head_dim = keys.shape
@@ -338,6 +363,7 @@ def _launch(
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
             KEY_ROTATION_PER_HEAD=key_rotated is not None,
+            NORMS_GIVEN=norms_given,
             FLUSH_WINDOW=config.residual_length if length is not None else 0,
             num_warps=4,
         )

@@ -301,17 +301,15 @@ class OscarLayer(CacheLayerMixin):
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
         if self.key_rotated is None and self.config.rotation and self.config.method == "oscar":
             self.key_rotated = key_rotation_choice(keys, self.config)  # once, from the first block: the prompt
+        norms = None
         if self.head_group is not None and self.config.token_scaling:
-            # The norm covers the heads of every rank (one all-reduce per block). The Triton quantizer computes norms
-            # over the heads it sees and takes none, so sharded layers quantize with the reference (once per block).
-            norms = token_norms(keys, self.head_group)
-            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms)
-        elif self.use_kernels:
+            norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
+        if self.use_kernels:
             from .kernels import quantize_kv_triton
 
-            block = quantize_kv_triton(keys, values, self.config, self.key_rotated)
+            block = quantize_kv_triton(keys, values, self.config, self.key_rotated, norms=norms)
         else:
-            block = quantize_kv(keys, values, self.config, self.key_rotated)
+            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms)
         check_finite(block, keys, values, self.config)
         return block
 

@@ -15,7 +15,7 @@ from oscar_hf.kernels import flush_residual_triton, quantize_kv_triton
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import StorageLayout
-from oscar_hf.reference import quantize_kv
+from oscar_hf.reference import quantize_kv, token_norms
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -143,6 +143,19 @@ def test_per_head_key_rotation_matches_reference(case: Case):
         quantize_kv_triton(keys, values, config)
     with pytest.raises(ValueError, match="must be bool"):
         quantize_kv_triton(keys, values, config, key_rotated.int())
+
+
+def test_given_norms_replace_the_norms_over_the_heads_seen():
+    """Tensor parallel: each rank sees its KV heads but scales by the norm over all of them, passed in."""
+    keys, values, config = make_inputs(Case(batch=2, heads=2, tokens=64))
+    norms = token_norms(keys) * (1 + torch.rand(2, 1, 64, device=DEVICE))  # as if other ranks' heads added energy
+    out = quantize_kv_triton(keys, values, config, norms=norms)
+    assert_matches_reference(out, quantize_kv(keys, values, config, norms=norms), config, "given norms")
+    assert torch.equal(out.key_norms, norms)
+    with pytest.raises(ValueError, match="norms must be float32"):
+        quantize_kv_triton(keys, values, config, norms=norms.double())
+    with pytest.raises(ValueError, match="token scaling is off"):
+        quantize_kv_triton(keys, values, OscarConfig(token_scaling=False), norms=norms)
 
 
 def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int, tokens: int):
