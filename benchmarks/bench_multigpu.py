@@ -3,6 +3,7 @@ with a Llama-3.1-8B-shaped model (the real shape: 32 layers, 32 query / 8 KV hea
 weights), the OScaR cache against DynamicCache, greedy tokens compared with the single-GPU run.
 
     python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
+    python -P benchmarks/bench_multigpu.py --dtype float32 --modes tp --append   # re-run one GPU + TP only
 
 One command runs everything (the tensor-parallel part launches `torchrun --nproc-per-node 2` on this script itself):
 
@@ -146,7 +147,10 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / "oscar-llama-3.1-8b-random")
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16", help="compute dtype")
-    parser.add_argument("--append", action="store_true", help="keep the record's rows of other dtypes")
+    parser.add_argument("--append", action="store_true", help="keep the record's rows of other dtypes or modes")
+    parser.add_argument(
+        "--modes", nargs="+", choices=("device_map", "tp"), default=("device_map", "tp"), help="besides one GPU"
+    )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--tp-worker", help=argparse.SUPPRESS)  # internal: run as a torchrun rank, write here
     args = parser.parse_args()
@@ -183,7 +187,12 @@ def main() -> None:
     path = args.out / f"multigpu_{gpu.lower().replace('nvidia', '').strip().replace(' ', '-')}.json"
     kept = []
     if args.append and path.exists():
-        kept = [row for row in json.loads(path.read_text())["results"] if row.get("dtype") != args.dtype]
+        rerun = {"single", *args.modes}
+        kept = [
+            row
+            for row in json.loads(path.read_text())["results"]
+            if row.get("dtype") != args.dtype or row["mode"] not in rerun
+        ]
     rows, reference = [], {}
 
     def save():
@@ -208,6 +217,16 @@ def main() -> None:
     torch.cuda.empty_cache()
     save()
 
+    if "device_map" in args.modes:
+        device_map_run(args, dtype, weight_bytes, ids, reference, rows, record)
+        save()
+    if "tp" in args.modes:
+        tp_run(args, ids, reference, rows)
+        save()
+    print_rows(record, args, path, rows)
+
+
+def device_map_run(args, dtype, weight_bytes, ids, reference, rows, record) -> None:
     print("device_map='auto' over 2 GPUs")
     cap = {0: f"{weight_bytes * 0.55 / 2**30:.1f}GiB", 1: f"{torch.cuda.mem_get_info(1)[1] * 0.9 / 2**30:.0f}GiB"}
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, device_map="auto", max_memory=cap).eval()
@@ -223,8 +242,9 @@ def main() -> None:
     record["device_map_max_memory"] = cap
     del model
     torch.cuda.empty_cache()
-    save()
 
+
+def tp_run(args, ids, reference, rows) -> None:
     print("tensor parallel (torchrun --nproc-per-node 2)")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
         command = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
@@ -244,8 +264,9 @@ def main() -> None:
         tokens = tp[cache].pop("tokens")
         row = dict(mode="tp", cache=cache, gpus=2, **tp[cache])  # step_ms, fused_kernels
         rows.append(_compare(row, tokens, reference[cache]))
-    save()
 
+
+def print_rows(record, args, path, rows) -> None:
     print(f"\n{record['device']}, context {args.context}, {args.new_tokens} new tokens ({path})")
     print(f"{'mode':11s} {'cache':8s} {'gpus':>4s} {'step ms':>8s}  tokens equal to 1 GPU")
     for row in rows:
