@@ -37,6 +37,8 @@ def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_
         self.config, generation_config.cache_config, tp_group=_tensor_parallel_group(self)
     )
     cache.reserve(max_cache_length)
+    # The prompt's mask, expanded for beams / returned sequences already; generate drops it (None) when it has no zero.
+    cache.set_padding(model_kwargs.get("attention_mask"))
     if generation_config.is_assistant:
         cache.activate_past_recording()
     model_kwargs["past_key_values"] = cache
