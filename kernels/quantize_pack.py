@@ -109,8 +109,10 @@ def _quantize_pack_kernel(
     value_min_ptr,
     length_ptr,
     key_rotated_ptr,
+    valid_ptr,
     # sizes
     num_kv_heads,
+    valid_len,
     # strides of the inputs
     stride_kb,
     stride_kh,
@@ -130,6 +132,7 @@ def _quantize_pack_kernel(
     stride_norms_b,
     stride_krb,
     stride_krh,
+    stride_valid_b,
     # meta-parameters
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
@@ -139,6 +142,7 @@ def _quantize_pack_kernel(
     TOKEN_SCALING: tl.constexpr,
     KEY_ROTATION_PER_HEAD: tl.constexpr,
     NORMS_GIVEN: tl.constexpr,
+    HAS_VALID: tl.constexpr,
     FLUSH_WINDOW: tl.constexpr,
 ):
     W: tl.constexpr = 32 // BITS
@@ -164,15 +168,23 @@ def _quantize_pack_kernel(
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
 
-    if NORMS_GIVEN:  # already in the output (tensor parallel: all-reduced over the ranks' heads)
-        norms = tl.load(key_norms_ptr + pid_b * stride_norms_b + o_t_out)
-    elif TOKEN_SCALING:
-        sum_sq = tl.full([GROUP], 0.0, tl.float32)
-        for h in range(num_kv_heads):
-            b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
-            sum_sq += tl.reduce(b_k * b_k, 1, _add)
-        norms = tl.sqrt_rn(sum_sq)
-        norms = tl.where(norms > 0, norms, 1.0)  # NaN > 0 is False
+    # Padding (HAS_VALID): column t of the mask is output token t; tokens past its end are real.
+    valid = tl.full([GROUP], 1, tl.int1)
+    if HAS_VALID:
+        valid = tl.load(valid_ptr + pid_b * stride_valid_b + o_t_out, mask=o_t_out < valid_len, other=1) != 0
+    any_valid = tl.reduce(valid.to(tl.int32), 0, _maximum) > 0
+
+    if TOKEN_SCALING:
+        if NORMS_GIVEN:  # already in the output (tensor parallel: all-reduced over the ranks' heads)
+            norms = tl.load(key_norms_ptr + pid_b * stride_norms_b + o_t_out)
+        else:
+            sum_sq = tl.full([GROUP], 0.0, tl.float32)
+            for h in range(num_kv_heads):
+                b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
+                sum_sq += tl.reduce(b_k * b_k, 1, _add)
+            norms = tl.sqrt_rn(sum_sq)
+            norms = tl.where(norms > 0, norms, 1.0)  # NaN > 0 is False
+        norms = tl.where(valid, norms, 1.0)  # padding stores norm 1, whatever it held
         tl.store(key_norms_ptr + pid_b * stride_norms_b + o_t_out, norms)
 
     for h in range(num_kv_heads):
@@ -188,22 +200,26 @@ def _quantize_pack_kernel(
         if TOKEN_SCALING:
             b_k = tl.div_rn(b_k, norms[:, None])
 
-        # keys: per channel, over the G tokens of this program
+        # keys: per channel, over the real tokens among the G of this program (none: scale 0, min 0)
+        k_min = tl.reduce(tl.where(valid[:, None], b_k, float("inf")), 0, _minimum)[None, :]
+        k_max = tl.reduce(tl.where(valid[:, None], b_k, float("-inf")), 0, _maximum)[None, :]
         codes, scale, mn = _quantize(
-            b_k, tl.reduce(b_k, 0, _minimum)[None, :], tl.reduce(b_k, 0, _maximum)[None, :], LEVELS, SCALE_DTYPE
+            b_k, tl.where(any_valid, k_min, 0.0), tl.where(any_valid, k_max, 0.0), LEVELS, SCALE_DTYPE
         )
+        codes = tl.where(valid[:, None], codes, 0)  # padding may hold anything, NaN included: its code is 0
         p_codes = pid_b * stride_codes_b + h * stride_codes_h + o_w[:, None] * HEAD_DIM + o_d[None, :]
         tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
         o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + out_g * HEAD_DIM + o_d[None, :]
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
 
-        # values: per token, over groups of G channels
+        # values: per token, over groups of G channels (a padding token: scale 0, min 0, codes 0)
         b_v3 = tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP))
+        valid3 = tl.reshape(valid, (GROUP, 1, 1))
         codes, scale, mn = _quantize(
-            b_v3,
-            tl.reduce(b_v3, 2, _minimum)[:, :, None],
-            tl.reduce(b_v3, 2, _maximum)[:, :, None],
+            tl.where(valid3, b_v3, 0.0),
+            tl.where(valid3, tl.reduce(b_v3, 2, _minimum)[:, :, None], 0.0),
+            tl.where(valid3, tl.reduce(b_v3, 2, _maximum)[:, :, None], 0.0),
             LEVELS,
             SCALE_DTYPE,
         )
@@ -253,14 +269,17 @@ def quantize_kv_triton(
     config: OscarConfig,
     key_rotated: torch.Tensor | None = None,
     norms: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel.
     `key_rotated`: method="oscar"'s `[B, Hkv]` bool, which heads rotate their keys (None for method="paper").
     `norms`: the token norms `[B, 1, N]` float32 to scale by, instead of the norms over the heads in `keys` (tensor
-    parallel: `reference.token_norms(keys, group)` covers the heads of every rank)."""
+    parallel: `reference.token_norms(keys, group)` covers the heads of every rank).
+    `valid`: `[B, N]` bool, False for the padding of a left-padded batch (as in `reference.quantize_kv`)."""
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
     check_key_rotated(key_rotated, batch, heads, keys.device, config, "quantize_kv_triton")
+    _check_valid(valid, batch, keys.device, "quantize_kv_triton", tokens)
     out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
     if norms is not None:
         if out.key_norms is None:
@@ -271,7 +290,7 @@ def quantize_kv_triton(
                 f"{norms.dtype} {tuple(norms.shape)} on {norms.device}."
             )
         out.key_norms.copy_(norms)  # the kernel reads them from its output
-    _launch(keys, values, out, config, length=None, key_rotated=key_rotated, norms_given=norms is not None)
+    _launch(keys, values, out, config, None, key_rotated, norms_given=norms is not None, valid=valid)
     return out
 
 
@@ -281,11 +300,13 @@ def flush_residual_triton(
     storage: QuantizedKV,
     length: torch.Tensor,
     config: OscarConfig,
+    padding_mask: torch.Tensor | None = None,
 ) -> None:
     """A compiled decode step's flush, decided on the device: when `length` (a one-element integer tensor, the
     tokens held) is a positive multiple of the residual window, quantize the full window `residual_keys/values`
     (`[B, Hkv, R, D]`) into tokens `[length - R, length)` of `storage`, as `quantize_kv_triton` would; otherwise
-    write nothing. One launch either way and no host synchronisation, so a CUDA graph can replay it every step."""
+    write nothing. One launch either way and no host synchronisation, so a CUDA graph can replay it every step.
+    `padding_mask`: `[B, P]` bool over the cache's first P positions, False for padding (later ones are real)."""
     _check_inputs(residual_keys, residual_values, config)
     batch, heads, window, head_dim = residual_keys.shape
     if window != config.residual_length:
@@ -299,7 +320,26 @@ def flush_residual_triton(
             f"{length.dtype} on {length.device}."
         )
     check_key_rotated(None, batch, heads, residual_keys.device, config, "flush_residual_triton")
-    _launch(residual_keys, residual_values, storage, config, length=length, key_rotated=None)
+    _check_valid(padding_mask, batch, residual_keys.device, "flush_residual_triton")
+    _launch(residual_keys, residual_values, storage, config, length, None, valid=padding_mask)
+
+
+def _check_valid(valid, batch: int, device: torch.device, who: str, tokens: int | None = None) -> None:
+    """A padding mask must be bool `[B, tokens]` (any number of positions for a flush) on the K/V's device."""
+    if valid is None:
+        return
+    if (
+        valid.dtype != torch.bool
+        or valid.dim() != 2
+        or valid.shape[0] != batch
+        or (tokens is not None and valid.shape[1] != tokens)
+        or valid.device != device
+    ):
+        expected = f"[{batch}, {tokens if tokens is not None else 'positions'}]"
+        raise ValueError(
+            f"{who}: the padding mask must be bool {expected} on {device}, got {valid.dtype} {tuple(valid.shape)} on "
+            f"{valid.device}."
+        )
 
 
 def check_key_rotated(key_rotated, batch: int, heads: int, device: torch.device, config: OscarConfig, who: str):
@@ -326,6 +366,7 @@ def _launch(
     length: torch.Tensor | None,
     key_rotated: torch.Tensor | None,
     norms_given: bool = False,
+    valid: torch.Tensor | None = None,
 ) -> None:
     """The kernel over every group of `keys`/`values`, into `out` (from token 0, or where `length` says)."""
     batch, heads, tokens, head_dim = keys.shape
@@ -345,7 +386,9 @@ def _launch(
             out.value_min,
             length if length is not None else out.key_scale,  # unused pointer outside a flush
             key_rotated.view(torch.uint8) if key_rotated is not None else out.key_scale,  # unused for method="paper"
+            valid.view(torch.uint8) if valid is not None else out.key_scale,  # unused without padding
             heads,
+            valid.shape[1] if valid is not None else 0,
             *keys.stride(),
             *values.stride(),
             out.key_codes.stride(0),
@@ -356,6 +399,7 @@ def _launch(
             out.value_scale.stride(1),
             out.key_norms.stride(0) if out.key_norms is not None else 0,
             *(key_rotated.stride() if key_rotated is not None else (0, 0)),
+            valid.stride(0) if valid is not None else 0,
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             GROUP=config.group_size,
@@ -364,6 +408,7 @@ def _launch(
             TOKEN_SCALING=config.token_scaling,
             KEY_ROTATION_PER_HEAD=key_rotated is not None,
             NORMS_GIVEN=norms_given,
+            HAS_VALID=valid is not None,
             FLUSH_WINDOW=config.residual_length if length is not None else 0,
             num_warps=4,
         )

@@ -56,6 +56,44 @@ _HAS_TRITON = importlib.util.find_spec("triton") is not None
 _QUANTIZE_CHUNK_TOKENS = 4096
 
 
+@dataclass(frozen=True)
+class _Padding:
+    """Which cache positions of each row hold padding (`OscarCache.set_padding`), as the layers read it."""
+
+    mask: torch.Tensor  # [B, P] bool, True for real tokens; positions from P on are real
+    end: int  # no row has padding at or after this position: blocks starting there need no mask (host-side)
+    first_real: torch.Tensor  # [B] long, each row's first real position (P for a row of padding only)
+    last_first_real: int  # the largest of them (host-side)
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor) -> _Padding | None:
+        mask = attention_mask.bool()
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        end = int(torch.where(mask, 0, positions + 1).amax()) if mask.numel() else 0  # one host sync per call
+        if end == 0:
+            return None
+        first_real = torch.where(mask, positions, mask.shape[1]).amin(-1)
+        return cls(mask, end, first_real, int(first_real.amax()))
+
+    def valid(self, start: int, keys: torch.Tensor) -> torch.Tensor | None:
+        """`[B, N]` bool for the N tokens of `keys` at positions `start..start + N - 1` (on their device), or None
+        when they hold no padding."""
+        if start >= self.end:
+            return None
+        batch, tokens = keys.shape[0], keys.shape[-2]
+        if self.mask.shape[0] != batch:
+            raise ValueError(
+                f"OscarCache: the padding mask given to set_padding has {self.mask.shape[0]} rows but the cache "
+                f"holds a batch of {batch}; pass the attention mask of this batch."
+            )
+        part = self.mask[:, start : start + tokens]
+        return torch.cat([part, part.new_ones(batch, tokens - part.shape[1])], dim=1).to(keys.device)
+
+    def apply(self, fn) -> _Padding:
+        """This padding after a batch-axis (or device) transform of the cache."""
+        return _Padding(fn(self.mask), self.end, fn(self.first_real), self.last_first_real)
+
+
 class OscarLayer(CacheLayerMixin):
     """One full-attention layer of an `OscarCache` (see the module docstring for the two regions)."""
 
@@ -87,6 +125,7 @@ class OscarLayer(CacheLayerMixin):
         self._length_is_newer = False  # compiled steps advanced `_length` past the host-side lengths
         # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block.
         self.key_rotated: torch.Tensor | None = None
+        self._padding: _Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_head_dim(key_states.shape[-1], self.config)
@@ -190,7 +229,10 @@ class OscarLayer(CacheLayerMixin):
         if self.layout.num_tokens(self._storage):
             # A full residual (held a positive multiple of R) goes to tokens [held - R, held): the kernel reads the
             # counter and returns at once on the other R - 1 steps of a block.
-            kernel_ops.flush_residual(self.residual_keys, self.residual_values, self._storage, held, self._op_config)
+            padding = None if self._padding is None else self._padding.mask
+            kernel_ops.flush_residual(
+                self.residual_keys, self.residual_values, self._storage, held, self._op_config, padding
+            )
         slot = (held % window).view(1)
         self.residual_keys.index_copy_(2, slot, key_states)
         self.residual_values.index_copy_(2, slot, value_states)
@@ -229,7 +271,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
         self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
-        self.key_rotated = None
+        self.key_rotated = self._padding = None
         self._length_is_newer = False
         self.is_initialized = False
 
@@ -299,19 +341,37 @@ class OscarLayer(CacheLayerMixin):
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
-        if self.key_rotated is None and self.config.rotation and self.config.method == "oscar":
-            self.key_rotated = key_rotation_choice(keys, self.config)  # once, from the first block: the prompt
+        """Quantize the tokens that follow the quantized region (`quantized_length` onward)."""
+        start = self.quantized_length
+        valid = None if self._padding is None else self._padding.valid(start, keys)
+        if self.config.rotation and self.config.method == "oscar":
+            self._choose_key_rotation(keys, valid, start)
         norms = None
         if self.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
         if self.use_kernels:
             from .kernels import quantize_kv_triton
 
-            block = quantize_kv_triton(keys, values, self.config, self.key_rotated, norms=norms)
+            block = quantize_kv_triton(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
         else:
-            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms)
+            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
         check_finite(block, keys, values, self.config)
         return block
+
+    def _choose_key_rotation(self, keys: torch.Tensor, valid: torch.Tensor | None, start: int) -> None:
+        """method="oscar": each row decides its heads' key rotation once, from its first quantized block that holds a
+        real token (the prompt; a row whose first block is all padding stores zeros there, whatever the choice, and
+        decides at a later block)."""
+        first_real = None if self._padding is None else self._padding.first_real
+        if self.key_rotated is not None and (first_real is None or start > self._padding.last_first_real):
+            return  # every row has decided
+        choice = key_rotation_choice(keys, self.config, valid)
+        if self.key_rotated is None:
+            self.key_rotated = choice
+        else:  # rows whose first real token is in this block decide now
+            end = start + keys.shape[-2]
+            now = ((first_real >= start) & (first_real < end)).to(choice.device)
+            self.key_rotated = torch.where(now[:, None], choice, self.key_rotated)
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
@@ -419,6 +479,8 @@ class OscarLayer(CacheLayerMixin):
         self.residual_keys, self.residual_values = fn(self.residual_keys), fn(self.residual_values)
         if self.key_rotated is not None:
             self.key_rotated = fn(self.key_rotated)
+        if self._padding is not None:
+            self._padding = self._padding.apply(fn)
         if self._storage is not None:
             self._storage = QuantizedKV(*(None if t is None else fn(t) for t in self._storage))
 
@@ -600,6 +662,26 @@ class OscarCache(DynamicCache):
         if getattr(layer, "use_kernels", False):
             fused_attention.register_cache(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Tell the cache which positions hold padding, so that quantization leaves them out: `attention_mask` is the
+        2D mask `[B, positions]` a model takes (1 for real tokens, 0 for padding), its first column the cache's first
+        position; positions past its end count as real. Padding keys then enter no key group's min/max nor
+        method="oscar"'s rotation choice (`reference.quantize_kv`, `valid`); a group of padding only decodes to zeros.
+
+        `generate(cache_implementation="oscar")` calls it with the prompt's mask. By hand, call it before the forward
+        that brings padded tokens (e.g. a left-padded prompt batch): `cache.set_padding(inputs["attention_mask"])`.
+        None (or a mask without zeros) means no padding. Tokens already quantized keep their codes.
+        """
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(
+                f"OscarCache.set_padding takes the 2D attention mask [batch, positions] (1 = token, 0 = padding), "
+                f"got shape {tuple(attention_mask.shape)}."
+            )
+        padding = None if attention_mask is None else _Padding.of(attention_mask)
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                layer._padding = padding
 
     def _head_shard_group(self, key_states: torch.Tensor):
         """The process group over which a layer seeing these keys has its KV heads sharded, or None when this

@@ -66,22 +66,45 @@ def token_norms(keys: torch.Tensor, group=None) -> torch.Tensor:
 
 
 def quantize_groups(
-    x: torch.Tensor, bits: int, group_size: int, dim: int, scale_dtype: torch.dtype
+    x: torch.Tensor,
+    bits: int,
+    group_size: int,
+    dim: int,
+    scale_dtype: torch.dtype,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Asymmetric min/max quantization in groups of `group_size` consecutive elements along `dim`.
 
     Returns (codes uint8 shaped like x, scale, min) with `dim` reduced by group_size in scale/min. Scale and min
     are rounded to `scale_dtype` *before* computing the codes, so the codes are the best ones for the stored
     parameters and dequantization is within half a step.
+
+    `valid` (bool, broadcastable to x; None: all valid) marks the elements that count: the others (padding of a
+    left-padded batch) take no part in their group's min/max and get code 0, so a group's parameters and its valid
+    elements' codes are what they would be with the padding replaced by copies of valid elements of the same group.
+    A group with no valid element stores scale 0 and min 0: it decodes to zeros, finite whatever the padding held.
     """
     levels = 2**bits - 1
     compute_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    g = x.to(compute_dtype).movedim(dim, -1)
-    g = g.unflatten(-1, (g.shape[-1] // group_size, group_size))
-    mn = g.amin(-1, keepdim=True).to(scale_dtype).to(compute_dtype)
-    scale = ((g.amax(-1, keepdim=True) - mn) / levels).to(scale_dtype).to(compute_dtype)
-    codes = torch.where(scale > 0, (g - mn) / scale, 0.0).round_().clamp_(0, levels).to(torch.uint8)
-    codes = codes.flatten(-2).movedim(-1, dim)
+
+    def grouped(t: torch.Tensor) -> torch.Tensor:
+        t = t.movedim(dim, -1)
+        return t.unflatten(-1, (t.shape[-1] // group_size, group_size))
+
+    g = grouped(x.to(compute_dtype))
+    if valid is None:
+        mn, mx = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    else:
+        valid = grouped(valid.expand(x.shape))
+        empty = ~valid.any(-1, keepdim=True)
+        mn = torch.where(valid, g, torch.inf).amin(-1, keepdim=True).masked_fill(empty, 0)
+        mx = torch.where(valid, g, -torch.inf).amax(-1, keepdim=True).masked_fill(empty, 0)
+    mn = mn.to(scale_dtype).to(compute_dtype)
+    scale = ((mx - mn) / levels).to(scale_dtype).to(compute_dtype)
+    codes = torch.where(scale > 0, (g - mn) / scale, 0.0).round_().clamp_(0, levels)
+    if valid is not None:
+        codes = codes.masked_fill(~valid, 0)  # padding may hold anything, NaN included: its code is defined
+    codes = codes.to(torch.uint8).flatten(-2).movedim(-1, dim)
     scale, mn = (t.squeeze(-1).movedim(-1, dim).to(scale_dtype) for t in (scale, mn))
     return codes, scale, mn
 
@@ -95,17 +118,26 @@ def dequantize_groups(
     return codes.to(dtype) * scale + mn
 
 
-def fake_quantize_keys(keys: torch.Tensor, rotated: bool, config: OscarConfig) -> torch.Tensor:
+def fake_quantize_keys(
+    keys: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """The keys' round trip (token scaling and per-channel groups of `config`, with or without the rotation), back in
-    the model's domain, unpacked: what `key_rotation_choice` compares."""
+    the model's domain, unpacked: what `key_rotation_choice` compares. `valid`: as in `quantize_kv`."""
     norms = token_norms(keys).unsqueeze(-1) if config.token_scaling else 1.0
     u = (hadamard_transform(keys) if rotated else keys) / norms
-    codes, scale, mn = quantize_groups(u, config.bits, config.group_size, -2, config.scale_torch_dtype)
+    codes, scale, mn = quantize_groups(
+        u, config.bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
+    )
     u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, keys.dtype) * norms
     return hadamard_transform(u_hat) if rotated else u_hat
 
 
-def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor:
+def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
+    """A `[B, N]` token mask as K/V tensors `[B, Hkv, N, D]` broadcast it."""
+    return None if valid is None else valid[:, None, :, None]
+
+
+def key_rotation_choice(keys: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None) -> torch.Tensor:
     """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from keys alone.
 
     What quantization costs attention is the logit error q.(k^ - k) relative to the logits' own spread over the keys,
@@ -117,13 +149,25 @@ def key_rotation_choice(keys: torch.Tensor, config: OscarConfig) -> torch.Tensor
     share of the logit spread (q_c^2 ~ 1 / Var_t(k_c)): the cost of a round trip is its squared error relative to
     each channel's own variance, sum_c sum_t (k^_tc - k_tc)^2 / Var_t(k_c), computed for both round trips of these
     keys (the first quantized block: the prompt); the cheaper one is kept.
+
+    `valid` (`[B, N]` bool, None: all tokens): padding tokens (False) enter neither the variances, the sums nor the
+    quantization groups (`quantize_groups`). A row without valid tokens gets False; the cache decides such a row
+    again at its first block holding a real token.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    variance = k.var(-2, keepdim=True)
+    if valid is None:
+        variance = k.var(-2, keepdim=True)
+        weight_t = 1.0
+    else:
+        k = k.masked_fill(~_key_valid(valid), 0)  # whatever padding holds (NaN included) weighs 0 below
+        weight_t = _key_valid(valid).to(k.dtype)
+        count = weight_t.sum(-2, keepdim=True)
+        mean = (k * weight_t).sum(-2, keepdim=True) / count.clamp_min(1)
+        variance = ((k - mean).square() * weight_t).sum(-2, keepdim=True) / (count - 1).clamp_min(1)
     floor = (1e-6 * variance.mean(-1, keepdim=True)).clamp_min(torch.finfo(k.dtype).tiny)
-    weight = 1 / variance.clamp_min(floor)  # a constant channel: plain quantization is exact there, weight stays finite
-    cost_rotated = ((fake_quantize_keys(k, True, config) - k).square() * weight).sum((-2, -1))
-    cost_plain = ((fake_quantize_keys(k, False, config) - k).square() * weight).sum((-2, -1))
+    weight = weight_t / variance.clamp_min(floor)  # a constant channel: plain quantization is exact, weight is finite
+    cost_rotated = ((fake_quantize_keys(k, True, config, valid) - k).square() * weight).sum((-2, -1))
+    cost_plain = ((fake_quantize_keys(k, False, config, valid) - k).square() * weight).sum((-2, -1))
     return cost_rotated < cost_plain
 
 
@@ -140,12 +184,21 @@ def quantize_kv(
     config: OscarConfig,
     key_rotated: torch.Tensor | None = None,
     norms: torch.Tensor | None = None,
+    valid: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values of N tokens (N a multiple of group_size).
 
     `key_rotated` (`[B, Hkv]` bool, method="oscar"): which heads' keys are rotated; None rotates all (method="paper").
     Values are always rotated when `config.rotation` is on. Ignored when it is off. `norms` overrides the token norms
-    computed from `keys` (tensor parallel: `token_norms(keys, group)` covers the KV heads of every rank)."""
+    computed from `keys` (tensor parallel: `token_norms(keys, group)` covers the KV heads of every rank).
+
+    `valid` (`[B, N]` bool, None: all tokens) marks the real tokens of a padded batch: padding takes no part in the
+    key groups' per-channel min/max (`quantize_groups`), so a row's real tokens are quantized as if each padding key
+    were a copy of a real key of its group; with whole groups of padding (a padding length that is a multiple of
+    group_size) the real tokens' codes, scales, mins and norms are exactly those of the same row without its padding.
+    Token norms and value groups (along channels) are per token: padding cannot reach the real tokens there. Padding
+    stores code 0, norm 1 and value groups of scale 0 and min 0, so whatever the model left in it (even inf or NaN)
+    it decodes to finite numbers: zeros, but for keys in a group shared with real tokens (the group's minimums)."""
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
     if not config.token_scaling:
@@ -155,10 +208,14 @@ def quantize_kv(
     if config.rotation:
         k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     if norms is not None:
+        if valid is not None:
+            norms = norms.masked_fill(~valid[:, None], 1)
         k = k / norms.unsqueeze(-1)
-    key_codes, key_scale, key_min = quantize_groups(k, config.bits, config.group_size, -2, config.scale_torch_dtype)
+    key_codes, key_scale, key_min = quantize_groups(
+        k, config.bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
+    )
     value_codes, value_scale, value_min = quantize_groups(
-        v, config.bits, config.group_size, -1, config.scale_torch_dtype
+        v, config.bits, config.group_size, -1, config.scale_torch_dtype, _key_valid(valid)
     )
     layout = StorageLayout.of(config)
     return QuantizedKV(

@@ -77,49 +77,68 @@ def _sylvester_hadamard(n: int) -> torch.Tensor:
     return h / math.sqrt(n)
 
 
-def oscar_oracle(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, choice_tokens: int | None = None):
+def oscar_oracle(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: OscarConfig,
+    choice_tokens: int | None = None,
+    valid: torch.Tensor | None = None,
+):
     """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
     a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
     rounds (scales/mins to scale_dtype, token norms to float32). method="oscar": each (batch row, KV head) rotates
     its keys iff that lowers the squared error relative to each channel's variance over the first `choice_tokens`
-    tokens (the cache's first quantized block; default all N)."""
+    tokens (the cache's first quantized block; default all N). `valid` ([B, N] bool): padding (False) enters no
+    min/max, variance or cost, stores code 0 and norm 1, and a group of padding only stores scale 0 and min 0."""
     k, v = keys.double(), values.double()
     levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
     eye = torch.eye(k.shape[-1], dtype=torch.float64)
     rot = _sylvester_hadamard(k.shape[-1]) if config.rotation else eye
+    b, h, n, d = k.shape
+    real = torch.ones(b, n, dtype=torch.bool) if valid is None else valid
+    k = torch.where(real[:, None, :, None], k, 0.0)  # padding's content never matters: drop NaN/inf before any matmul
+    v = torch.where(real[:, None, :, None], v, 0.0)
 
-    def fake_quant(x):  # quantize/dequantize groups along the last dim
-        mn = x.amin(-1, keepdim=True).to(sd).double()
-        scale = ((x.amax(-1, keepdim=True) - mn) / levels).to(sd).double()
+    def fake_quant(x, ok):  # quantize/dequantize groups along the last dim; `ok` marks the valid elements
+        mn = torch.where(ok, x, math.inf).amin(-1, keepdim=True)
+        mx = torch.where(ok, x, -math.inf).amax(-1, keepdim=True)
+        empty = ~ok.any(-1, keepdim=True)
+        mn, mx = torch.where(empty, 0.0, mn).to(sd).double(), torch.where(empty, 0.0, mx)
+        scale = ((mx - mn) / levels).to(sd).double()
         codes = torch.where(scale > 0, ((x - mn) / scale).round().clamp(0, levels), torch.zeros_like(x))
-        return codes * scale + mn
+        return torch.where(ok, codes, 0.0) * scale + mn
 
-    def token_norms(k):
+    def token_norms(k, ok):
         if not config.token_scaling:
             return torch.ones(k.shape[0], 1, k.shape[2], 1, dtype=torch.float64)
         norms = k.pow(2).sum(dim=(1, 3)).sqrt()[:, None, :, None]
-        return torch.where(norms > 0, norms, torch.ones_like(norms))
+        return torch.where((norms > 0) & ok[:, None, :, None], norms, torch.ones_like(norms))
 
-    def keys_round_trip(k, rot):  # per (batch, head) rotation matrices rot [B, H, D, D]
-        norms = token_norms(k)
+    def keys_round_trip(k, rot, ok):  # per (batch, head) rotation matrices rot [B, H, D, D]
+        norms = token_norms(k, ok)
         u = (k @ rot) / norms
         b, h, n, d = u.shape
-        u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2)).transpose(-1, -2).reshape(b, h, n, d)
+        grouped_ok = ok[:, None, :, None].expand(b, h, n, d).reshape(b, h, n // g, g, d).transpose(-1, -2)
+        u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2), grouped_ok)
+        u_hat = u_hat.transpose(-1, -2).reshape(b, h, n, d)
         return (u_hat * norms.float().double()) @ rot.transpose(-1, -2)  # the norms are stored in float32
 
-    b, h, n, d = k.shape
     rot_k = rot.expand(b, h, d, d)
     if config.rotation and config.method == "oscar" and n:
-        first = k[:, :, : choice_tokens or n]
-        variance = first.var(2, keepdim=True)
-        weight = 1 / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))
+        first, ok = k[:, :, : choice_tokens or n], real[:, : choice_tokens or n]
+        w = ok[:, None, :, None].double()
+        count = w.sum(2, keepdim=True)
+        mean = (first * w).sum(2, keepdim=True) / count.clamp(min=1)
+        variance = ((first - mean).pow(2) * w).sum(2, keepdim=True) / (count - 1).clamp(min=1)
+        weight = w / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))
         cost = {
-            name: ((keys_round_trip(first, m.expand(b, h, d, d)) - first).pow(2) * weight).sum((2, 3))
+            name: ((keys_round_trip(first, m.expand(b, h, d, d), ok) - first).pow(2) * weight).sum((2, 3))
             for name, m in (("rotated", rot), ("plain", eye))
         }
         rot_k = torch.where((cost["rotated"] < cost["plain"])[:, :, None, None], rot, eye)
-    v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g)).reshape(b, h, n, d)
-    return keys_round_trip(k, rot_k), v_hat @ rot.T
+    value_ok = real[:, None, :, None, None].expand(b, h, n, d // g, g)
+    v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g), value_ok).reshape(b, h, n, d)
+    return keys_round_trip(k, rot_k, real), v_hat @ rot.T
 
 
 @pytest.fixture

@@ -6,7 +6,7 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, kv_memory
-from oscar_hf.reference import key_rotation_choice
+from oscar_hf.reference import dequantize_kv, key_rotation_choice, quantize_kv
 
 B, HKV, D = 2, 2, 32
 
@@ -292,3 +292,72 @@ def test_model_without_full_attention_is_refused():
     config = MistralConfig(num_hidden_layers=2, sliding_window=64, head_dim=64, hidden_size=128, num_attention_heads=2)
     with pytest.raises(ValueError, match="no standard full-attention layer"):
         OscarCache(config, OscarConfig())
+
+
+def _padded_batch(paddings, tokens, gen):
+    """Keys and values `[B, HKV, tokens, D]` whose row r starts with `paddings[r]` padding positions holding loud
+    values and a NaN (what a model computes there must never matter), and the attention mask of the batch."""
+    keys = torch.randn(B, HKV, tokens, D, dtype=torch.float64, generator=gen)
+    values = torch.randn_like(keys)
+    mask = torch.ones(B, tokens, dtype=torch.long)
+    for row, p in enumerate(paddings):
+        if p:
+            keys[row, :, :p] = 1000 * torch.randn(HKV, p, D, dtype=torch.float64, generator=gen)
+            keys[row, 0, 0, 0] = values[row, -1, 0, 0] = float("nan")
+            mask[row, :p] = 0
+    return keys, values, mask
+
+
+@pytest.mark.parametrize("method", ["paper", "oscar"])
+def test_left_padded_row_stores_its_tokens_as_alone(method):
+    """Padding of a whole block (128 tokens, a multiple of the group size): the padded row's history is exactly the
+    same row's history in a cache of its own (codes, scales, norms and key-rotation choice), shifted by the padding,
+    and the padding reads back as zeros."""
+    config = OscarConfig(scale_dtype="float32", method=method)
+    keys, values, mask = _padded_batch([128, 0], 400, torch.Generator().manual_seed(1))
+    cache, alone = _cache(config), _cache(config)
+    cache.set_padding(mask)
+    for start, end in ((0, 300), (300, 400)):  # a prefill, then a chunk that flushes one more block
+        cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
+        alone.update(keys[:1, :, max(start, 128) : end], values[:1, :, max(start, 128) : end], layer_idx=0)
+    layer, alone_layer = cache.layers[0], alone.layers[0]
+    assert (layer.quantized_length, alone_layer.quantized_length) == (384, 256)
+    for got, want in zip(layer.dense_history(), alone_layer.dense_history()):
+        assert torch.equal(got[:1, :, 128:], want)
+        assert torch.equal(got[0, :, :128], torch.zeros_like(got[0, :, :128]))
+    if method == "oscar":
+        assert torch.equal(layer.key_rotated[:1], alone_layer.key_rotated)
+
+
+def test_row_whose_first_block_is_padding_chooses_its_key_rotation_at_its_first_real_block():
+    """method="oscar": row 0's first quantized block (256 tokens) is all padding, so its choice waits for the next
+    block (its first real tokens); row 1 keeps the choice of its first block."""
+    config = OscarConfig(scale_dtype="float32", method="oscar")
+    gen = torch.Generator().manual_seed(2)
+    keys, values, mask = _padded_batch([260, 0], 400, gen)
+    spikes = torch.rand(HKV, 140, D, generator=gen) < 0.03  # heavy tails in row 0's real tokens: rotating helps
+    keys[0, :, 260:] = torch.where(spikes, 30 * keys[0, :, 260:], keys[0, :, 260:])
+    cache = _cache(config)
+    cache.set_padding(mask)
+    cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)
+    layer = cache.layers[0]
+    first = layer.key_rotated.clone()
+    assert not first[0].any()  # nothing to decide from yet
+    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
+    block = slice(256, 384)
+    valid = mask[:, block].bool()
+    choice = key_rotation_choice(keys[:, :, block], config, valid)
+    assert choice[0].all() and torch.equal(layer.key_rotated, torch.stack([choice[0], first[1]]))
+    stored = quantize_kv(keys[:, :, block], values[:, :, block], config, layer.key_rotated, valid=valid)
+    want = dequantize_kv(stored, config, torch.float64, layer.key_rotated)
+    _assert_history((t[:, :, block] for t in layer.dense_history()), want, "the block that decided row 0")
+
+
+def test_set_padding_refuses_a_mask_it_cannot_use():
+    cache = _cache()
+    with pytest.raises(ValueError, match="2D attention mask"):
+        cache.set_padding(torch.ones(B, 1, 1, 200))
+    cache.set_padding(torch.ones(B + 1, 200).index_fill(1, torch.tensor([0]), 0))
+    keys = torch.randn(B, HKV, 200, D)
+    with pytest.raises(ValueError, match="padding mask given to set_padding has 3 rows"):
+        cache.update(keys, keys, layer_idx=0)

@@ -184,6 +184,30 @@ def test_generate_accepts_an_oscar_config_object(tiny_llama):
     assert out.past_key_values.layers[0].quantized_length == 128
 
 
+@pytest.mark.parametrize("given", ["cache_implementation", "past_key_values"])
+def test_generate_keeps_what_padding_holds_out_of_the_quantized_history(tiny_llama, given):
+    """generate hands the prompt's mask to the cache (`OscarCache.set_padding`), built from `cache_implementation` or
+    passed in: a left-padded row's stored history and answer do not depend on the padding's token ids, although its
+    100 padding tokens share a key group (of 32) with its real tokens. Without the mask the padding's keys would set
+    that group's per-channel min/max."""
+    model = tiny_llama(dtype=torch.float64)
+    ids, mask = _left_padded([300, 200])
+    options = {"scale_dtype": "float32"}
+    results = []
+    for pad in (0, 7):  # the padding's token ids: what the model computes there changes, nothing else may
+        ids = ids.masked_fill(mask == 0, pad)
+        if given == "cache_implementation":
+            cache = dict(cache_implementation="oscar", cache_config=options)
+        else:
+            cache = dict(past_key_values=OscarCache(model.config, options))
+        out = model.generate(ids, attention_mask=mask, max_new_tokens=3, **cache, **GREEDY)
+        keys, values = out.past_key_values.layers[0].dense_history()
+        results.append((out.sequences[1, 100:], keys[1, :, 100:], values[1, :, 100:]))
+    assert out.past_key_values.layers[0].quantized_length == 256
+    for got, want in zip(*results):
+        assert torch.equal(got, want)
+
+
 def test_other_cache_implementations_are_untouched(tiny_llama):
     model = tiny_llama()
     ids = torch.randint(3, 97, (1, 20))

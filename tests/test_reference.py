@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarConfig
+from oscar_hf.layout import StorageLayout
 from oscar_hf.reference import (
     dequantize_groups,
     dequantize_kv,
@@ -154,3 +155,96 @@ def test_token_scaling_removes_token_norm_imbalance():
         others[5] = False
         errors[scaling] = ((k_hat - k)[:, :, others].norm() / k[:, :, others].norm()).item()
     assert errors[True] < errors[False] / 2, errors
+
+
+def _left_pad(real_rows, paddings, gen):
+    """A left-padded batch `[B, H, width, D]` of each row's real tokens after its padding, and its `[B, width]` mask.
+    Padding holds loud keys/values (1000x), an inf and a NaN: what it holds must never reach a real token."""
+    width = max(p + r.shape[1] for p, r in zip(paddings, real_rows))
+    heads, dim = real_rows[0].shape[0], real_rows[0].shape[-1]
+    batch = 1000 * torch.randn(len(real_rows), heads, width, dim, dtype=torch.float64, generator=gen)
+    batch[:, 0, 0, 0], batch[:, -1, 0, -1] = float("inf"), float("nan")
+    valid = torch.zeros(len(real_rows), width, dtype=torch.bool)
+    for row, (p, real) in enumerate(zip(paddings, real_rows)):
+        batch[row, :, p:] = real
+        valid[row, p:] = True
+    return batch, valid
+
+
+@pytest.mark.parametrize("method", ["oscar", "paper"])
+@pytest.mark.parametrize("rotation", [True, False])
+@pytest.mark.parametrize("token_scaling", [True, False])
+def test_padding_in_whole_groups_leaves_each_rows_storage_as_alone(method, rotation, token_scaling):
+    """With padding in whole key groups (a multiple of group_size), a padded row stores exactly the codes, scales,
+    mins and token norms of the same row quantized alone, and its key-rotation choice; the padding decodes to zeros."""
+    config = OscarConfig(rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method)
+    gen = torch.Generator().manual_seed(9)
+    real = _keys_of_both_kinds(tokens=160)
+    real_values = torch.randn(real.shape, dtype=torch.float64, generator=gen)
+    alone = [(real[0:1, :, :128], real_values[0:1, :, :128]), (real[1:2], real_values[1:2])]  # 128 and 160 tokens
+    paddings = [64, 32]
+    keys, valid = _left_pad([k[0] for k, _ in alone], paddings, gen)
+    values, _ = _left_pad([v[0] for _, v in alone], paddings, gen)
+    layout = StorageLayout.of(config)
+
+    def stored(k, v, ok):
+        rotated = key_rotation_choice(k, config, ok) if method == "oscar" else None
+        qkv = quantize_kv(k, v, config, rotated, valid=ok)
+        codes = layout.unpack_codes(qkv.key_codes), layout.unpack_codes(qkv.value_codes)
+        return rotated, qkv, codes
+
+    rotated, qkv, codes = stored(keys, values, valid)
+    g = config.group_size
+    for row, ((k, v), p) in enumerate(zip(alone, paddings)):
+        rotated_alone, qkv_alone, codes_alone = stored(k, v, None)
+        if method == "oscar":
+            assert torch.equal(rotated[row], rotated_alone[0])
+        for got, want in zip(codes, codes_alone):
+            assert torch.equal(got[row, :, p:], want[0])
+        params = ["key_scale", "key_min", "value_scale", "value_min"] + ["key_norms"] * token_scaling
+        for name in params:
+            first = p // g if name.startswith("key_") and name != "key_norms" else p  # key params: one per g tokens
+            assert torch.equal(getattr(qkv, name)[row, :, first:], getattr(qkv_alone, name)[0]), (row, name)
+    # Padding decodes to zeros, finite although it held inf and NaN.
+    k_hat, v_hat = dequantize_kv(qkv, config, torch.float64, rotated)
+    for t in (k_hat, v_hat):
+        padding = t.transpose(1, 2)[~valid]
+        assert torch.equal(padding, torch.zeros_like(padding))
+
+
+@pytest.mark.parametrize("method", ["oscar", "paper"])
+@pytest.mark.parametrize("rotation", [True, False])
+@pytest.mark.parametrize("token_scaling", [True, False])
+def test_padding_within_a_group_matches_the_oracle(oracle, method, rotation, token_scaling):
+    """Padding that shares key groups with real tokens (40 and 7 padding tokens, groups of 32): the float64 oracle's
+    masked quantization, and (method="paper", no per-row choice) exactly the storage of the same batch with each
+    padding key replaced by a copy of a real key of its group."""
+    config = OscarConfig(rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method)
+    gen = torch.Generator().manual_seed(40)
+    real = _keys_of_both_kinds(tokens=128)
+    paddings = [40, 7]
+    keys, valid = _left_pad([real[0, :, :88], real[1, :, :121]], paddings, gen)  # 128 tokens wide
+    values, _ = _left_pad([torch.randn(3, n, 64, generator=gen, dtype=torch.float64) for n in (88, 121)], paddings, gen)
+    rotated = key_rotation_choice(keys, config, valid) if method == "oscar" else None
+    qkv = quantize_kv(keys, values, config, rotated, valid=valid)
+    k_hat, v_hat = dequantize_kv(qkv, config, torch.float64, rotated)
+    k_ref, v_ref = oracle(keys, values, config, valid=valid)
+    for got, want in ((k_hat, k_ref), (v_hat, v_ref)):
+        assert torch.isfinite(got).all()
+        atol = 2 * torch.finfo(torch.float32).eps * want.abs().amax().item()  # as in the oracle test above
+        torch.testing.assert_close(got, want, rtol=0, atol=atol)
+    if method == "paper":
+        copies = keys.clone()
+        for row, p in enumerate(paddings):
+            copies[row, :, :p] = keys[row, :, p : p + 1]  # padding of group 0 (and 1): copies of a real token there
+            copies[row, :, 32:p] = keys[row, :, p : p + 1]
+        twin = quantize_kv(copies, values.nan_to_num(), config)
+        layout = StorageLayout.of(config)
+        got, want = layout.unpack_codes(qkv.key_codes), layout.unpack_codes(twin.key_codes)
+        for row, p in enumerate(paddings):  # the groups holding real tokens (row 0's first group is all padding)
+            assert torch.equal(got[row, :, p:], want[row, :, p:])
+            for name in ("key_scale", "key_min"):
+                assert torch.equal(getattr(qkv, name)[row, :, p // 32 :], getattr(twin, name)[row, :, p // 32 :])
+        # The test can fail: without the mask, the loud padding takes over the min/max of the groups it shares.
+        blind = layout.unpack_codes(quantize_kv(keys.nan_to_num(), values.nan_to_num(), config).key_codes)
+        assert not torch.equal(blind[0, :, 40:64], got[0, :, 40:64])

@@ -3,8 +3,10 @@
 transformers has no registry of cache implementations: `GenerationConfig.validate()` checks the name against the
 module-level tuple `ALL_CACHE_IMPLEMENTATIONS` (read at call time), and `GenerationMixin._prepare_cache_for_generation`
 is a hard-coded if/else that would silently fall back to a DynamicCache for an unknown name. `register()` therefore
-extends the tuple and wraps that method; every other cache name goes to the original method untouched. Both steps
-are idempotent and undone by `unregister()`. Nothing is written into a model's `generation_config`, so a saved
+extends the tuple and wraps that method; every other cache name goes to the original method untouched. The wrapper
+also hands the prompt's attention mask to whichever OscarCache generate will use (built here or passed as
+`past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). Both steps are
+idempotent and undone by `unregister()`. Nothing is written into a model's `generation_config`, so a saved
 generation_config.json never names "oscar".
 """
 
@@ -58,10 +60,18 @@ def _wrap(original):
 
     @functools.wraps(original)
     def _prepare_cache_for_generation(self, generation_config, model_kwargs, *args, **kwargs):
+        result = None
         if generation_config.cache_implementation != CACHE_IMPLEMENTATION or generation_config.use_cache is False:
-            return original(self, generation_config, model_kwargs, *args, **kwargs)
-        bound = signature.bind(self, generation_config, model_kwargs, *args, **kwargs)
-        return _prepare_oscar_cache(self, generation_config, model_kwargs, bound.arguments["max_cache_length"])
+            result = original(self, generation_config, model_kwargs, *args, **kwargs)
+        else:
+            bound = signature.bind(self, generation_config, model_kwargs, *args, **kwargs)
+            _prepare_oscar_cache(self, generation_config, model_kwargs, bound.arguments["max_cache_length"])
+        cache = model_kwargs.get("past_key_values")
+        if isinstance(cache, OscarCache):  # built above or passed by the user: it quantizes around the padding
+            # The mask covers every position from the cache's first (expanded for beams already); generate drops it
+            # (None) when it has no zero.
+            cache.set_padding(model_kwargs.get("attention_mask"))
+        return result
 
     setattr(_prepare_cache_for_generation, _WRAPPED_MARK, original)
     return _prepare_cache_for_generation

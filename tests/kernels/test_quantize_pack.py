@@ -158,6 +158,19 @@ def test_given_norms_replace_the_norms_over_the_heads_seen():
         quantize_kv_triton(keys, values, OscarConfig(token_scaling=False), norms=norms)
 
 
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter meets the NaN
+def test_padding_matches_reference():
+    """A left-padded batch: padding (here NaN and inf, as a model may leave there) enters no key group and stores
+    code 0, norm 1 and value parameters 0, exactly as `reference.quantize_kv(..., valid=...)`."""
+    keys, values, config = make_inputs(Case(batch=3, heads=2, tokens=96))
+    valid = torch.arange(96, device=DEVICE)[None] >= torch.tensor([[40], [64], [0]], device=DEVICE)
+    keys[0, :, 3], values[1, :, 10] = float("nan"), float("inf")
+    out = quantize_kv_triton(keys, values, config, valid=valid)
+    assert_matches_reference(out, quantize_kv(keys, values, config, valid=valid), config, "left padding")
+    with pytest.raises(ValueError, match="padding mask must be bool"):
+        quantize_kv_triton(keys, values, config, valid=valid[:, :64])
+
+
 def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int, tokens: int):
     """Storage whose every field holds random bits (a flush must leave untouched rows exactly as they were)."""
     stored = layout.empty(batch, heads, head_dim, heads, head_dim, tokens, DEVICE)
@@ -167,20 +180,26 @@ def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int
     return stored
 
 
-@pytest.mark.parametrize("held", [0, 5, 32, 96, 97])
-def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held):
+@pytest.mark.parametrize(
+    ("held", "padded"), [(0, False), (5, False), (32, False), (96, False), (97, False), (32, True)]
+)
+def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded):
     """The compiled decode step's flush: with `held` a positive multiple of the window R, tokens [held - R, held) of
-    the storage become exactly `quantize_kv_triton` of the residual; every other bit is unchanged."""
+    the storage become exactly `quantize_kv_triton` of the residual (with the padding mask's columns for those
+    positions, if any); every other bit is unchanged."""
     config = OscarConfig(residual_length=32)
     keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
     layout = StorageLayout.of(config)
     storage = _random_storage(layout, 2, 2, 64, 128)
     before = [None if t is None else t.clone() for t in storage]
-    flush_residual_triton(keys, values, storage, torch.tensor(held, device=DEVICE), config)
+    # row 0: 20 padding positions (the mask covers 24 positions; later ones are real); row 1: none
+    padding = torch.arange(24, device=DEVICE)[None] >= torch.tensor([[20], [0]], device=DEVICE) if padded else None
+    flush_residual_triton(keys, values, storage, torch.tensor(held, device=DEVICE), config, padding)
     written = held > 0 and held % 32 == 0
     expected = [None if t is None else t.clone() for t in before]
     if written:
-        block = quantize_kv_triton(keys, values, config)
+        valid = None if padding is None else torch.cat([padding, padding.new_ones(2, 8)], dim=1)[:, held - 32 : held]
+        block = quantize_kv_triton(keys, values, config, valid=valid)
         for buf, part in zip(layout.rows(expected, held - 32, held), block):
             if buf is not None:
                 buf.copy_(part)
