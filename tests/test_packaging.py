@@ -1,5 +1,6 @@
 """The built wheel (not only the editable install) ships `oscar_hf.kernels` and no top-level `kernels` package,
-which would shadow HuggingFace's own `kernels` that transformers probes with find_spec("kernels")."""
+which would shadow HuggingFace's own `kernels` that transformers probes with find_spec("kernels"); its only other
+top-level name is the `oscar_eval` module of the oscar-eval command line."""
 
 import os
 import subprocess
@@ -28,7 +29,8 @@ def test_wheel_ships_kernels_inside_oscar_hf(wheel):
     assert "oscar_hf/kernels/__init__.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
     top_level = [n for n in names if n.endswith("top_level.txt")]
-    assert top_level and zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["oscar_hf"]
+    assert top_level and zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["oscar_eval", "oscar_hf"]
+    assert "oscar_eval.py" in names
 
 
 def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
@@ -40,14 +42,14 @@ def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, wheel], check=True
     )
     probe = (
-        "import importlib.util, oscar_hf, oscar_hf.kernels; "
+        "import importlib.util, oscar_eval, oscar_hf, oscar_hf.kernels; "
         "spec = importlib.util.find_spec('kernels'); "
-        "print(oscar_hf.__file__); print(oscar_hf.kernels.__file__); "
+        "print(oscar_hf.__file__); print(oscar_hf.kernels.__file__); print(oscar_eval.__file__); "
         "print(spec.origin if spec else None)"
     )
     env = {**os.environ, "PYTHONPATH": str(target)}
     result = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True)
     assert result.returncode == 0, f"the probe failed:\n{result.stderr}"
     lines = result.stdout.splitlines()
-    assert lines[0].startswith(str(target)) and lines[1].startswith(str(target)), lines
-    assert lines[2] == "None" or not lines[2].startswith(str(ROOT)) and "oscar_hf" not in lines[2]
+    assert all(line.startswith(str(target)) for line in lines[:3]), lines
+    assert lines[3] == "None" or not lines[3].startswith(str(ROOT)) and "oscar_hf" not in lines[3]

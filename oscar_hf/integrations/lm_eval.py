@@ -38,9 +38,10 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
 
+from oscar_eval import METHODS
+
 from ..cache import OscarCache
 from ..config import OscarConfig
-from ..methods import METHODS
 from ..offline_models import MODELS, model_path
 
 

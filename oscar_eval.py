@@ -3,7 +3,11 @@
 lm-eval has no plugin entry point for models, so the model has to be registered (by importing
 `oscar_hf.integrations.lm_eval`) in the process that runs lm-eval's CLI. Every other option is lm-eval's own and
 handled by lm-eval; `--method` and `--cache_config` are folded into `--model_args`, and `--model` defaults to
-`oscar-hf`. Only an evaluation imports lm-eval, so `--help` is quick.
+`oscar-hf`.
+
+A module outside the `oscar_hf` package, which also holds the methods' table: importing anything under `oscar_hf`
+runs its `__init__`, which registers the cache with transformers (seconds of torch and transformers imports), so
+`--help` would not be quick. Only an evaluation imports oscar_hf and lm-eval.
 """
 
 from __future__ import annotations
@@ -13,7 +17,22 @@ import json
 import logging
 import sys
 
-from .methods import METHODS
+# The KV cache methods the evaluations compare (lm-eval model `oscar-hf`, `oscar-eval`, benchmarks/run_accuracy.py):
+# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
+# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
+METHODS: dict[str, tuple[str | None, dict]] = {
+    "bf16": (None, {}),
+    "oscar-int2": ("oscar", {"bits": 2}),  # the default: the paper's method
+    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method, named explicitly
+    "oscar-perhead-int2": ("oscar", {"bits": 2, "method": "oscar"}),  # experimental: per-head key-rotation choice
+    "oscar-int4": ("oscar", {"bits": 4}),
+    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
+    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
+    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
+    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
+    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
+}
 
 NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
 EXAMPLE = """\
@@ -56,10 +75,10 @@ def _describe(implementation: str | None, options: dict) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ours, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
-    # Imported only now: lm-eval's CLI takes seconds to import.
+    # Imported only now: lm-eval's CLI and oscar_hf take seconds to import.
     from lm_eval.__main__ import cli_evaluate
 
-    from .integrations import lm_eval as _registers_oscar_hf  # noqa: F401
+    import oscar_hf.integrations.lm_eval  # noqa: F401  (registers the lm-eval model `oscar-hf`)
 
     # The tasks of eval_configs/ build their documents with a `custom_dataset` function, which makes lm-eval suggest
     # `--metadata` kwargs that they do not take; that advice never applies here.
