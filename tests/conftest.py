@@ -10,6 +10,11 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# pytest-xdist's workers (`-n 2`) share the cores: each takes its share of torch's threads. With torch's default (every
+# core in every worker), two workers on two cores run four OpenMP threads, and each small op of a tiny model waits
+# for a descheduled sibling thread: a tiny-Llama generate took 40 s instead of 0.6 s on a busy 2-core machine.
+torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))
+
 import pytest  # noqa: E402
 from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
 
