@@ -49,28 +49,18 @@ def _fwht_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
     return x * (D**-0.5)
 
 
-# Reductions through tl.reduce with combine functions of this module rather than tl.max/tl.sum: those are
-# @triton.jit functions of Triton itself, decorated once when Triton is imported, so they would stay compiled-mode
-# functions when Triton was imported before TRITON_INTERPRET was set (as under a test suite that imports
-# transformers first); the kernels here are re-decorated by re-importing this module.
+# Reductions through tl.reduce rather than tl.max/tl.sum: those are @triton.jit functions of Triton itself, decorated
+# once when Triton is imported, so they would stay compiled-mode functions when Triton was imported before
+# TRITON_INTERPRET was set (as under a test suite that imports transformers first); the kernels here are re-decorated
+# by re-importing this module. The combine functions are Triton's own (the ones tl.sum/tl.max/tl.min reduce with):
+# Triton's interpreter recognises those and reduces in numpy, but calls any other one element by element in Python,
+# about 200x slower (a head_dim-256 quantize took 50 s on a CPU). A bitwise or has no such fast path.
+_add, _maximum, _minimum = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
+
+
 @triton.jit
 def _bit_or(a, b):
     return a | b
-
-
-@triton.jit
-def _add(a, b):
-    return a + b
-
-
-@triton.jit
-def _maximum(a, b):
-    return tl.maximum(a, b)
-
-
-@triton.jit
-def _minimum(a, b):
-    return tl.minimum(a, b)
 
 
 @triton.jit

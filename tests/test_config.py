@@ -81,7 +81,13 @@ def test_values_too_large_for_fp16_scales_are_refused(attention):
     OscarCache(config, OscarConfig(scale_dtype="float32", **options)).update(huge, huge, 0)
 
 
-@pytest.mark.parametrize("attention", ["portable", "fused"])
+# The interpreter's min/max (numpy's nanmin/nanmax) warn about the groups that the rotation has made all NaN.
+INTERPRETER_ALL_NAN = pytest.mark.filterwarnings(
+    "ignore:All-NaN slice encountered:RuntimeWarning:triton.runtime.interpreter"
+)
+
+
+@pytest.mark.parametrize("attention", ["portable", pytest.param("fused", marks=INTERPRETER_ALL_NAN)])
 def test_non_finite_keys_or_values_are_named_as_such(attention):
     """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'."""
     config = LlamaConfig(
