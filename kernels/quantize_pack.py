@@ -16,8 +16,9 @@ One program per (group of G tokens, batch row) loops over the KV heads twice: fi
 needs every head of the token; under tensor parallelism the caller passes norms over every rank's heads), then,
 per head, rotation (fp32 butterflies in registers), scaling, the two kinds of min/max groups, rounding and
 packing. The second read of K hits L2 (G * D * Hkv elements per program).
-Non-finite inputs produce non-finite scales here; the reference raises instead (checking would need a host
-synchronisation).
+Non-finite inputs are not checked here (that would need a host synchronisation): an inf makes its scales non-finite,
+but the min/max skip a NaN (maxNum), which can leave every scale finite. The cache checks each eagerly quantized
+block's K/V (`oscar_hf.reference.check_finite`).
 """
 
 from __future__ import annotations

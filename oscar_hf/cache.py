@@ -355,7 +355,7 @@ class OscarLayer(CacheLayerMixin):
             block = quantize_kv_triton(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
         else:
             block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
-        check_finite(block, keys, values, self.config)
+        check_finite(block, keys, values, self.config, valid)
         return block
 
     def _choose_key_rotation(self, keys: torch.Tensor, valid: torch.Tensor | None, start: int) -> None:

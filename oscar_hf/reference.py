@@ -229,13 +229,21 @@ def quantize_kv(
     )
 
 
-def check_finite(qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> None:
-    """Refuse a quantized block of `keys`/`values` whose scales/mins are not finite (it would decode to inf/NaN
-    silently), saying whether the model's K/V were not finite or the scale dtype overflowed."""
+def check_finite(
+    qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None
+) -> None:
+    """Refuse a quantized block of `keys`/`values` that are not finite, or whose scales/mins are not (it would decode
+    to inf/NaN silently), saying whether the model's K/V were not finite or the scale dtype overflowed. The K/V are
+    checked themselves: the Triton quantizer's min/max skip NaN (IEEE maxNum, as Triton's maximum does on a GPU), so a
+    NaN can leave every scale finite. `valid` (`[B, N]` bool, None: all tokens): padding may hold anything."""
+    inputs = torch.isfinite(keys) & torch.isfinite(values)
+    if valid is not None:
+        inputs |= ~valid[:, None, :, None]
     params = (qkv.key_scale, qkv.key_min, qkv.value_scale, qkv.value_min)
-    if all(torch.isfinite(p).all() for p in params):  # one host sync per quantized block
+    finite = torch.stack([inputs.all(), *(torch.isfinite(p).all() for p in params)])
+    if finite.all():  # one host sync per quantized block
         return
-    if not (torch.isfinite(keys).all() and torch.isfinite(values).all()):
+    if not finite[0]:
         raise ValueError(
             "OscarCache: the model produced non-finite keys or values (NaN or inf) for this block; no cache setting "
             "fixes that. Check the model's activations (dtype overflow, e.g. float16 for a bfloat16-trained model)."

@@ -88,14 +88,19 @@ INTERPRETER_ALL_NAN = pytest.mark.filterwarnings(
 
 
 @pytest.mark.parametrize("attention", ["portable", pytest.param("fused", marks=INTERPRETER_ALL_NAN)])
-def test_non_finite_keys_or_values_are_named_as_such(attention):
-    """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'."""
+@pytest.mark.parametrize("rotation", [True, False], ids=["rotated", "unrotated"])
+@pytest.mark.parametrize("poisoned", ["keys", "values"])
+def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attention):
+    """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'. The Triton
+    quantizer's min/max skip NaN, so its scales can stay finite around one (the keys and the unrotated values passed
+    unnoticed until the check read the K/V themselves)."""
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
     )
     config._attn_implementation = "sdpa"
-    keys, values = torch.randn(1, 1, 129, 64), torch.randn(1, 1, 129, 64)
-    values[0, 0, 5, 3] = float("nan")
+    kv = {"keys": torch.randn(1, 1, 129, 64), "values": torch.randn(1, 1, 129, 64)}
+    kv[poisoned][0, 0, 5, 3] = float("nan")
+    options = OscarConfig(attention=attention, scale_dtype="float32", rotation=rotation)
     with pytest.raises(ValueError, match="non-finite keys or values") as error:
-        OscarCache(config, OscarConfig(attention=attention, scale_dtype="float32")).update(keys, values, 0)
+        OscarCache(config, options).update(kv["keys"], kv["values"], 0)
     assert "scale_dtype" not in str(error.value)
