@@ -29,15 +29,6 @@ def poison_empty(monkeypatch):
     monkeypatch.setattr(torch, "empty_like", _poisoned(torch.empty_like))
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest's own -m selection reads the marks
-def pytest_collection_modifyitems(config, items):
-    """Without a GPU, tests marked slow_on_cpu (whole-model runs through Triton's interpreter) join the slow run."""
-    if not torch.cuda.is_available():
-        for item in items:
-            if item.get_closest_marker("slow_on_cpu") is not None:
-                item.add_marker(pytest.mark.slow)
-
-
 def pytest_runtest_setup(item):
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")

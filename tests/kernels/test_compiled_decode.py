@@ -62,7 +62,6 @@ def _decode(model, forward, prompt, steps, **options):
     return torch.cat(tokens, 1), logits, cache
 
 
-@pytest.mark.slow_on_cpu
 def test_compiled_decode_matches_eager_across_a_flush(tiny_llama):
     """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone."""
     model = tiny_llama(
@@ -98,7 +97,6 @@ def test_a_compiled_step_the_cache_cannot_run_is_an_error(tiny_llama):
         _decode(model, compiled, prompt, 1, attention="portable")
 
 
-@pytest.mark.slow
 def test_generate_auto_compiles_an_oscar_cache(tiny_llama):
     """generate's own route (`_valid_auto_compile_criteria`, `compile_config`) on a left-padded batch across a
     flush: one graph for every decode step, the eager tokens. On CPU only through `_compile_all_devices`."""

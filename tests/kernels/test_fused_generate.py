@@ -11,7 +11,6 @@ from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-# A whole generate through Triton's interpreter takes minutes on a CPU: there it runs with `pytest -m slow`.
 
 
 @pytest.fixture
@@ -62,7 +61,6 @@ def _assert_fused_matches_portable(model, ids, mask, new_tokens, teacher_forcing
     return cache
 
 
-@pytest.mark.slow_on_cpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16] if DEVICE.type == "cuda" else [torch.bfloat16])
 def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monkeypatch, teacher_forcing):
     model = model_on_device(dtype)
@@ -76,7 +74,6 @@ def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monke
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
 
 
-@pytest.mark.slow_on_cpu
 def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_device, monkeypatch, teacher_forcing):
     """method="oscar": the kernels quantize and attend with each (row, KV head)'s own key rotation. The choice is
     pinned to a mixed pattern (the rule's own choice on random weights could be uniform, hiding a flag ignored)."""
@@ -94,7 +91,6 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     )
 
 
-@pytest.mark.slow_on_cpu
 def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
@@ -102,7 +98,6 @@ def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_f
     assert cache.layers[0].quantized_length == 256
 
 
-@pytest.mark.slow_on_cpu
 def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, teacher_forcing):
     """Gemma 3n: the last layers reuse the K/V that the last full-attention layer's `update` returned. On the fused
     path those are the new tokens only, standing for the producer's storage: the reuse layer must attend over the
@@ -136,7 +131,6 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
     assert calls == [cache.layers[1]] * 4
 
 
-@pytest.mark.slow_on_cpu
 def test_unconsumed_fused_step_is_an_error():
     """A model whose attention bypasses the wrapped sdpa must not silently attend to the new tokens only."""
     config = LlamaConfig(

@@ -24,7 +24,6 @@ def _storage(config, batch=1, tokens=64):
     return quantize_kv_triton(keys, values, config)  # random contents, in the storage layout
 
 
-@pytest.mark.slow_on_cpu
 @pytest.mark.parametrize("token_scaling", [True, False])
 def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling):
     config = OscarConfig(residual_length=32, token_scaling=token_scaling)
@@ -46,7 +45,6 @@ def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling):
     torch.library.opcheck(torch.ops.oscar.flush_residual.default, op_args)
 
 
-@pytest.mark.slow_on_cpu
 @pytest.mark.parametrize(("with_history", "method"), [(True, "paper"), (False, "paper"), (True, "oscar")])
 def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history, method):
     config = OscarConfig(residual_length=32, method=method)
