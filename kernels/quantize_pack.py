@@ -201,16 +201,10 @@ def _quantize_pack_kernel(
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
 
-        # values: per token, over groups of G channels (a padding token: scale 0, min 0, codes 0)
-        b_v3 = tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP))
-        valid3 = tl.reshape(valid, (GROUP, 1, 1))
-        codes, scale, mn = _quantize(
-            tl.where(valid3, b_v3, 0.0),
-            tl.where(valid3, tl.reduce(b_v3, 2, _minimum)[:, :, None], 0.0),
-            tl.where(valid3, tl.reduce(b_v3, 2, _maximum)[:, :, None], 0.0),
-            LEVELS,
-            SCALE_DTYPE,
-        )
+        # values: per token, over groups of G channels (a padding token reads as zeros: scale 0, min 0, codes 0)
+        b_v3 = tl.where(tl.reshape(valid, (GROUP, 1, 1)), tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP)), 0.0)
+        v_min, v_max = tl.reduce(b_v3, 2, _minimum)[:, :, None], tl.reduce(b_v3, 2, _maximum)[:, :, None]
+        codes, scale, mn = _quantize(b_v3, v_min, v_max, LEVELS, SCALE_DTYPE)
         codes = tl.reshape(codes, (GROUP, HEAD_DIM))
         tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
         o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t_out[:, None] * NUM_VGROUPS + o_vg[None, :]
