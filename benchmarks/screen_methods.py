@@ -13,7 +13,6 @@ its standard error over documents. Resumable: results go to benchmarks/results/ 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import json
 import math
@@ -24,82 +23,38 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
-from transformers.modeling_utils import AttentionInterface
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.offline_models import load_model
-from oscar_hf.reference import fake_quantize_keys, key_rotation_choice
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 DTYPE = torch.float32  # bf16 matmuls are several times slower on this CPU (no AVX512-BF16)
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 # Candidates by OscarConfig options. Screened earlier and dropped (their rows stay in the JSON records): key-rotation
-# choices weighting the error by the key channels' energy E[k^2] ("auto-energy", always rotated on Gemma 3), mean^2
-# ("auto-mean2"), variance ("auto-var"), or unweighted ("auto-frob"); block-diagonal Hadamard rotations of 16 and 32
-# channels ("block16", "block32"); and "auto-white" = today's method="oscar", "auto-both" (rotate only if both the
-# energy and the variance weighting agree; it chose as auto-white). Code of those variants: commit 9242c06.
+# choices weighting the key error by the key channels' energy E[k^2] ("auto-energy", always rotated on Gemma 3), mean^2
+# ("auto-mean2"), variance ("auto-var"; "auto-white" = "key-only": 1 / Var_t(k_c), the rule method="oscar" had before
+# the query rule, which rotated no head of these models), or unweighted ("auto-frob"); "auto-both" (energy and
+# variance agreeing); block-diagonal Hadamard rotations of 16 and 32 channels ("block16", "block32"); code: commit
+# 9242c06. The query rule as first screened, outside the cache: "q-all" (every prompt query; = "oscar" now) and
+# "q-last128" (the last 128 prompt queries, the same within noise); code: commit 445ab61.
 CANDIDATES: dict[str, dict | None] = {
     "bf16": None,
     "paper": {"method": "paper"},
     "kivi": {"rotation": False, "token_scaling": False},
     "scaling-only": {"rotation": False},
-    "oscar": {},
+    "oscar": {"method": "oscar"},
 }
-# Per-head key-rotation choices from the prompt's own queries (method="oscar" storage, the choice made here): keep the
-# round trip with the smaller attention-logit error sum_i sum_t (q_i . (e_t - mean_t e_t))^2, e = k^ - k, over the
-# prompt's queries i of each KV head's query group and its quantized keys t; "q-all" uses every prompt query,
-# "q-last128" the last 128 (the ones nearest to decoding).
-QUERY_RULES: dict[str, int | None] = {"q-all": None, "q-last128": 128}
-RESIDUAL = 128  # the cache's residual length: the prefill quantizes its first (S - 1) // 128 * 128 tokens
-
-
-@contextlib.contextmanager
-def query_moments(moments: dict, last: list[int | None]):
-    """While active, every sdpa attention call stores, under its layer index, the second moments of its queries per
-    KV head, sum over the group's query heads and the prompt's positions of q q^T, `[B, Hkv, D, D]` float64: one
-    per entry of `last` (all positions for None, else the last n)."""
-    original = AttentionInterface._global_mapping["sdpa"]
-
-    def capturing(module, query, key, *args, **kwargs):
-        batch, heads, length, dim = query.shape
-        q = query.double().view(batch, key.shape[1], heads // key.shape[1], length, dim)
-        moments[module.layer_idx] = [
-            torch.einsum("bhgsd,bhgse->bhde", q[..., -(n or length) :, :], q[..., -(n or length) :, :]) for n in last
-        ]
-        return original(module, query, key, *args, **kwargs)
-
-    AttentionInterface.register("sdpa", capturing)
-    try:
-        yield
-    finally:
-        AttentionInterface.register("sdpa", original)
-
-
-def query_rule_choice(keys: torch.Tensor, moment: torch.Tensor, config: OscarConfig) -> torch.Tensor:
-    """`[B, Hkv]` bool: rotate where that gives the smaller centred logit error tr(E_c^T E_c M) with the queries'
-    second moment M (the same as summing (q_i . e_t)^2 over queries and keys, with e centred over the keys)."""
-    k = keys.double()
-    costs = []
-    for rotated in (True, False):
-        error = fake_quantize_keys(k, rotated, config) - k
-        error = error - error.mean(-2, keepdim=True)  # a shift of all of a query's logits leaves softmax unchanged
-        costs.append((error.transpose(-1, -2) @ error * moment).sum((-2, -1)))
-    return costs[0] < costs[1]
 
 
 @torch.no_grad()
 def score(
-    model,
-    exact: DynamicCache,
-    tokens: list[int],
-    prefix: int,
-    options: dict | None,
-    chunk: int,
-    key_rotated: dict[int, torch.Tensor] | None = None,
-) -> float:
-    """Summed log-likelihood of tokens[prefix + 1:] given everything before, through a cache of `options`;
-    `key_rotated` fixes the per-head key rotation of each OScaR layer (method="oscar") in place of its own rule."""
+    model, exact: DynamicCache, moments: dict, tokens: list[int], prefix: int, options: dict | None, chunk: int
+) -> tuple[float, float | None]:
+    """Summed log-likelihood of tokens[prefix + 1:] given everything before, through a cache of `options` filled from
+    the exact prefill (its K/V, and for method="oscar" the second moments of its queries, as its attention would hand
+    them over); and the share of KV heads whose keys that cache rotates (method="oscar", else None)."""
     if options is None:
         cache = copy.deepcopy(exact)
     else:
@@ -108,27 +63,26 @@ def score(
             if type(layer) is type(prefilled):
                 cache.layers[idx] = copy.deepcopy(prefilled)
             else:
-                if key_rotated is not None:
-                    layer.key_rotated = key_rotated[idx]  # a layer with a choice keeps it (OscarLayer._quantize)
                 cache.update(prefilled.keys, prefilled.values, idx)
+                layer.observe_query_moment(moments[idx])
+    chosen = [
+        layer.key_rotated.float().mean().item()
+        for layer in cache.layers
+        if getattr(layer, "key_rotated", None) is not None
+    ]
     total = 0.0
     for start in range(prefix, len(tokens) - 1, chunk):
         inputs = tokens[start : min(start + chunk, len(tokens) - 1)]
         logits = model(torch.tensor([inputs]), past_key_values=cache).logits[0]
         targets = torch.tensor(tokens[start + 1 : start + 1 + len(inputs)])
         total += float(F.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).sum())
-    return total
-
-
-def rotated_fraction(cache_layers, choices: dict[int, torch.Tensor]) -> float:
-    chosen = [choices[i].float().mean().item() for i, layer in enumerate(cache_layers) if isinstance(layer, OscarLayer)]
-    return sum(chosen) / len(chosen)
+    return total, (sum(chosen) / len(chosen) if chosen else None)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS)
-    parser.add_argument("--methods", nargs="+", default=list(CANDIDATES) + list(QUERY_RULES))
+    parser.add_argument("--methods", nargs="+", default=list(CANDIDATES))
     parser.add_argument("--docs", type=int, default=8)
     parser.add_argument("--prefix", type=int, default=1536)
     parser.add_argument("--score", type=int, default=256)
@@ -145,38 +99,19 @@ def main() -> None:
         if not todo:
             continue
         model, tokenizer = load_model(name, dtype=DTYPE)
-        if model.config.get_text_config()._attn_implementation != "sdpa":
-            raise ValueError("screen_methods.py reads the prompt's queries through the sdpa attention entry")
         current, exact = None, None
-        quantized = (args.prefix - 1) // RESIDUAL * RESIDUAL
-        layers = OscarCache(model.config, OscarConfig()).layers
         for d, m in tqdm(todo, desc=name):
             tokens = tokenizer(rows[d]["text"])["input_ids"][: args.prefix + args.score + 1]
             if current != d:
                 exact, moments = DynamicCache(config=model.config), {}
-                with query_moments(moments, list(QUERY_RULES.values())):
+                with recording_query_moments(moments):
                     model(torch.tensor([tokens[: args.prefix]]), past_key_values=exact)
                 current = d
-                choices = {  # the key-only rule (method="oscar"), to compare how many heads each rule rotates
-                    i: key_rotation_choice(exact.layers[i].keys[:, :, :quantized], OscarConfig(method="oscar"))
-                    for i, layer in enumerate(layers)
-                    if isinstance(layer, OscarLayer)
-                }
-                done.setdefault("_rotated", {}).setdefault("oscar", {})[str(d)] = rotated_fraction(layers, choices)
-            if m in QUERY_RULES:
-                which = list(QUERY_RULES).index(m)
-                config = OscarConfig(method="oscar")
-                choices = {
-                    i: query_rule_choice(exact.layers[i].keys[:, :, :quantized], moments[i][which], config)
-                    for i, layer in enumerate(layers)
-                    if isinstance(layer, OscarLayer)
-                }
-                done.setdefault("_rotated", {}).setdefault(m, {})[str(d)] = rotated_fraction(layers, choices)
-                done.setdefault(m, {})[str(d)] = score(
-                    model, exact, tokens, args.prefix, {"method": "oscar"}, 128, choices
-                )
-            else:
-                done.setdefault(m, {})[str(d)] = score(model, exact, tokens, args.prefix, CANDIDATES[m], 128)
+            done.setdefault(m, {})[str(d)], rotated = score(
+                model, exact, moments, tokens, args.prefix, CANDIDATES[m], 128
+            )
+            if rotated is not None:
+                done.setdefault("_rotated", {}).setdefault(m, {})[str(d)] = rotated
             out.write_text(json.dumps(done, indent=1) + "\n")
         del model
     for name in args.models:
