@@ -57,7 +57,10 @@ def shared_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def run(name: str, args) -> dict:
+def run(name: str, args, meta: dict) -> dict:
+    """Every setting of SETTINGS on one model; resumable: the record is saved after each setting (with `meta`), and
+    settings already in it (for the same prompts) are kept."""
+    out = RESULTS / f"padding_{name}.json"
     model, tokenizer = load_model(name, dtype=torch.float32)
     tokenizer.padding_side = "left"
     if tokenizer.pad_token is None:
@@ -66,8 +69,12 @@ def run(name: str, args) -> dict:
     low, high = args.lengths
     lengths = [round(low + (high - low) * i / max(args.prompts - 1, 1)) for i in range(args.prompts)]
     prompts = [tokenizer(rows[i]["text"]).input_ids[:n] for i, n in enumerate(lengths)]
-    record = {"lengths": lengths, "settings": {}}
-    for setting, (options, aware) in tqdm(SETTINGS.items(), desc=name):
+    record = json.loads(out.read_text()) if out.exists() else {}
+    if record.get("lengths") != lengths or record.get("new_tokens") != args.new or record.get("batch") != args.batch:
+        record = {"lengths": lengths, "settings": {}}
+    todo = [s for s in SETTINGS if s not in record["settings"]]
+    for setting in tqdm(todo, desc=name):
+        options, aware = SETTINGS[setting]
         alone_key = "exact" if options is None else options["method"]
         if alone_key not in record.setdefault("alone", {}):  # one prompt, no padding: set_padding has no effect
             record["alone"][alone_key] = [
@@ -91,6 +98,8 @@ def run(name: str, args) -> dict:
             "shared_prefix": same,
             "together": together,
         }
+        record.update(meta, model=name, batch=args.batch, new_tokens=args.new)
+        out.write_text(json.dumps(record, indent=1) + "\n")
     return record
 
 
@@ -104,19 +113,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    meta = dict(
+        dtype="float32",
+        commit=commit.stdout.strip(),
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        versions={"torch": torch.__version__, "transformers": transformers.__version__},
+        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+    )
     for name in args.models:
-        record = run(name, args)
-        record.update(
-            model=name,
-            batch=args.batch,
-            new_tokens=args.new,
-            dtype="float32",
-            commit=commit.stdout.strip(),
-            date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            versions={"torch": torch.__version__, "transformers": transformers.__version__},
-            machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-        )
-        (RESULTS / f"padding_{name}.json").write_text(json.dumps(record, indent=1) + "\n")
+        record = run(name, args, meta)
         print(f"\n{name}: rows whose {args.new} greedy tokens differ from the prompt alone (batch {args.batch})")
         for setting, r in record["settings"].items():
             print(
