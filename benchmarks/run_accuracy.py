@@ -94,13 +94,18 @@ def context_tokens(task: str, tokenizer, limit: int) -> int:
 
 
 _CAPTURED_QUERIES: dict[int, torch.Tensor] = {}
+_CAPTURED_MOMENTS: dict[int, torch.Tensor] = {}
 
 
 def _capture_queries(module, query, key, value, attention_mask, **kwargs):
-    """sdpa, recording each layer's last 64 (post-RoPE) queries for `kv_stats`."""
+    """sdpa, recording each layer's last 64 (post-RoPE) queries for `kv_stats`, and the second moment of all of them
+    (method="oscar" chooses its key rotation from it)."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from oscar_hf.reference import query_moment
+
     _CAPTURED_QUERIES[module.layer_idx] = query[..., -64:, :].float()
+    _CAPTURED_MOMENTS[module.layer_idx] = query_moment(query, key.shape[1])
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
 
 
@@ -150,7 +155,7 @@ def kv_stats(model, tokenizer, text: str) -> dict:
         logits = queries @ keys.repeat_interleave(expand, dim=1).transpose(-1, -2)
         spread = (logits - logits.mean(-1, keepdim=True)).std()
         for method, config in configs.items():
-            k, v = round_trip_kv(keys, values, config)
+            k, v = round_trip_kv(keys, values, config, moment=_CAPTURED_MOMENTS[idx])
             errors[method]["keys"].append(float((k - keys).norm() / keys.norm()))
             errors[method]["values"].append(float((v - values).norm() / values.norm()))
             first = keys[..., :1, :]
@@ -192,11 +197,14 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
         targets = torch.tensor(continuation)
         for variant, method, part in variants:
             first, cache = wrapper._prefill(context)  # a fresh copy of the exact prefill
-            for layer in cache.layers:
+            moments = wrapper.prefill_store.get(tuple(context))[2]  # its queries' second moments (method="oscar")
+            for idx, layer in enumerate(cache.layers):
                 if method is None or type(layer) is not DynamicLayer:
                     continue
                 n = layer.keys.shape[-2] // configs[method].residual_length * configs[method].residual_length
-                keys, values = round_trip_kv(layer.keys[..., :n, :], layer.values[..., :n, :], configs[method])
+                keys, values = round_trip_kv(
+                    layer.keys[..., :n, :], layer.values[..., :n, :], configs[method], moment=moments[idx]
+                )
                 if "K" in part:
                     layer.keys[..., :n, :] = keys
                 if "V" in part:

@@ -25,6 +25,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.offline_models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,22 +33,28 @@ RESULTS = ROOT / "benchmarks" / "results"
 DTYPE = torch.float32  # bf16 matmuls are several times slower on this CPU (no AVX512-BF16)
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 # Candidates by OscarConfig options. Screened earlier and dropped (their rows stay in the JSON records): key-rotation
-# choices weighting the error by the key channels' energy E[k^2] ("auto-energy", always rotated on Gemma 3), mean^2
-# ("auto-mean2"), variance ("auto-var"), or unweighted ("auto-frob"); block-diagonal Hadamard rotations of 16 and 32
-# channels ("block16", "block32"); and "auto-white" = today's method="oscar", "auto-both" (rotate only if both the
-# energy and the variance weighting agree; it chose as auto-white). Code of those variants: commit 9242c06.
+# choices weighting the key error by the key channels' energy E[k^2] ("auto-energy", always rotated on Gemma 3), mean^2
+# ("auto-mean2"), variance ("auto-var"; "auto-white" = "key-only": 1 / Var_t(k_c), the rule method="oscar" had before
+# the query rule, which rotated no head of these models), or unweighted ("auto-frob"); "auto-both" (energy and
+# variance agreeing); block-diagonal Hadamard rotations of 16 and 32 channels ("block16", "block32"); code: commit
+# 9242c06. The query rule as first screened, outside the cache: "q-all" (every prompt query; = "oscar" now) and
+# "q-last128" (the last 128 prompt queries, the same within noise); code: commit 445ab61.
 CANDIDATES: dict[str, dict | None] = {
     "bf16": None,
     "paper": {"method": "paper"},
     "kivi": {"rotation": False, "token_scaling": False},
     "scaling-only": {"rotation": False},
-    "oscar": {},
+    "oscar": {"method": "oscar"},
 }
 
 
 @torch.no_grad()
-def score(model, exact: DynamicCache, tokens: list[int], prefix: int, options: dict | None, chunk: int) -> float:
-    """Summed log-likelihood of tokens[prefix + 1:] given everything before, through a cache of `options`."""
+def score(
+    model, exact: DynamicCache, moments: dict, tokens: list[int], prefix: int, options: dict | None, chunk: int
+) -> tuple[float, float | None]:
+    """Summed log-likelihood of tokens[prefix + 1:] given everything before, through a cache of `options` filled from
+    the exact prefill (its K/V, and for method="oscar" the second moments of its queries, as its attention would hand
+    them over); and the share of KV heads whose keys that cache rotates (method="oscar", else None)."""
     if options is None:
         cache = copy.deepcopy(exact)
     else:
@@ -57,13 +64,19 @@ def score(model, exact: DynamicCache, tokens: list[int], prefix: int, options: d
                 cache.layers[idx] = copy.deepcopy(prefilled)
             else:
                 cache.update(prefilled.keys, prefilled.values, idx)
+                layer.observe_query_moment(moments[idx])
+    chosen = [
+        layer.key_rotated.float().mean().item()
+        for layer in cache.layers
+        if getattr(layer, "key_rotated", None) is not None
+    ]
     total = 0.0
     for start in range(prefix, len(tokens) - 1, chunk):
         inputs = tokens[start : min(start + chunk, len(tokens) - 1)]
         logits = model(torch.tensor([inputs]), past_key_values=cache).logits[0]
         targets = torch.tensor(tokens[start + 1 : start + 1 + len(inputs)])
         total += float(F.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).sum())
-    return total
+    return total, (sum(chosen) / len(chosen) if chosen else None)
 
 
 def main() -> None:
@@ -90,10 +103,15 @@ def main() -> None:
         for d, m in tqdm(todo, desc=name):
             tokens = tokenizer(rows[d]["text"])["input_ids"][: args.prefix + args.score + 1]
             if current != d:
-                exact = DynamicCache(config=model.config)
-                model(torch.tensor([tokens[: args.prefix]]), past_key_values=exact)
+                exact, moments = DynamicCache(config=model.config), {}
+                with recording_query_moments(moments):
+                    model(torch.tensor([tokens[: args.prefix]]), past_key_values=exact)
                 current = d
-            done.setdefault(m, {})[str(d)] = score(model, exact, tokens, args.prefix, CANDIDATES[m], 128)
+            done.setdefault(m, {})[str(d)], rotated = score(
+                model, exact, moments, tokens, args.prefix, CANDIDATES[m], 128
+            )
+            if rotated is not None:
+                done.setdefault("_rotated", {}).setdefault(m, {})[str(d)] = rotated
             out.write_text(json.dumps(done, indent=1) + "\n")
         del model
     for name in args.models:
@@ -104,7 +122,9 @@ def main() -> None:
             deltas = [(results[name][m][d] - base[d]) / -args.score for d in docs]  # mean NLL increase per token
             if len(docs) > 1:
                 mean, se = statistics.mean(deltas), statistics.stdev(deltas) / math.sqrt(len(docs))
-                print(f"  {m:14s} {100 * math.expm1(mean):+7.2f}% +- {100 * se:.2f}  (n={len(docs)})")
+                rotated = results[name].get("_rotated", {}).get(m, {}).values()
+                share = f", heads rotated {statistics.mean(rotated):.2f}" if rotated else ""
+                print(f"  {m:14s} {100 * math.expm1(mean):+7.2f}% +- {100 * se:.2f}  (n={len(docs)}){share}")
 
 
 if __name__ == "__main__":

@@ -46,8 +46,9 @@ from .reference import (
     check_finite,
     check_head_dim,
     dequantize_kv,
-    key_rotation_choice,
     quantize_kv,
+    query_moment,
+    query_rotation_choice,
     token_norms,
 )
 
@@ -123,8 +124,14 @@ class OscarLayer(CacheLayerMixin):
         self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
         self._length: torch.Tensor | None = None  # tokens held, on the device (compiled decode only)
         self._length_is_newer = False  # compiled steps advanced `_length` past the host-side lengths
-        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block.
+        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block from the
+        # queries seen so far (`query_rotation_choice`); their second moment [B, Hkv, D, D] until every row decided.
         self.key_rotated: torch.Tensor | None = None
+        self._query_moment: torch.Tensor | None = None
+        # method="oscar", during the first update: the blocks it quantized before any query was seen (the prefill's
+        # attention runs after it), exact, to quantize again once `observe_queries` settles the choice.
+        self._provisional: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._awaiting_keys: torch.Tensor | None = None  # the keys the latest update returned, until its queries come
         self._padding: _Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -177,7 +184,12 @@ class OscarLayer(CacheLayerMixin):
         return keys, values
 
     def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.wants_queries:
+            self._check_queries_arrived()
         if self.get_seq_length() == 0:
+            if self.wants_queries:
+                self._provisional = []
+                self._awaiting_keys = key_states
             self.append(key_states, value_states)
             return key_states, value_states
         if self.residual_length == self.config.residual_length:  # a complete block: quantized before it is read
@@ -198,6 +210,8 @@ class OscarLayer(CacheLayerMixin):
         # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
         keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
         self.append(key_states, value_states)
+        if self.wants_queries:
+            self._awaiting_keys = keys
         return keys, values
 
     def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -271,7 +285,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
         self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
-        self.key_rotated = self._padding = None
+        self.key_rotated = self._padding = self._query_moment = self._provisional = self._awaiting_keys = None
         self._length_is_newer = False
         self.is_initialized = False
 
@@ -345,7 +359,7 @@ class OscarLayer(CacheLayerMixin):
         start = self.quantized_length
         valid = None if self._padding is None else self._padding.valid(start, keys)
         if self.config.rotation and self.config.method == "oscar":
-            self._choose_key_rotation(keys, valid, start)
+            self._choose_key_rotation(keys, values, valid, start)
         norms = None
         if self.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
@@ -358,20 +372,85 @@ class OscarLayer(CacheLayerMixin):
         check_finite(block, keys, values, self.config, valid)
         return block
 
-    def _choose_key_rotation(self, keys: torch.Tensor, valid: torch.Tensor | None, start: int) -> None:
+    def _choose_key_rotation(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, start: int):
         """method="oscar": each row decides its heads' key rotation once, from its first quantized block that holds a
         real token (the prompt; a row whose first block is all padding stores zeros there, whatever the choice, and
-        decides at a later block)."""
+        decides at a later block) and the queries seen so far (`query_rotation_choice`).
+
+        A prefill quantizes its blocks before its own queries reach the cache (attention runs after `update`): they
+        are quantized unrotated for the moment and kept, exact, until that attention call hands the queries over
+        (`observe_queries`), which settles the choice and quantizes them again."""
+        if self._provisional:
+            self._provisional.append((keys, values))  # quantized with the choice for the moment: again at settling
+            return
+        if self._rows_decided(start):
+            return
+        if self._query_moment is None:
+            if self._provisional is None:
+                raise RuntimeError(self._no_queries_message())
+            self._provisional.append((keys, values))
+            choice = torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device)
+        else:
+            choice = query_rotation_choice(keys, self._query_moment.to(keys.device), self.config, valid)
         first_real = None if self._padding is None else self._padding.first_real
-        if self.key_rotated is not None and (first_real is None or start > self._padding.last_first_real):
-            return  # every row has decided
-        choice = key_rotation_choice(keys, self.config, valid)
         if self.key_rotated is None:
             self.key_rotated = choice
         else:  # rows whose first real token is in this block decide now
             end = start + keys.shape[-2]
             now = ((first_real >= start) & (first_real < end)).to(choice.device)
             self.key_rotated = torch.where(now[:, None], choice, self.key_rotated)
+
+    def _rows_decided(self, start: int) -> bool:
+        """Whether every row has made its final key-rotation choice before a block starting at `start`."""
+        if self.key_rotated is None or self._provisional:
+            return False
+        return self._padding is None or start > self._padding.last_first_real
+
+    @property
+    def wants_queries(self) -> bool:
+        """method="oscar": whether this layer still needs the queries that read it (to choose its key rotation)."""
+        return self.config.rotation and self.config.method == "oscar" and not self._rows_decided(self.quantized_length)
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
+        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read this layer's
+        latest update, the newest Tq positions. The wrapped sdpa entry (integrations/fused_attention.py) calls it with
+        the keys it received, which must be the ones the update returned (a call for another layer or cache is
+        ignored); by hand, call it after each update of a cache filled without the model's attention."""
+        if keys is not None and keys is not self._awaiting_keys:
+            return
+        self._awaiting_keys = None
+        start = self.get_seq_length() - query.shape[-2]
+        valid = None if self._padding is None else self._padding.valid(start, query)
+        self.observe_query_moment(query_moment(query, self.residual_keys.shape[1], valid))
+
+    def observe_query_moment(self, moment: torch.Tensor) -> None:
+        """`observe_queries` given their second moment (`reference.query_moment`, padding left out): what a cache
+        filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill)."""
+        if not self.wants_queries:
+            return
+        self._query_moment = moment if self._query_moment is None else self._query_moment + moment
+        blocks, self._provisional = self._provisional, None
+        if blocks:  # the prefill's blocks, quantized before these queries came: again, with the settled choice
+            end, self.quantized_length, self.key_rotated = self.quantized_length, 0, None
+            for keys, values in blocks:
+                self._store(self._quantize(keys, values))
+            assert self.quantized_length == end
+        if self._rows_decided(self.quantized_length):
+            self._query_moment = None  # no longer needed
+
+    def _check_queries_arrived(self) -> None:
+        if self._provisional:
+            raise RuntimeError(self._no_queries_message())
+        self._provisional = None
+
+    @staticmethod
+    def _no_queries_message() -> str:
+        return (
+            "OscarCache(method='oscar') chooses each KV head's key rotation from the queries that read the prompt, "
+            "but none reached this layer: its attention must run through transformers' 'sdpa' attention "
+            "(attn_implementation='sdpa') on the keys the cache returned. A cache filled by hand (update without the "
+            "model's attention) needs `layer.observe_queries(query)` after each update. Or use method='paper'."
+        )
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
@@ -479,6 +558,8 @@ class OscarLayer(CacheLayerMixin):
         self.residual_keys, self.residual_values = fn(self.residual_keys), fn(self.residual_values)
         if self.key_rotated is not None:
             self.key_rotated = fn(self.key_rotated)
+        if self._query_moment is not None:
+            self._query_moment = fn(self._query_moment)
         if self._padding is not None:
             self._padding = self._padding.apply(fn)
         if self._storage is not None:
@@ -659,7 +740,9 @@ class OscarCache(DynamicCache):
             kv_heads = getattr(self._text_config, "num_key_value_heads", None) or key_states.shape[1]
             group = getattr(self._text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
             layer.fused_query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
-        if getattr(layer, "use_kernels", False):
+        if isinstance(layer, OscarLayer) and not layer.is_initialized and layer.wants_queries:
+            fused_attention.install()  # its sdpa wrapper hands this layer the queries that read it
+        if getattr(layer, "use_kernels", False) or getattr(layer, "wants_queries", False):
             fused_attention.register_cache(self)
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 

@@ -28,10 +28,11 @@ class OscarConfig:
         method: how `rotation` treats the keys. "paper" (default): every key is rotated, the paper's method (arXiv
             2605.19660). "oscar" (experimental; fused kernels in eager decoding, not yet compiled decode): each
             (batch row, KV head) of each layer decides once, at its first quantized block (the prompt), whether
-            rotating its keys lowers the key error relative to each channel's variance
-            (`reference.key_rotation_choice`), and keeps that choice; values are always rotated. It avoids the
-            rotation's damage on models whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma
-            3's k_norm) but is not yet better everywhere: see benchmarks/results/ACCURACY.md.
+            rotating its keys lowers the attention-logit error against the queries that read them
+            (`reference.query_rotation_choice`; the queries reach the cache through the model's sdpa attention),
+            and keeps that choice; values are always rotated. It avoids the rotation's damage on models whose keys
+            carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's k_norm) and keeps it where it helps:
+            see benchmarks/results/ACCURACY.md.
         attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
             head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
             what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and

@@ -122,7 +122,7 @@ def fake_quantize_keys(
     keys: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
     """The keys' round trip (token scaling and per-channel groups of `config`, with or without the rotation), back in
-    the model's domain, unpacked: what `key_rotation_choice` compares. `valid`: as in `quantize_kv`."""
+    the model's domain, unpacked: what `query_rotation_choice` compares. `valid`: as in `quantize_kv`."""
     norms = token_norms(keys).unsqueeze(-1) if config.token_scaling else 1.0
     u = (hadamard_transform(keys) if rotated else keys) / norms
     codes, scale, mn = quantize_groups(
@@ -137,38 +137,49 @@ def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
     return None if valid is None else valid[:, None, :, None]
 
 
-def key_rotation_choice(keys: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from keys alone.
+def query_moment(query: torch.Tensor, kv_heads: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The second moment of the queries each KV head serves, `[B, Hkv, D, D]`: sum over the query heads of its GQA
+    group and over the query positions of q q^T (post-RoPE queries `[B, Hq, Tq, D]`, in float32, float64 kept).
+    `valid` (`[B, Tq]` bool): only those positions count (padding queries are whatever the model left there)."""
+    q = query.float() if query.dtype != torch.float64 else query
+    batch, heads, length, dim = q.shape
+    if valid is not None:
+        q = q.masked_fill(~valid[:, None, :, None], 0)
+    q = q.reshape(batch, kv_heads, heads // kv_heads * length, dim)
+    return q.transpose(-1, -2) @ q
 
-    What quantization costs attention is the logit error q.(k^ - k) relative to the logits' own spread over the keys,
-    sum_c q_c (k_tc - mean_c). Per-channel quantization (no rotation) gives each channel an error proportional to
-    its own range, so its relative logit error is about the same whatever channels the queries weigh. The rotation
-    mixes all channels: it cuts ranges inflated by rare large values (heavy tails, outlier tokens) but hands every
-    channel the same share of the error, which the quiet channels (Qwen2's k_proj-bias channels, Gemma 3's
-    k_norm-scaled keys) cannot absorb. The cache never sees the queries, so each channel is taken to carry an equal
-    share of the logit spread (q_c^2 ~ 1 / Var_t(k_c)): the cost of a round trip is its squared error relative to
-    each channel's own variance, sum_c sum_t (k^_tc - k_tc)^2 / Var_t(k_c), computed for both round trips of these
-    keys (the first quantized block: the prompt); the cheaper one is kept.
 
-    `valid` (`[B, N]` bool, None: all tokens): padding tokens (False) enter neither the variances, the sums nor the
-    quantization groups (`quantize_groups`). A row without valid tokens gets False; the cache decides such a row
-    again at its first block holding a real token.
+def query_rotation_choice(
+    keys: torch.Tensor, moment: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from the keys and
+    the queries that read them.
+
+    What quantization costs attention is the logit error q_i.(k^_t - k_t), less its mean over the keys t (a shift of
+    all of a query's logits leaves the softmax unchanged). Summed over the queries i (through their second moment
+    M = sum_i q_i q_i^T, `query_moment`) and the keys, it is tr(E_c^T E_c M) with E_c the key error centred over the
+    tokens. Both round trips of these keys (`fake_quantize_keys`: the first quantized block, the prompt) are costed
+    and the cheaper one kept. The rotation helps heads whose keys have rare large values in the channels the queries
+    read, and hurts heads whose queries weigh quiet, near-constant channels (Qwen2's k_proj-bias channels, Gemma 3's
+    k_norm-scaled keys): the rotation hands those channels a share of every channel's error.
+
+    `valid` (`[B, N]` bool, None: all tokens): padding keys enter neither the quantization groups nor the cost.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    if valid is None:
-        variance = k.var(-2, keepdim=True)
-        weight_t = 1.0
-    else:
+    if valid is not None:
         k = k.masked_fill(~_key_valid(valid), 0)  # whatever padding holds (NaN included) weighs 0 below
-        weight_t = _key_valid(valid).to(k.dtype)
-        count = weight_t.sum(-2, keepdim=True)
-        mean = (k * weight_t).sum(-2, keepdim=True) / count.clamp_min(1)
-        variance = ((k - mean).square() * weight_t).sum(-2, keepdim=True) / (count - 1).clamp_min(1)
-    floor = (1e-6 * variance.mean(-1, keepdim=True)).clamp_min(torch.finfo(k.dtype).tiny)
-    weight = weight_t / variance.clamp_min(floor)  # a constant channel: plain quantization is exact, weight is finite
-    cost_rotated = ((fake_quantize_keys(k, True, config, valid) - k).square() * weight).sum((-2, -1))
-    cost_plain = ((fake_quantize_keys(k, False, config, valid) - k).square() * weight).sum((-2, -1))
-    return cost_rotated < cost_plain
+    count = k.shape[-2] if valid is None else _key_valid(valid).sum(-2, keepdim=True).clamp_min(1)
+    moment = moment.to(k.dtype)
+    costs = []
+    for rotated in (True, False):
+        error = fake_quantize_keys(k, rotated, config, valid) - k
+        if valid is not None:
+            error = error.masked_fill(~_key_valid(valid), 0)
+        error = error - error.sum(-2, keepdim=True) / count
+        if valid is not None:
+            error = error.masked_fill(~_key_valid(valid), 0)
+        costs.append(((error.transpose(-1, -2) @ error) * moment).sum((-2, -1)))
+    return costs[0] < costs[1]
 
 
 def rotate_keys(keys: torch.Tensor, key_rotated: torch.Tensor | None) -> torch.Tensor:
@@ -270,10 +281,19 @@ def dequantize_kv(
 
 
 def round_trip_kv(
-    keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, dtype: torch.dtype = torch.float32
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    config: OscarConfig,
+    dtype: torch.dtype = torch.float32,
+    moment: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize then dequantize, as a fresh cache's first block (method="oscar" chooses from these keys)."""
-    key_rotated = key_rotation_choice(keys, config) if config.rotation and config.method == "oscar" else None
+    """Quantize then dequantize, as a fresh cache's first block; method="oscar" chooses from these keys and the
+    second moment of the queries that read them (`query_moment`), which it needs."""
+    key_rotated = None
+    if config.rotation and config.method == "oscar":
+        if moment is None:
+            raise ValueError("round_trip_kv: method='oscar' chooses the key rotation from the queries; pass `moment`.")
+        key_rotated = query_rotation_choice(keys, moment, config)
     return dequantize_kv(quantize_kv(keys, values, config, key_rotated), config, dtype, key_rotated)
 
 

@@ -88,13 +88,15 @@ def oscar_oracle(
     config: OscarConfig,
     choice_tokens: int | None = None,
     valid: torch.Tensor | None = None,
+    queries: torch.Tensor | None = None,
 ):
     """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
     a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
     rounds (scales/mins to scale_dtype, token norms to float32). method="oscar": each (batch row, KV head) rotates
-    its keys iff that lowers the squared error relative to each channel's variance over the first `choice_tokens`
-    tokens (the cache's first quantized block; default all N). `valid` ([B, N] bool): padding (False) enters no
-    min/max, variance or cost, stores code 0 and norm 1, and a group of padding only stores scale 0 and min 0."""
+    its keys iff that lowers the attention-logit error of `queries` ([B, Hq, Tq, D], the queries seen before the
+    choice) over the first `choice_tokens` keys (the cache's first quantized block; default all N), each query's
+    errors centred over those keys. `valid` ([B, N] bool): padding (False) enters no min/max, mean or cost, stores
+    code 0 and norm 1, and a group of padding only stores scale 0 and min 0."""
     k, v = keys.double(), values.double()
     levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
     eye = torch.eye(k.shape[-1], dtype=torch.float64)
@@ -132,15 +134,15 @@ def oscar_oracle(
     if config.rotation and config.method == "oscar" and n:
         first, ok = k[:, :, : choice_tokens or n], real[:, : choice_tokens or n]
         w = ok[:, None, :, None].double()
-        count = w.sum(2, keepdim=True)
-        mean = (first * w).sum(2, keepdim=True) / count.clamp(min=1)
-        variance = ((first - mean).pow(2) * w).sum(2, keepdim=True) / (count - 1).clamp(min=1)
-        weight = w / torch.maximum(variance, 1e-6 * variance.mean(3, keepdim=True))
-        cost = {
-            name: ((keys_round_trip(first, m.expand(b, h, d, d), ok) - first).pow(2) * weight).sum((2, 3))
-            for name, m in (("rotated", rot), ("plain", eye))
-        }
-        rot_k = torch.where((cost["rotated"] < cost["plain"])[:, :, None, None], rot, eye)
+        q = queries.double()
+        q = q.reshape(b, h, q.shape[1] // h * q.shape[2], d)  # query head j reads KV head j // group
+
+        def logit_error(m):
+            error = (keys_round_trip(first, m.expand(b, h, d, d), ok) - first) * w
+            centred = (error - error.sum(2, keepdim=True) / w.sum(2, keepdim=True).clamp(min=1)) * w
+            return (q @ centred.transpose(-1, -2)).pow(2).sum((2, 3))
+
+        rot_k = torch.where((logit_error(rot) < logit_error(eye))[:, :, None, None], rot, eye)
     value_ok = real[:, None, :, None, None].expand(b, h, n, d // g, g)
     v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g), value_ok).reshape(b, h, n, d)
     return keys_round_trip(k, rot_k, real), v_hat @ rot.T

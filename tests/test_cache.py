@@ -6,7 +6,7 @@ from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, kv_memory
-from oscar_hf.reference import dequantize_kv, key_rotation_choice, quantize_kv
+from oscar_hf.reference import dequantize_kv, quantize_kv, query_moment, query_rotation_choice
 
 B, HKV, D = 2, 2, 32
 
@@ -22,16 +22,17 @@ def _cache(config=None, layers=2, heads=HKV, head_dim=D):
     return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
 
 
-def _expected_history(oracle, keys, values, config, first_block, memo=None, stored=False):
+def _expected_history(oracle, keys, values, config, first_block, memo=None, stored=False, queries=None):
     """What attention sees of a history of T tokens: every complete block quantized (the oracle's values), the rest
     exact. `first_block`: tokens in the cache's first quantized block (method="oscar" decides its key rotation
-    there). `stored=True`: what the layer holds after its update instead, the newest block still exact until the next
-    update. `memo` reuses the oracle's blocks between steps (they only change at a flush)."""
+    there, from `queries`: those seen by then). `stored=True`: what the layer holds after its update instead, the
+    newest block still exact until the next update. `memo` reuses the oracle's blocks between steps (they only change
+    at a flush)."""
     window = config.residual_length
     quantized = (max(keys.shape[2] - 1, 0) if stored else keys.shape[2]) // window * window
     memo = {} if memo is None else memo
     if quantized not in memo:
-        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config, first_block)
+        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config, first_block, queries=queries)
     k_hat, v_hat = memo[quantized]
     return torch.cat([k_hat, keys[:, :, quantized:]], 2), torch.cat([v_hat, values[:, :, quantized:]], 2)
 
@@ -65,17 +66,23 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
     scale = torch.logspace(-1, 1, total, dtype=torch.float64)[:, None]  # token norms spanning 100x
     keys = torch.randn(B, HKV, total, D, dtype=torch.float64) * scale
     values = torch.randn(B, HKV, total, D, dtype=torch.float64)
+    queries = torch.randn(B, 4 * HKV, total, D, dtype=torch.float64)
     window = config.residual_length
     first_block = max((prefill - 1) // window * window, window)  # the prefill's flush, else the first decode flush
+    # method="oscar" chooses at the first flush from the queries seen: the prefill's when it flushes (its attention
+    # settles the choice), else those of every step before the flush.
+    seen = queries[:, :, : max(prefill, first_block)]
     flushes, memo = 0, {}
     for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, total)]:
         before = cache.layers[0].quantized_length
         got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
+        cache.layers[0].observe_queries(queries[:, :, start:end], got[0])  # what the attention call hands over
         flushes += cache.layers[0].quantized_length > before
         if start == 0:  # a chunk without history attends to its own exact K/V
             assert torch.equal(got[0], keys[:, :, :end]) and torch.equal(got[1], values[:, :, :end])
         else:  # the history as stored, then the new exact token
-            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, first_block, memo)
+            history = keys[:, :, :start], values[:, :, :start]
+            want = _expected_history(oracle, *history, config, first_block, memo, queries=seen)
             _assert_history(got, _with_new(want, keys, values, start, end), end)
         layer = cache.layers[0]
         assert cache.get_seq_length() == end
@@ -83,7 +90,7 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
         assert layer.quantized_length == (end - 1) // config.residual_length * config.residual_length
         assert 1 <= layer.residual_length <= config.residual_length
     assert flushes >= 2
-    want = _expected_history(oracle, keys, values, config, first_block, stored=True)
+    want = _expected_history(oracle, keys, values, config, first_block, stored=True, queries=seen)
     _assert_history(cache.layers[0].dense_history(), want, "")
 
 
@@ -121,14 +128,20 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
     keys[1, 1] = with_spikes(keys[1, 1])  # rotate
     keys[0, 0, 300:] = with_spikes(keys[0, 0, 300:])  # later tokens that alone would choose the rotation
     values = torch.randn_like(keys)
-    cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)  # flushes 256 tokens
+    queries = torch.randn(B, 4 * HKV, 500, D, dtype=torch.float64, generator=gen)
+    queries[0, :4, :, :4] *= 20  # row 0, KV head 0's queries weigh the offset channels
     layer = cache.layers[0]
+    got = cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)  # flushes 256 tokens
+    layer.observe_queries(queries[:, :, :300], got[0])
     choice = layer.key_rotated.clone()
     assert not choice[0, 0] and choice[1, 1], choice
-    assert key_rotation_choice(keys[:, :, 256:384], config)[0, 0]  # the next block alone would rotate row 0, head 0
-    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
+    moment = query_moment(queries[:, :, :300], HKV)
+    later = query_rotation_choice(keys[:, :, 256:384], moment, config)
+    assert later[0, 0]  # the next block alone would rotate row 0, head 0
+    got = cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
+    layer.observe_queries(queries[:, :, 300:], got[0])
     assert layer.quantized_length == 384 and torch.equal(layer.key_rotated, choice)
-    want = _expected_history(oracle, keys, values, config, first_block=256, stored=True)
+    want = _expected_history(oracle, keys, values, config, first_block=256, stored=True, queries=queries[:, :, :300])
     _assert_history(layer.dense_history(), want, "after a later block")
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.key_rotated, choice.flip(0))
@@ -315,11 +328,16 @@ def test_left_padded_row_stores_its_tokens_as_alone(method):
     and the padding reads back as zeros."""
     config = OscarConfig(scale_dtype="float32", method=method)
     keys, values, mask = _padded_batch([128, 0], 400, torch.Generator().manual_seed(1))
+    queries = torch.randn(B, 4 * HKV, 400, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
+    queries[0, :, :128] = float("nan")  # padding queries: whatever the model computed there must not count
     cache, alone = _cache(config), _cache(config)
     cache.set_padding(mask)
     for start, end in ((0, 300), (300, 400)):  # a prefill, then a chunk that flushes one more block
-        cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
-        alone.update(keys[:1, :, max(start, 128) : end], values[:1, :, max(start, 128) : end], layer_idx=0)
+        got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
+        cache.layers[0].observe_queries(queries[:, :, start:end], got[0])
+        real = slice(max(start, 128), end)
+        got = alone.update(keys[:1, :, real], values[:1, :, real], layer_idx=0)
+        alone.layers[0].observe_queries(queries[:1, :, real], got[0])
     layer, alone_layer = cache.layers[0], alone.layers[0]
     assert (layer.quantized_length, alone_layer.quantized_length) == (384, 256)
     for got, want in zip(layer.dense_history(), alone_layer.dense_history()):
@@ -337,17 +355,19 @@ def test_row_whose_first_block_is_padding_chooses_its_key_rotation_at_its_first_
     keys, values, mask = _padded_batch([260, 0], 400, gen)
     spikes = torch.rand(HKV, 140, D, generator=gen) < 0.03  # heavy tails in row 0's real tokens: rotating helps
     keys[0, :, 260:] = torch.where(spikes, 30 * keys[0, :, 260:], keys[0, :, 260:])
+    queries = torch.randn(B, 4 * HKV, 400, D, dtype=torch.float64, generator=gen)
     cache = _cache(config)
     cache.set_padding(mask)
-    cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)
     layer = cache.layers[0]
+    layer.observe_queries(queries[:, :, :300], cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)[0])
     first = layer.key_rotated.clone()
     assert not first[0].any()  # nothing to decide from yet
-    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
+    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)  # the flush decides from the queries seen before
     block = slice(256, 384)
     valid = mask[:, block].bool()
-    choice = key_rotation_choice(keys[:, :, block], config, valid)
-    assert choice[0].all() and torch.equal(layer.key_rotated, torch.stack([choice[0], first[1]]))
+    moment = query_moment(queries[:, :, :300], HKV, mask[:, :300].bool())
+    choice = query_rotation_choice(keys[:, :, block], moment, config, valid)
+    assert choice[0].any() and torch.equal(layer.key_rotated, torch.stack([choice[0], first[1]]))
     stored = quantize_kv(keys[:, :, block], values[:, :, block], config, layer.key_rotated, valid=valid)
     want = dequantize_kv(stored, config, torch.float64, layer.key_rotated)
     _assert_history((t[:, :, block] for t in layer.dense_history()), want, "the block that decided row 0")
@@ -361,3 +381,13 @@ def test_set_padding_refuses_a_mask_it_cannot_use():
     keys = torch.randn(B, HKV, 200, D)
     with pytest.raises(ValueError, match="padding mask given to set_padding has 3 rows"):
         cache.update(keys, keys, layer_idx=0)
+
+
+def test_oscar_method_refuses_to_go_on_without_the_prompts_queries():
+    """method="oscar" quantizes a prefill's blocks before its queries come; an update arriving before them (a model
+    whose attention does not hand them over) is an error naming the fix, not a silently unrotated cache."""
+    cache = _cache(OscarConfig(method="oscar"))
+    keys = torch.randn(B, HKV, 300, D)
+    cache.update(keys, keys, layer_idx=0)
+    with pytest.raises(RuntimeError, match="none reached this layer.*attn_implementation='sdpa'"):
+        cache.update(keys[:, :, :1], keys[:, :, :1], layer_idx=0)

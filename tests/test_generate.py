@@ -18,6 +18,8 @@ from transformers.generation import configuration_utils
 
 import oscar_hf
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf.integrations.fused_attention import recording_query_moments
+from oscar_hf.reference import query_rotation_choice
 
 GREEDY = dict(do_sample=False, return_dict_in_generate=True)
 
@@ -206,6 +208,28 @@ def test_generate_keeps_what_padding_holds_out_of_the_quantized_history(tiny_lla
     assert out.past_key_values.layers[0].quantized_length == 256
     for got, want in zip(*results):
         assert torch.equal(got, want)
+
+
+def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_queries(tiny_llama):
+    """The sdpa entry hands each layer the queries of the prefill (the cache quantized its blocks before they came),
+    and the settled choice is the reference's, from the same queries; a model whose attention does not hand them over
+    is refused with the fix."""
+    model = tiny_llama(dtype=torch.float64, num_key_value_heads=4, num_attention_heads=8)
+    ids = torch.randint(3, 97, (2, 300))
+    exact, moments = DynamicCache(config=model.config), {}
+    with recording_query_moments(moments):
+        model(ids, past_key_values=exact)
+    options = {"method": "oscar", "scale_dtype": "float32"}
+    out = model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options, **GREEDY)
+    chosen = []
+    for idx, layer in enumerate(out.past_key_values.layers):
+        keys = exact.layers[idx].keys[:, :, :256]  # the prefill's flush
+        assert torch.equal(layer.key_rotated, query_rotation_choice(keys, moments[idx], OscarConfig(**options)))
+        chosen.append(layer.key_rotated)
+    assert torch.cat(chosen).any() and not torch.cat(chosen).all()  # both choices occur: the test can fail
+    model.set_attn_implementation("eager")
+    with pytest.raises(RuntimeError, match="none reached this layer"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options)
 
 
 def test_other_cache_implementations_are_untouched(tiny_llama):

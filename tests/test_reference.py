@@ -11,9 +11,10 @@ from oscar_hf.reference import (
     dequantize_groups,
     dequantize_kv,
     hadamard_transform,
-    key_rotation_choice,
     quantize_groups,
     quantize_kv,
+    query_moment,
+    query_rotation_choice,
     token_norms,
 )
 
@@ -99,6 +100,14 @@ def _keys_of_both_kinds(tokens=96, head_dim=64, norm_spread=1e4):
     return k * torch.logspace(0, math.log10(norm_spread), tokens, dtype=torch.float64)[:, None]  # token norms vary
 
 
+def _queries_weighing_the_offsets(tokens=16):
+    """Random queries `[2, 6, tokens, 64]` (two per KV head of `_keys_of_both_kinds`) whose row 0, KV head 0 queries
+    weigh the offset channels 20x, as Qwen2.5-0.5B's layer 0 does."""
+    q = torch.randn(2, 6, tokens, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(tokens))
+    q[0, :2, :, :4] *= 20
+    return q
+
+
 @pytest.mark.parametrize("method", ["oscar", "paper"])
 @pytest.mark.parametrize("rotation", [True, False])
 @pytest.mark.parametrize("token_scaling", [True, False])
@@ -109,11 +118,12 @@ def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_
     )
     k = _keys_of_both_kinds()
     v = torch.randn(2, 3, 96, 64, dtype=torch.float64)
-    key_rotated = key_rotation_choice(k, config) if method == "oscar" else None
+    q = _queries_weighing_the_offsets()
+    key_rotated = query_rotation_choice(k, query_moment(q, 3), config) if method == "oscar" else None
     if method == "oscar" and rotation and token_scaling and bits == 2:  # the choice depends on both (see docstring)
         assert not key_rotated[0, 0] and key_rotated[1, 1], key_rotated  # both kinds occur
     k_hat, v_hat = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
-    k_ref, v_ref = oracle(k, v, config)
+    k_ref, v_ref = oracle(k, v, config, queries=q)
     # Scales/mins are rounded to float32 from float64 values that differ in their last bits between the butterflies
     # and the oracle's dense matrix, so they may land one float32 ulp apart: allow one ulp of the magnitude. A wrong
     # code would be off by a whole step (a third of the group's range), far beyond this.
@@ -133,7 +143,7 @@ def test_oscar_method_cuts_the_logit_error_where_the_rotation_hurts():
     errors = {}
     for method in ("oscar", "paper"):
         config = OscarConfig(scale_dtype="float32", method=method)
-        key_rotated = key_rotation_choice(k, config) if method == "oscar" else None
+        key_rotated = query_rotation_choice(k, query_moment(q, 3), config) if method == "oscar" else None
         k_hat, _ = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
         error = q @ (k_hat - k).transpose(-1, -2)
         errors[method] = (error - error.mean(-1, keepdim=True)).square().mean((2, 3)).sqrt()  # per row and head
@@ -187,16 +197,19 @@ def test_padding_in_whole_groups_leaves_each_rows_storage_as_alone(method, rotat
     values, _ = _left_pad([v[0] for _, v in alone], paddings, gen)
     layout = StorageLayout.of(config)
 
-    def stored(k, v, ok):
-        rotated = key_rotation_choice(k, config, ok) if method == "oscar" else None
+    queries = _queries_weighing_the_offsets()
+    moment = query_moment(queries, 3)
+
+    def stored(k, v, ok, rows):
+        rotated = query_rotation_choice(k, moment[rows], config, ok) if method == "oscar" else None
         qkv = quantize_kv(k, v, config, rotated, valid=ok)
         codes = layout.unpack_codes(qkv.key_codes), layout.unpack_codes(qkv.value_codes)
         return rotated, qkv, codes
 
-    rotated, qkv, codes = stored(keys, values, valid)
+    rotated, qkv, codes = stored(keys, values, valid, slice(None))
     g = config.group_size
     for row, ((k, v), p) in enumerate(zip(alone, paddings)):
-        rotated_alone, qkv_alone, codes_alone = stored(k, v, None)
+        rotated_alone, qkv_alone, codes_alone = stored(k, v, None, slice(row, row + 1))
         if method == "oscar":
             assert torch.equal(rotated[row], rotated_alone[0])
         for got, want in zip(codes, codes_alone):
@@ -225,10 +238,11 @@ def test_padding_within_a_group_matches_the_oracle(oracle, method, rotation, tok
     paddings = [40, 7]
     keys, valid = _left_pad([real[0, :, :88], real[1, :, :121]], paddings, gen)  # 128 tokens wide
     values, _ = _left_pad([torch.randn(3, n, 64, generator=gen, dtype=torch.float64) for n in (88, 121)], paddings, gen)
-    rotated = key_rotation_choice(keys, config, valid) if method == "oscar" else None
+    queries = _queries_weighing_the_offsets()
+    rotated = query_rotation_choice(keys, query_moment(queries, 3), config, valid) if method == "oscar" else None
     qkv = quantize_kv(keys, values, config, rotated, valid=valid)
     k_hat, v_hat = dequantize_kv(qkv, config, torch.float64, rotated)
-    k_ref, v_ref = oracle(keys, values, config, valid=valid)
+    k_ref, v_ref = oracle(keys, values, config, valid=valid, queries=queries)
     for got, want in ((k_hat, k_ref), (v_hat, v_ref)):
         assert torch.isfinite(got).all()
         atol = 2 * torch.finfo(torch.float32).eps * want.abs().amax().item()  # as in the oracle test above

@@ -10,6 +10,9 @@ fused kernel on the packed storage. Every other call (other models, other caches
 original sdpa. The lookup compares tensors by identity and reads plain attributes, so dynamo traces it
 (`torch.compile(fullgraph=True)`) like eager code.
 
+The same wrapper hands the queries of each attention call to a layer that waits for them (method="oscar" chooses
+its key rotation from the queries that read the prompt), when the call received the keys that layer's update returned.
+
 A step stays valid until its layer's next update, for every call that receives exactly the returned tensors: a
 layer that reuses another layer's K/V (Gemma 3n, Gemma 4 KV sharing) attends over the producer's whole history.
 Anything that would attend to the new tokens only is an error instead of a wrong answer:
@@ -22,6 +25,7 @@ Anything that would attend to the new tokens only is an error instead of a wrong
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -31,6 +35,7 @@ import torch
 from transformers.modeling_utils import AttentionInterface
 
 from ..kernels import DECODE_MAX_QUERY_ROWS
+from ..reference import query_moment
 
 # Attention features the fused kernel does not implement; a call using them attends over the dense history instead.
 _UNSUPPORTED_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
@@ -132,7 +137,40 @@ def _check_call(layer, query: torch.Tensor, value: torch.Tensor) -> None:
         )
 
 
+def _hand_queries(module, query: torch.Tensor, key: torch.Tensor) -> None:
+    """method="oscar": give the queries to the cache layer whose update returned `key` and waits for them (it chooses
+    its key rotation from them)."""
+    cache = None if _dispatch.cache is None else _dispatch.cache()
+    index = getattr(module, "layer_idx", None)
+    if cache is None or not isinstance(index, int) or not 0 <= index < len(cache.layers):
+        return
+    layer = cache.layers[index]
+    if getattr(layer, "wants_queries", False):
+        layer.observe_queries(query, key)
+
+
+@contextlib.contextmanager
+def recording_query_moments(moments: dict):
+    """While active, each sdpa attention call adds the second moment of its queries (`reference.query_moment`) under
+    its module's `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the
+    lm-eval wrapper fills method caches from one exact prefill)."""
+    original = AttentionInterface._global_mapping["sdpa"]
+
+    def recording(module, query, key, *args, **kwargs):
+        moment = query_moment(query, key.shape[1])
+        index = module.layer_idx
+        moments[index] = moment if index not in moments else moments[index] + moment
+        return original(module, query, key, *args, **kwargs)
+
+    AttentionInterface.register("sdpa", recording)
+    try:
+        yield moments
+    finally:
+        AttentionInterface.register("sdpa", original)
+
+
 def _fused_sdpa(original, module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    _hand_queries(module, query, key)
     layer = _layer_of(module, key)
     if layer is None and _dispatch.waiting is None:  # not a fused step's call: untouched
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)

@@ -40,25 +40,27 @@ from transformers import DynamicCache, QuantizedCache
 
 from oscar_eval import METHODS
 
-from ..cache import OscarCache
+from ..cache import OscarCache, OscarLayer
 from ..config import OscarConfig
 from ..offline_models import MODELS, model_path
+from .fused_attention import recording_query_moments
 
 
 class PrefillStore:
-    """Exact prefills (last-position log-probs, DynamicCache) keyed by context tokens; LRU with `max_entries`
-    (None: unbounded, for wrappers sharing it across methods; clear it between tasks to free memory)."""
+    """Exact prefills (last-position log-probs, DynamicCache, each layer's query second moments for method="oscar")
+    keyed by context tokens; LRU with `max_entries` (None: unbounded, for wrappers sharing it across methods; clear it
+    between tasks to free memory)."""
 
     def __init__(self, max_entries: int | None = 1):
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, DynamicCache]] = OrderedDict()
+        self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, DynamicCache, dict]] = OrderedDict()
 
     def get(self, key: tuple[int, ...]):
         if key in self._entries:
             self._entries.move_to_end(key)
         return self._entries.get(key)
 
-    def put(self, key: tuple[int, ...], value: tuple[torch.Tensor, DynamicCache]) -> None:
+    def put(self, key: tuple[int, ...], value: tuple[torch.Tensor, DynamicCache, dict]) -> None:
         self._entries[key] = value
         while self.max_entries is not None and len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -182,12 +184,13 @@ class OscarHFLM(HFLM):
         key = tuple(context)
         entry = self.prefill_store.get(key)
         if entry is None:
-            exact = DynamicCache(config=self.model.config)
+            exact, moments = DynamicCache(config=self.model.config), {}
             inputs = torch.tensor([context], device=self.device)
-            logits = self.model(inputs, past_key_values=exact, logits_to_keep=1).logits[0, -1]
-            entry = (F.log_softmax(logits.float(), dim=-1), exact)
+            with recording_query_moments(moments):
+                logits = self.model(inputs, past_key_values=exact, logits_to_keep=1).logits[0, -1]
+            entry = (F.log_softmax(logits.float(), dim=-1), exact, moments)
             self.prefill_store.put(key, entry)
-        first, exact = entry
+        first, exact, moments = entry
         cache = self.make_cache()
         for idx, (layer, prefilled) in enumerate(zip(cache.layers, exact.layers, strict=True)):
             if type(layer) is type(prefilled):
@@ -195,6 +198,8 @@ class OscarHFLM(HFLM):
                 cache.layers[idx] = copy.deepcopy(prefilled)
             else:
                 cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
+                if isinstance(layer, OscarLayer):  # and what its attention hands over (method="oscar")
+                    layer.observe_query_moment(moments[idx])
         return first, cache
 
     # ------------------------------------------------------------------------------------------------------------

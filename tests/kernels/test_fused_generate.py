@@ -80,8 +80,8 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     model = model_on_device(torch.bfloat16, num_key_value_heads=2)
     monkeypatch.setattr(
         cache_module,
-        "key_rotation_choice",
-        lambda keys, config, valid=None: torch.tensor([[True, False], [False, True]], device=keys.device),
+        "query_rotation_choice",
+        lambda keys, moment, config, valid=None: torch.tensor([[True, False], [False, True]], device=keys.device),
     )
     ids = torch.randint(3, 101, (2, 150), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 4, teacher_forcing, method="oscar")
