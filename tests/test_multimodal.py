@@ -59,6 +59,19 @@ SIGLIP = dict(
     hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, image_size=32, patch_size=4
 )
 MROPE = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 6, 6]}  # sums to head_dim / 2
+# The Qwen vision tower (2x2 patch merge, 2 frames per temporal patch) and the VL models' special tokens
+QWEN_VISION = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    out_hidden_size=TEXT["hidden_size"],
+    patch_size=4,
+    spatial_merge_size=2,
+    temporal_patch_size=2,
+)
+QWEN_VL_TOKENS = dict(
+    image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VISION_START, vision_end_token_id=VISION_END
+)
 
 
 @dataclass
@@ -121,21 +134,12 @@ def qwen2_5_vl():
     config = Qwen2_5_VLConfig(
         text_config=dict(**TEXT, rope_parameters=MROPE),
         vision_config=dict(
+            **QWEN_VISION,
             depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=TEXT["hidden_size"],
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             window_size=16,
             fullatt_block_indexes=[0],
         ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
+        **QWEN_VL_TOKENS,
     )
     model = Qwen2_5_VLForConditionalGeneration(config).eval()
     return model, lambda k: _qwen_vl_image(model, k, patch=4)
@@ -145,21 +149,12 @@ def qwen3_vl():
     config = Qwen3VLConfig(
         text_config=dict(**TEXT, rope_parameters=dict(MROPE, mrope_interleaved=True)),
         vision_config=dict(
+            **QWEN_VISION,
             depth=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=TEXT["hidden_size"],
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             num_position_embeddings=64,
             deepstack_visual_indexes=[0],
         ),
-        image_token_id=IMAGE,
-        video_token_id=VIDEO,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
+        **QWEN_VL_TOKENS,
     )
     model = Qwen3VLForConditionalGeneration(config).eval()
     return model, lambda k: _qwen_vl_image(model, k, patch=4)
@@ -173,14 +168,7 @@ def gemma3():
             layer_types=["sliding_attention", "full_attention"],
             query_pre_attn_scalar=32,
         ),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=4,
-        ),
+        vision_config=dict(SIGLIP),
         mm_tokens_per_image=16,  # 8x8 patches pooled to 4x4
         boi_token_index=BOI,
         eoi_token_index=EOI,
@@ -200,14 +188,7 @@ def gemma3():
 def idefics3():
     config = Idefics3Config(
         text_config=dict(model_type="llama", **TEXT),
-        vision_config=dict(
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=1,
-            num_attention_heads=2,
-            image_size=32,
-            patch_size=4,
-        ),
+        vision_config=dict(SIGLIP),
         scale_factor=2,
         image_token_id=IMAGE,
         pad_token_id=PAD,
@@ -227,14 +208,8 @@ def qwen2_5_omni_thinker():
     config = Qwen2_5OmniThinkerConfig(
         text_config=dict(**TEXT, rope_parameters=MROPE),
         vision_config=dict(
+            **QWEN_VISION,
             depth=1,
-            hidden_size=32,
-            intermediate_size=64,
-            num_heads=2,
-            out_hidden_size=TEXT["hidden_size"],
-            patch_size=4,
-            spatial_merge_size=2,
-            temporal_patch_size=2,
             window_size=16,
             fullatt_block_indexes=[0],
         ),
