@@ -5,16 +5,24 @@
 Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 weights, generate's automatic
 compile). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of steady decode steps, started
 and stopped from the streamer; the GPU-busy share of the window tells launch/host overhead from kernel time.
-Prints the kernels by total GPU time per step.
+Prints the kernels by total GPU time per step and writes benchmarks/results/profile_generate_<gpu>.json
+(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, kernels: [{name, us_per_step, calls_per_step}]}]`; wall_ms is
+measured under the profiler, which slows the host side).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
+import json
+import os
+import subprocess
 import time
+from pathlib import Path
 
 import torch
-from bench_generate import LLAMA_31_8B
+import transformers
+from bench_generate import LLAMA_31_8B, _triton
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
@@ -50,7 +58,18 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static"])
     parser.add_argument("--top", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    gpu = torch.cuda.get_device_name()
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    record = {
+        "benchmark": "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights",
+        "device": gpu,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
+        "rows": [],
+    }
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -72,9 +91,25 @@ def main() -> None:
         gpu_us = sum(e.self_device_time_total for e in events) / steps
         print(f"\n{cache} compiled, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
               f"per step, GPU busy {gpu_us / 1000:.2f} ms per step")  # fmt: skip
-        for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
-            per_step = e.self_device_time_total / steps
-            print(f"  {per_step:9.1f} us  {e.count // steps:4d}x  {e.key[:100]}")
+        kernels = [
+            {"name": e.key, "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count // steps}
+            for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]
+        ]
+        for k in kernels:
+            print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:4d}x  {k['name'][:100]}")
+        record["rows"].append(
+            dict(
+                batch=args.batch,
+                context=args.context,
+                cache=cache,
+                wall_ms=1000 * window.wall / steps,
+                gpu_busy_ms=gpu_us / 1000,
+                kernels=kernels,
+            )  # fmt: skip
+        )
+    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"profile_generate_{slug}.json").write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":
