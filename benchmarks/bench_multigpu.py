@@ -79,9 +79,10 @@ def prompt(vocab: int, context: int) -> torch.Tensor:
     return torch.randint(0, vocab, (1, context), generator=torch.Generator().manual_seed(1))
 
 
-def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[list[int], float, object]:
-    """Greedy new tokens, median decode step time and the cache; a short warm-up first (Triton compiles, cuBLAS
-    tunes; 256 tokens quantize one block, so the OScaR kernels are compiled before the timed run)."""
+def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[list[int], float, object, list[float]]:
+    """Greedy new tokens, median decode step time, the cache and each step's logit margin (top-1 minus top-2); a
+    short warm-up first (Triton compiles, cuBLAS tunes; 256 tokens quantize one block, so the OScaR kernels are
+    compiled before the timed run)."""
 
     def options() -> dict:
         # Eager steps for both caches (OscarCache could compile its steps on one GPU; this compares placements)
@@ -93,9 +94,31 @@ def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[lis
     model.generate(ids[:, :256], max_new_tokens=4, **options())
     timer = StepTimer()
     out = model.generate(
-        ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, stopping_criteria=[timer], **options()
+        ids,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        stopping_criteria=[timer],
+        output_logits=True,
+        **options(),
     )
-    return out.sequences[0, ids.shape[1] :].tolist(), timer.step_ms(), out.past_key_values
+    margins = [float(top[0, 0] - top[0, 1]) for top in (logits.float().topk(2).values for logits in out.logits)]
+    return out.sequences[0, ids.shape[1] :].tolist(), timer.step_ms(), out.past_key_values, margins
+
+
+def prompt_codes(cache, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's 2-bit K and V codes of the quantized prompt tokens (`[B, Hkv, tokens, D]` uint8, on the CPU):
+    what a TP rank's quantizer must reproduce for its heads."""
+    codes = []
+    for layer in cache.layers:
+        stored = layer.quantized()
+        tokens = min(layer.quantized_length, context)
+        codes.append(
+            tuple(
+                layer.layout.unpack_codes(words).cpu()[:, :, :tokens]
+                for words in (stored.key_codes, stored.value_codes)
+            )
+        )
+    return codes
 
 
 def check_layers_on_their_devices(model, cache) -> list[str]:
@@ -128,13 +151,20 @@ def tp_worker(args) -> None:
     ids = prompt(model.config.vocab_size, args.context).to(model.device)
     results = {}
     for cache in CACHES:
-        tokens, step_ms, kv = generate(model, ids, cache, args.new_tokens)
+        tokens, step_ms, kv, _ = generate(model, ids, cache, args.new_tokens)
+        results[cache] = dict(tokens=tokens, step_ms=step_ms, **_kernels(kv))
         if cache == "oscar":
             layer = kv.layers[0]
             held, total = layer.residual_keys.shape[1], model.config.num_key_value_heads
             if layer.head_group is None or held * torch.distributed.get_world_size() != total:
                 raise AssertionError(f"rank {rank}: layer 0 holds {held} of {total} KV heads, group {layer.head_group}")
-        results[cache] = dict(tokens=tokens, step_ms=step_ms, **_kernels(kv))
+            heads = slice(rank * held, (rank + 1) * held)
+            counts = torch.zeros(2, dtype=torch.int64, device=model.device)  # differing codes, compared codes
+            for mine, single in zip(prompt_codes(kv, args.context), torch.load(args.single_codes)):
+                for a, b in zip(mine, single):
+                    counts += torch.tensor([(a != b[:, heads]).sum(), a.numel()], device=counts.device)
+            torch.distributed.all_reduce(counts)
+            results[cache]["codes_differing_fraction"] = counts[0].item() / counts[1].item()
     if rank == 0:
         Path(args.tp_worker).write_text(json.dumps(results))
     torch.distributed.barrier()
@@ -153,6 +183,12 @@ def main() -> None:
     )
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--tp-worker", help=argparse.SUPPRESS)  # internal: run as a torchrun rank, write here
+    parser.add_argument(  # internal: the single-GPU run's prompt codes, for the TP ranks to compare with
+        "--single-codes",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / "oscar-single-gpu-codes.pt",
+        help=argparse.SUPPRESS,
+    )
     args = parser.parse_args()
     if args.tp_worker:
         return tp_worker(args)
@@ -208,8 +244,10 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model_dir, dtype=dtype, device_map="cuda:0").eval()
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     for cache in CACHES:
-        tokens, step_ms, kv = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
-        reference[cache] = tokens
+        tokens, step_ms, kv, margins = generate(model, ids.to("cuda:0"), cache, args.new_tokens)
+        reference[cache] = tokens, margins
+        if cache == "oscar":
+            torch.save(prompt_codes(kv, args.context), args.single_codes)
         rows.append(
             dict(mode="single", cache=cache, gpus=1, tokens_equal_single_gpu=True, step_ms=step_ms, **_kernels(kv))
         )
@@ -234,7 +272,7 @@ def device_map_run(args, dtype, weight_bytes, ids, reference, rows, record) -> N
     if len(placed) < 2:
         raise AssertionError(f"device_map='auto' with max_memory={cap} placed everything on {placed}")
     for cache in CACHES:
-        tokens, step_ms, kv = generate(model, ids.to(model.device), cache, args.new_tokens)
+        tokens, step_ms, kv, _ = generate(model, ids.to(model.device), cache, args.new_tokens)
         row = dict(mode="device_map", cache=cache, gpus=2, step_ms=step_ms, **_kernels(kv))
         if cache == "oscar":
             row["layer_devices"] = sorted(set(check_layers_on_their_devices(model, kv)))
@@ -257,12 +295,14 @@ def tp_run(args, ids, reference, rows) -> None:
             str(args.model_dir),
             "--dtype",
             args.dtype,
+            "--single-codes",
+            str(args.single_codes),
         ]
         subprocess.run([*command, *options, "--tp-worker", out.name], check=True)
         tp = json.loads(Path(out.name).read_text())
     for cache in CACHES:
         tokens = tp[cache].pop("tokens")
-        row = dict(mode="tp", cache=cache, gpus=2, **tp[cache])  # step_ms, fused_kernels
+        row = dict(mode="tp", cache=cache, gpus=2, **tp[cache])  # step_ms, fused_kernels, codes_differing_fraction
         rows.append(_compare(row, tokens, reference[cache]))
 
 
@@ -283,9 +323,17 @@ def _kernels(cache) -> dict:
     return {"fused_kernels": layer.use_kernels} if isinstance(layer, OscarLayer) else {}
 
 
-def _compare(row: dict, tokens: list[int], reference: list[int]) -> dict:
-    diverged = first_divergence(tokens, reference)
-    return dict(row, tokens_equal_single_gpu=diverged is None, first_divergence=diverged)
+def _compare(row: dict, tokens: list[int], reference: tuple[list[int], list[float]]) -> dict:
+    """Tokens against the single-GPU run's; where they diverge, how close that run's top two logits were there
+    (a near tie is flipped by rounding-order differences, a bug would not need one)."""
+    reference_tokens, margins = reference
+    diverged = first_divergence(tokens, reference_tokens)
+    row = dict(row, tokens_equal_single_gpu=diverged is None, first_divergence=diverged)
+    if diverged is not None:
+        row.update(
+            single_gpu_margin_at_divergence=margins[diverged], single_gpu_median_margin=statistics.median(margins)
+        )
+    return row
 
 
 if __name__ == "__main__":
