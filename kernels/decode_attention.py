@@ -51,25 +51,49 @@ from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
-# Triton's CPU interpreter (3.9) multiplies raw bf16 bit patterns in tl.dot: upcast dot operands there.
-_UPCAST_DOTS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Under Triton's CPU interpreter (TRITON_INTERPRET=1): no inline asm, and tl.dot multiplies raw bf16 bit patterns
+# (3.9), so dot operands are upcast there.
+_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Two codes of one word, tokens j and j + W/2 (bits j*b and j*b + 16; the shift j*b comes in $3), to one register
+# holding two fp16 1024 + code: a shift, then (t & mask) | 0x64006400 in one lop3. Indexed by BITS // 4.
+_CODE_PAIR_ASM: tl.constexpr = tl.constexpr(
+    tuple(
+        f"{{ .reg .b32 t; shr.b32 t, $1, $3; lop3.b32 $0, t, {mask:#x}, 0x64006400, 0xEA; }}"
+        for mask in (0x00030003, 0x000F000F)
+    )
+)
 
 
 @triton.jit
-def _unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
-    """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j."""
+def _unpack_codes_t(
+    words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, PAIRS_IN_ASM: tl.constexpr
+):
+    """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j.
+
+    PAIRS_IN_ASM: each register of two codes comes out of one inline-asm shift + lop3 (pack=2), instead of a shift
+    and mask per word followed by splitting the register into its two fp16 halves (a PRMT each) and joining them
+    again. Counted in the sm_90 SASS of the inner loop (Triton 3.9): 806 -> 708 instructions per 64-token step when
+    the keys take it; the values do not (their tile then reaches the P.V operand through shared memory one 16-bit
+    half at a time: more instructions, not fewer). benchmarks/NOTES_kernels.md has the measurements."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
-    shifts = tl.arange(0, H) * BITS
-    x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
-    pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+    if PAIRS_IN_ASM and not _INTERPRETED:
+        shifts = tl.broadcast_to(((tl.arange(0, W) // 2) * BITS)[None, None, :], (HEAD_DIM, ROWS, W))
+        words = tl.broadcast_to(words_t[:, :, None], (HEAD_DIM, ROWS, W))
+        pairs = tl.inline_asm_elementwise(
+            _CODE_PAIR_ASM[BITS // 4], "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2
+        )
+    else:
+        shifts = tl.arange(0, H) * BITS
+        x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
+        pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     return tl.reshape(pairs, (HEAD_DIM, ROWS * W)) - 1024.0
 
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    if _UPCAST_DOTS:
+    if _INTERPRETED:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
 
@@ -130,7 +154,7 @@ def _quantized_block(
     m_kg = (tl.arange(0, NKG) * GK < tokens_left)[None, :, None]
     b_ks = tl.load(p_ks, mask=m_kg, other=0.0)
     b_km = tl.load(p_km, mask=m_kg, other=0.0)
-    b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS, True).to(SCALE_DTYPE)
     b_kt = tl.reshape(tl.reshape(b_kt, (HEAD_DIM, NKG, GK)) * b_ks + b_km, (HEAD_DIM, BLOCK_N))
     s = _dot(b_q, b_kt.to(DOT_DTYPE), "tf32") * qk_scale
     if TOKEN_SCALING:
@@ -143,7 +167,7 @@ def _quantized_block(
 
     b_vs = tl.load(p_vs, mask=m_c[None, :, :], other=0.0)
     b_vm = tl.load(p_vm, mask=m_c[None, :, :], other=0.0)
-    b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS, False).to(SCALE_DTYPE)
     b_vt = tl.reshape(tl.reshape(b_vt, (NVG, GROUP, BLOCK_N)) * b_vs + b_vm, (HEAD_DIM, BLOCK_N))
     acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), "tf32")
     return acc, m_i, l_i
