@@ -79,10 +79,18 @@ def _unpack_codes_t(
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
     if PAIRS_IN_ASM and not _INTERPRETED:
-        shifts = tl.broadcast_to(((tl.arange(0, W) // 2) * BITS)[None, None, :], (HEAD_DIM, ROWS, W))
-        words = tl.broadcast_to(words_t[:, :, None], (HEAD_DIM, ROWS, W))
+        # pack=2 hands the asm two consecutive elements of a thread; tl.join's new last axis is what guarantees that
+        # those are the two halves (t = 0, 1) of one register and not two neighbours of another axis
+        shifts = tl.arange(0, H) * BITS
+        words = tl.broadcast_to(words_t[:, :, None], (HEAD_DIM, ROWS, H))
+        shifts = tl.broadcast_to(shifts[None, None, :], (HEAD_DIM, ROWS, H))
         pairs = tl.inline_asm_elementwise(
-            _CODE_PAIR_ASM[BITS // 4], "=r,r,r,r,r", [words, shifts], dtype=tl.float16, is_pure=True, pack=2
+            _CODE_PAIR_ASM[BITS // 4],
+            "=r,r,r,r,r",
+            [tl.join(words, words), tl.join(shifts, shifts)],
+            dtype=tl.float16,
+            is_pure=True,
+            pack=2,
         )
     else:
         shifts = tl.arange(0, H) * BITS
