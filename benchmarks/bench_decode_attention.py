@@ -1,6 +1,6 @@
 """Decode attention per layer on the GPU: bf16 SDPA vs the portable path vs the fused OScaR kernel.
 
-    python benchmarks/bench_decode_attention.py [--out benchmarks/results] [--quick] [--sweep]
+    python benchmarks/bench_decode_attention.py [--out benchmarks/results] [--quick | --shapes 8x32768 ...] [--sweep]
 
 Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B), one query token, residual window of 64 exact tokens, B in
 {1, 8, 32}, quantized context in {4K, 32K, 128K} plus the largest that fits per B. For each shape:
@@ -309,6 +309,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="only B=8 at 32K (a smoke run)")
+    parser.add_argument("--shapes", nargs="+", metavar="BxTOKENS", help="e.g. 8x32768 1x131072 (instead of all)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     args = parser.parse_args()
@@ -351,7 +352,9 @@ def main() -> None:
     print("quantize vs prefill", record["quantize_vs_prefill"], flush=True)
     save()
 
-    shapes = [(8, 32768)] if args.quick else [(b, c) for b in BATCHES for c in (*CONTEXTS, LARGEST[b])]
+    shapes = [(b, c) for b in BATCHES for c in (*CONTEXTS, LARGEST[b])]
+    if args.quick or args.shapes:
+        shapes = [tuple(map(int, shape.split("x"))) for shape in args.shapes or ["8x32768"]]
     record["shapes"] = []
     free_total = torch.cuda.mem_get_info()[0]
     for batch, context in shapes:
