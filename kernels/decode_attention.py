@@ -54,13 +54,10 @@ _LOG2E = 1.4426950408889634
 # Under Triton's CPU interpreter (TRITON_INTERPRET=1): no inline asm, and tl.dot multiplies raw bf16 bit patterns
 # (3.9), so dot operands are upcast there.
 _INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-# Two codes of one word, tokens j and j + W/2 (bits j*b and j*b + 16; the shift j*b comes in $3), to one register
-# holding two fp16 1024 + code: a shift, then (t & mask) | 0x64006400 in one lop3. Indexed by BITS // 4.
+# A word shifted right by j*b -> one register of two fp16 1024 + code (tokens j and j + W/2, bits 0 and 16):
+# (x & mask) | 0x64006400, one lop3. Indexed by BITS // 4.
 _CODE_PAIR_ASM: tl.constexpr = tl.constexpr(
-    tuple(
-        f"{{ .reg .b32 t; shr.b32 t, $1, $3; lop3.b32 $0, t, {mask:#x}, 0x64006400, 0xEA; }}"
-        for mask in (0x00030003, 0x000F000F)
-    )
+    tuple(f"lop3.b32 $0, $1, {mask:#x}, 0x64006400, 0xEA;" for mask in (0x00030003, 0x000F000F))
 )
 
 
@@ -70,31 +67,24 @@ def _unpack_codes_t(
 ):
     """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j.
 
-    PAIRS_IN_ASM: each register of two codes comes out of one inline-asm shift + lop3 (pack=2), instead of a shift
-    and mask per word followed by splitting the register into its two fp16 halves (a PRMT each) and joining them
+    PAIRS_IN_ASM: each register of two codes comes out of one inline-asm lop3 (pack=2) after the shift, instead of
+    a mask per word followed by splitting the register into its two fp16 halves (a PRMT each) and joining them
     again. Counted in the sm_90 SASS of the inner loop (Triton 3.9): 806 -> 708 instructions per 64-token step when
     the keys take it; the values do not (their tile then reaches the P.V operand through shared memory one 16-bit
     half at a time: more instructions, not fewer). benchmarks/NOTES_kernels.md has the measurements."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
+    shifts = tl.arange(0, H) * BITS
+    x = words_t[:, :, None] >> shifts[None, None, :]  # codes of tokens j and j + H at bits 0 and 16
     if PAIRS_IN_ASM and not _INTERPRETED:
-        # pack=2 hands the asm two consecutive elements of a thread; tl.join's new last axis is what guarantees that
-        # those are the two halves (t = 0, 1) of one register and not two neighbours of another axis
-        shifts = tl.arange(0, H) * BITS
-        words = tl.broadcast_to(words_t[:, :, None], (HEAD_DIM, ROWS, H))
-        shifts = tl.broadcast_to(shifts[None, None, :], (HEAD_DIM, ROWS, H))
+        # pack=2 hands the asm two consecutive elements of a thread: tl.join's new last axis makes those the two
+        # halves (t = 0, 1) of one register, both computed from the same shifted word ($1 = $2)
         pairs = tl.inline_asm_elementwise(
-            _CODE_PAIR_ASM[BITS // 4],
-            "=r,r,r,r,r",
-            [tl.join(words, words), tl.join(shifts, shifts)],
-            dtype=tl.float16,
-            is_pure=True,
-            pack=2,
+            _CODE_PAIR_ASM[BITS // 4], "=r,r,r", [tl.join(x, x)], dtype=tl.float16, is_pure=True, pack=2
         )
     else:
-        shifts = tl.arange(0, H) * BITS
-        x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
+        x = (x & MASK) | 0x64006400  # two fp16 (1024 + code)
         pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     return tl.reshape(pairs, (HEAD_DIM, ROWS * W)) - 1024.0
 

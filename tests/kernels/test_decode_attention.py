@@ -12,10 +12,13 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
+from oscar_hf.kernels.decode_attention import _unpack_codes_t
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.layout import QuantizedKV
+from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import quantize_kv
 
@@ -196,6 +199,32 @@ def test_decode_attention_matches_reference(case: Case):
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
+@triton.jit
+def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+    o_d = tl.arange(0, D)[:, None]
+    words = tl.load(words_ptr + o_d * ROWS + tl.arange(0, ROWS)[None, :])
+    codes = _unpack_codes_t(words, D, ROWS, BITS, ASM)
+    tl.store(out_ptr + o_d * (ROWS * 32 // BITS) + tl.arange(0, ROWS * 32 // BITS)[None, :], codes)
+
+
+@pytest.mark.parametrize("bits", [2, 4])
+@pytest.mark.parametrize("pairs_in_asm", [False, True])
+def test_unpack_codes_order(bits: int, pairs_in_asm: bool):
+    """The code tile decoding of both kernels' inner loop, alone: column (r * H + j) * 2 + t of the [D, ROWS * W]
+    tile holds token r * W + t * H + j (W codes per word, H = W / 2), on random words with every bit pattern. The
+    inline-asm path runs on GPUs only (the interpreter takes the other path; both are checked there)."""
+    layout = StorageLayout(bits, 32, True, torch.float16)
+    per_word, rows, dim = layout.codes_per_word, 4, 32
+    words = torch.randint(-(2**31), 2**31, (rows, dim), dtype=torch.int64).to(torch.int32).to(DEVICE)
+    tokens = layout.unpack_codes(words).T  # [D, tokens]
+    col = torch.arange(rows * per_word)
+    half = per_word // 2
+    token_of_col = (col // per_word) * per_word + (col % 2) * half + (col % per_word) // 2
+    out = torch.empty(dim, rows * per_word, dtype=torch.float16, device=DEVICE)
+    _unpack_kernel[(1,)](words.T.contiguous(), out, dim, rows, bits, pairs_in_asm)
+    torch.testing.assert_close(out.float().cpu(), tokens[:, token_of_col].float().cpu(), rtol=0, atol=0)
 
 
 def test_quantized_none_equals_zero_tokens():
