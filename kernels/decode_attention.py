@@ -51,47 +51,25 @@ from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
-# Under Triton's CPU interpreter (TRITON_INTERPRET=1): no inline asm, and tl.dot multiplies raw bf16 bit patterns
-# (3.9), so dot operands are upcast there.
-_INTERPRETED: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
-# A word shifted right by j*b -> one register of two fp16 1024 + code (tokens j and j + W/2, bits 0 and 16):
-# (x & mask) | 0x64006400, one lop3. Indexed by BITS // 4.
-_CODE_PAIR_ASM: tl.constexpr = tl.constexpr(
-    tuple(f"lop3.b32 $0, $1, {mask:#x}, 0x64006400, 0xEA;" for mask in (0x00030003, 0x000F000F))
-)
+# Triton's CPU interpreter (3.9) multiplies raw bf16 bit patterns in tl.dot: upcast dot operands there.
+_UPCAST_DOTS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
-def _unpack_codes_t(
-    words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, PAIRS_IN_ASM: tl.constexpr
-):
-    """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j.
-
-    PAIRS_IN_ASM: each register of two codes comes out of one inline-asm lop3 (pack=2) after the shift, instead of
-    a mask per word followed by splitting the register into its two fp16 halves (a PRMT each) and joining them
-    again. Counted in the sm_90 SASS of the inner loop (Triton 3.9): 806 -> 708 instructions per 64-token step when
-    the keys take it; the values do not (their tile then reaches the P.V operand through shared memory one 16-bit
-    half at a time: more instructions, not fewer). benchmarks/NOTES_kernels.md has the measurements."""
+def _unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
+    """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
     shifts = tl.arange(0, H) * BITS
-    x = words_t[:, :, None] >> shifts[None, None, :]  # codes of tokens j and j + H at bits 0 and 16
-    if PAIRS_IN_ASM and not _INTERPRETED:
-        # pack=2 hands the asm two consecutive elements of a thread: tl.join's new last axis makes those the two
-        # halves (t = 0, 1) of one register, both computed from the same shifted word ($1 = $2)
-        pairs = tl.inline_asm_elementwise(
-            _CODE_PAIR_ASM[BITS // 4], "=r,r,r", [tl.join(x, x)], dtype=tl.float16, is_pure=True, pack=2
-        )
-    else:
-        x = (x & MASK) | 0x64006400  # two fp16 (1024 + code)
-        pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
+    x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
+    pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
     return tl.reshape(pairs, (HEAD_DIM, ROWS * W)) - 1024.0
 
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    if _INTERPRETED:
+    if _UPCAST_DOTS:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
 
@@ -152,7 +130,7 @@ def _quantized_block(
     m_kg = (tl.arange(0, NKG) * GK < tokens_left)[None, :, None]
     b_ks = tl.load(p_ks, mask=m_kg, other=0.0)
     b_km = tl.load(p_km, mask=m_kg, other=0.0)
-    b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS, True).to(SCALE_DTYPE)
+    b_kt = _unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
     b_kt = tl.reshape(tl.reshape(b_kt, (HEAD_DIM, NKG, GK)) * b_ks + b_km, (HEAD_DIM, BLOCK_N))
     s = _dot(b_q, b_kt.to(DOT_DTYPE), "tf32") * qk_scale
     if TOKEN_SCALING:
@@ -165,7 +143,7 @@ def _quantized_block(
 
     b_vs = tl.load(p_vs, mask=m_c[None, :, :], other=0.0)
     b_vm = tl.load(p_vm, mask=m_c[None, :, :], other=0.0)
-    b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS, False).to(SCALE_DTYPE)
+    b_vt = _unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
     b_vt = tl.reshape(tl.reshape(b_vt, (NVG, GROUP, BLOCK_N)) * b_vs + b_vm, (HEAD_DIM, BLOCK_N))
     acc = acc * alpha[:, None] + _dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), "tf32")
     return acc, m_i, l_i
@@ -570,12 +548,13 @@ class _Tuning:
 
 
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
-    """64-token steps keep the two dequantized [D, 64] fp16 tiles in registers up to D = 128; wider tiles (D = 256,
-    fp32 scales, 64+ query rows) get 32-token steps or 8 warps instead of spilling. Three pipeline stages and the
-    split counts were the fastest measured on an H100 (benchmarks/NOTES_kernels.md)."""
+    """128-token steps for up to 16 query rows per KV head and D <= 128 with fp16 scales (on an H200, B=8 at 32K:
+    266 vs 319 us for 64-token steps, B=1: 37.7 vs 39.0 us; two runs agreed); 64 with more rows; wider tiles
+    (D = 256, fp32 scales) get 32-token steps and 8 warps at D = 256 instead of spilling. Three pipeline stages and
+    the split counts were the fastest measured on an H100 (benchmarks/NOTES_kernels.md)."""
     wide = head_dim > 128 or scale_dtype == torch.float32
     return _Tuning(
-        block_n=32 if wide else 64,
+        block_n=32 if wide else (128 if rows <= 16 else 64),
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
         num_stages=3,
         programs_per_sm=8,

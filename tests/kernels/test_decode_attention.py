@@ -202,19 +202,17 @@ def test_decode_attention_matches_reference(case: Case):
 
 
 @triton.jit
-def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr, ASM: tl.constexpr):
+def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
     o_d = tl.arange(0, D)[:, None]
     words = tl.load(words_ptr + o_d * ROWS + tl.arange(0, ROWS)[None, :])
-    codes = _unpack_codes_t(words, D, ROWS, BITS, ASM)
+    codes = _unpack_codes_t(words, D, ROWS, BITS)
     tl.store(out_ptr + o_d * (ROWS * 32 // BITS) + tl.arange(0, ROWS * 32 // BITS)[None, :], codes)
 
 
 @pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("pairs_in_asm", [False, True])
-def test_unpack_codes_order(bits: int, pairs_in_asm: bool):
-    """The code tile decoding of both kernels' inner loop, alone: column (r * H + j) * 2 + t of the [D, ROWS * W]
-    tile holds token r * W + t * H + j (W codes per word, H = W / 2), on random words with every bit pattern. The
-    inline-asm path runs on GPUs only (the interpreter takes the other path; both are checked there)."""
+def test_unpack_codes_order(bits: int):
+    """The code tile decoding of the kernel's inner loop, alone: column (r * H + j) * 2 + t of the [D, ROWS * W]
+    tile holds token r * W + t * H + j (W codes per word, H = W / 2), on random words with every bit pattern."""
     layout = StorageLayout(bits, 32, True, torch.float16)
     per_word, rows, dim = layout.codes_per_word, 4, 32
     words = torch.randint(-(2**31), 2**31, (rows, dim), dtype=torch.int64).to(torch.int32).to(DEVICE)
@@ -223,7 +221,7 @@ def test_unpack_codes_order(bits: int, pairs_in_asm: bool):
     half = per_word // 2
     token_of_col = (col // per_word) * per_word + (col % 2) * half + (col % per_word) // 2
     out = torch.empty(dim, rows * per_word, dtype=torch.float16, device=DEVICE)
-    _unpack_kernel[(1,)](words.T.contiguous(), out, dim, rows, bits, pairs_in_asm)
+    _unpack_kernel[(1,)](words.T.contiguous(), out, dim, rows, bits)
     torch.testing.assert_close(out.float().cpu(), tokens[:, token_of_col].float().cpu(), rtol=0, atol=0)
 
 
