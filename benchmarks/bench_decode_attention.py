@@ -263,11 +263,11 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Instruction-issue bound, not memory bound: ~6.4 instructions per dequantized element (code shifts and masks, "
-    "2x2 16-bit transposes because keys are packed along tokens while the tensor core wants head_dim pairs, packed "
-    "fp16 scale/min, Triton layout conversions) at ~37% issue efficiency with 2 programs per SM (208 registers). "
-    "At 4K the fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) "
-    "dominate. What would close it: see benchmarks/NOTES_kernels.md."
+    "Instruction-issue bound, not memory bound: ~5.6 SASS instructions per K or V code in the inner loop "
+    "(benchmarks/count_sass.py: code shifts and masks, 16-bit shuffles between the code pairs' token order and the "
+    "tensor core's, per-token value parameters, Triton's layout conversions) for 1 byte read per 4 codes. At 4K the "
+    "fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) dominate. What "
+    "would close it: see benchmarks/NOTES_kernels.md."
 )
 
 
