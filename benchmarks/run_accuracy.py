@@ -42,7 +42,7 @@ EVAL_CONFIGS = ROOT / "eval_configs"
 
 ALL_METHODS = list(METHODS)
 # The issue-9 evidence: the new default against the paper's method and KIVI, bf16 and INT4.
-EVIDENCE_METHODS = ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2", "oscar-int4"]
+EVIDENCE_METHODS = ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2", "oscar-int4"]
 ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
@@ -56,7 +56,7 @@ def retrieval(*lengths: str) -> list[str]:
 # and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build the data with
 # `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2 shared CPU
 # cores; every entry is saved as soon as it is measured, so it can run in pieces.
-SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2"]
+SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
     *((name, ["oscar_multikey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
     *((name, ["oscar_pg_ppl_1k"], 20, EVIDENCE_METHODS) for name in MODELS),
@@ -138,7 +138,8 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     group = OscarConfig().group_size
     norms = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
     offsets = []
-    configs = {m: OscarConfig(**options) for m, (impl, options) in METHODS.items() if impl == "oscar"}
+    # as a cache on this model runs them (its queries are captured: method="auto" is the query rule)
+    configs = {m: OscarConfig(**options).resolve("sdpa") for m, (impl, options) in METHODS.items() if impl == "oscar"}
     errors = {m: {"keys": [], "values": [], "first_token_keys": [], "logits": []} for m in configs}
     for idx, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
@@ -187,7 +188,8 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
     from oscar_hf.reference import round_trip_kv
 
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
-    configs = {m: OscarConfig(**METHODS[m][1]) for m in ("oscar-perhead-int2", "oscar-paper-int2", "kivi-int2")}
+    methods = ("oscar-int2", "oscar-paper-int2", "kivi-int2")
+    configs = {m: OscarConfig(**METHODS[m][1]).resolve(model.config._attn_implementation) for m in methods}
     variants = [("none", None, "")] + [(f"{m} {part}", m, part) for m in configs for part in ("K", "V", "KV")]
     scores = {name: {"acc": [], "answer_loglik": []} for name, _, _ in variants}
     name = task.removeprefix("oscar_")

@@ -19,7 +19,7 @@ from oscar_hf import OscarCache, OscarConfig
         ("token_scaling", 1, "token_scaling must be True or False"),
         ("scale_dtype", "bfloat16", "scale_dtype='bfloat16' is not supported"),
         ("attention", "flash", "attention='flash' is not supported"),
-        ("method", "kivi", "method='kivi' is not supported; use 'paper'"),
+        ("method", "kivi", "method='kivi' is not supported; use 'auto'"),
     ],
 )
 def test_invalid_field_is_refused(field, value, message):
