@@ -242,8 +242,9 @@ class OscarLayer(CacheLayerMixin):
             # A full residual (held a positive multiple of R) goes to tokens [held - R, held): the kernel reads the
             # counter and returns at once on the other R - 1 steps of a block.
             padding = None if self._padding is None else self._padding.mask
+            storage, flags = self._storage, self.key_rotated
             kernel_ops.flush_residual(
-                self.residual_keys, self.residual_values, self._storage, held, self._op_config, padding, self.key_rotated
+                self.residual_keys, self.residual_values, storage, held, self._op_config, padding, flags
             )
         slot = (held % window).view(1)
         self.residual_keys.index_copy_(2, slot, key_states)
@@ -406,7 +407,7 @@ class OscarLayer(CacheLayerMixin):
         `_QUANTIZE_CHUNK_TOKENS`: the provisional blocks, then the residual window, whole key groups or not) and the
         second moment of the prompt's queries (`query_rotation_choice`). Made at the end of the prefill even when no
         block is full yet, so that a flush inside a compiled decode step finds the flags fixed. A row whose prompt is
-        all padding has nothing to decide from: it keeps its keys unrotated (its real tokens then quantize as KIVI's)."""
+        all padding has nothing to decide from: it keeps its keys unrotated (its later tokens quantize as KIVI's)."""
         held = [keys for keys, _ in self._provisional or ()]
         held.append(self.residual_keys[:, :, : self.residual_length])
         keys = torch.cat(held, dim=-2)[:, :, :_QUANTIZE_CHUNK_TOKENS]
