@@ -328,7 +328,7 @@ def _check_valid(valid, batch: int, device: torch.device, who: str, tokens: int 
 
 def check_key_rotated(key_rotated, batch: int, heads: int, device: torch.device, config: OscarConfig, who: str):
     """method="oscar" (with rotation) needs its per-head flags, `[B, Hkv]` bool on the K/V's device; method="paper"
-    takes none."""
+    takes none, nor does an unresolved "auto" (the cache resolves it; None rotates every key)."""
     if not (config.rotation and config.method == "oscar"):
         if key_rotated is not None:
             raise ValueError(f"{who}: key_rotated is for method='oscar' with rotation on; this config takes None.")
