@@ -227,6 +227,53 @@ def load_results(model_name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"model": model_name, "entries": {}}
 
 
+def key_rotation(method: str) -> str | None:
+    """Which keys an OScaR method's cache rotates on these models: "oscar" (per head, the query rule), "paper" (all),
+    None (no rotation, or not an OscarCache). The offline models load with sdpa attention, where the default
+    (method="auto") is the query rule."""
+    implementation, options = METHODS[method]
+    if implementation != "oscar":
+        return None
+    config = OscarConfig(**options).resolve("sdpa")
+    return config.method if config.rotation else None
+
+
+def entry_key_rotation(method: str, entry: dict) -> str | None:
+    """`key_rotation` as an entry measured it: recorded since the default became the query rule; before that, the
+    paper's method unless the entry's cache_config named another."""
+    if "key_rotation" in entry:
+        return entry["key_rotation"]
+    options = entry.get("cache_config") or {}
+    if METHODS[method][0] != "oscar" or not options.get("rotation", True):
+        return None
+    return options.get("method", "paper")
+
+
+def stale_entries(entries: dict) -> list[str]:
+    """Entries that no longer measure what their method names: a method renamed or removed ("oscar-perhead-int2" is
+    "oscar-int2" now), or measured with another key rotation ("oscar-int2" and "oscar-int4" before the default became
+    the query rule measured the paper's method)."""
+    stale = []
+    for key, entry in entries.items():
+        method = key.split("|")[0]
+        if method not in METHODS or entry_key_rotation(method, entry) != key_rotation(method):
+            stale.append(key)
+    return stale
+
+
+def current_entries(model_name: str) -> dict:
+    """The entries of a model's record, refused while any is stale (they would be reported under the wrong name)."""
+    entries = load_results(model_name)["entries"]
+    stale = stale_entries(entries)
+    if stale:
+        raise ValueError(
+            f"accuracy_{model_name}.json holds entries that do not measure what their method now names: {stale}. "
+            "Rename them (e.g. 'oscar-perhead-int2' -> 'oscar-int2', the paper's 'oscar-int2' -> 'oscar-paper-int2'), "
+            "remove them, or rerun the plan (it redoes the stale entries of current methods)."
+        )
+    return entries
+
+
 def save_results(results: dict) -> None:
     path = RESULTS / f"accuracy_{results['model']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -235,10 +282,13 @@ def save_results(results: dict) -> None:
 
 def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str], dtype: torch.dtype) -> None:
     results = load_results(model_name)
-    todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"]]
+    redo = set(stale_entries(results["entries"]))
+    todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"] or f"{m}|{t}" in redo]
     if not todo and "kv_stats" in results:
         return
     model, tokenizer = load_model(model_name, dtype=dtype)
+    if model.config._attn_implementation != "sdpa":  # `key_rotation` records method="auto" as the query rule
+        raise ValueError(f"{model_name} loaded with {model.config._attn_implementation!r} attention, not 'sdpa'.")
     text_config = model.config.get_text_config()
     results.update(
         model=model_name,
@@ -271,6 +321,7 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
             "n": out["n-samples"][task]["effective"],
             "context_tokens": context_tokens(task, tokenizer, limit),
             "cache_config": wrappers[method].cache_config,
+            "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
         }
@@ -301,7 +352,7 @@ def plot(model_names: list[str]) -> Path:
     width = 0.8 / max(len(model_names), 1)
     main_tasks = {name: tasks for name, tasks, _, _ in reversed(PLAN)}  # the first run of each model wins
     for i, name in enumerate(model_names):
-        entries = load_results(name)["entries"]
+        entries = current_entries(name)
         acc, ppl = {}, {}
         for key, entry in entries.items():
             method, task = key.split("|")
@@ -330,7 +381,7 @@ def plot(model_names: list[str]) -> Path:
     ax_ppl.set_ylim(bottom=-10)
     ax_acc.legend(fontsize=8, loc="upper right")
     if SWEEP_MODEL in model_names:
-        entries = load_results(SWEEP_MODEL)["entries"]
+        entries = current_entries(SWEEP_MODEL)
         for method in SWEEP_METHODS:
             points = [
                 (int(length[:-1]), statistics.mean(entries[f"{method}|oscar_{t}_{length}"]["acc"] for t in RETRIEVAL))
@@ -355,7 +406,7 @@ def markdown_table(model_name: str) -> str:
     "acc / answer perplexity", perplexity cells word ppl (+ change vs bf16); then the key/value decomposition and the
     K/V statistics when recorded."""
     results = load_results(model_name)
-    entries = results["entries"]
+    entries = current_entries(model_name)
     order = {"passkey": 0, "niah": 1, "multikey": 2}
     tasks = sorted(
         {k.split("|")[1] for k in entries},
@@ -414,7 +465,7 @@ def summarize(model_names: list[str]) -> Path:
     error and the number of documents."""
     summary = {}
     for name in model_names:
-        entries = load_results(name)["entries"]
+        entries = current_entries(name)
         methods = sorted({k.split("|")[0] for k in entries}, key=ALL_METHODS.index)
         ppl_tasks = sorted({k.split("|")[1] for k in entries if "_ppl_" in k and k.startswith("bf16|")})
         retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in methods)]
