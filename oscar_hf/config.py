@@ -11,8 +11,6 @@ from transformers.utils import logging
 
 _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _METHODS = ("auto", "oscar", "paper")
-# The attention implementation whose calls hand the queries to the cache (integrations/fused_attention.py).
-QUERY_ATTENTION = "sdpa"
 
 logger = logging.get_logger(__name__)
 
@@ -100,7 +98,7 @@ class OscarConfig:
         implementation) naming why and how to get the query rule. An explicit method is kept as it is."""
         if self.method != "auto":
             return self
-        if attn_implementation == QUERY_ATTENTION:
+        if attn_implementation == "sdpa":  # its calls hand the queries over (integrations/fused_attention.py)
             return dataclasses.replace(self, method="oscar")
         if self.rotation:  # without rotation the method changes nothing
             logger.warning_once(
