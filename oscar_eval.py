@@ -22,12 +22,14 @@ import sys
 # "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
 METHODS: dict[str, tuple[str | None, dict]] = {
     "bf16": (None, {}),
-    "oscar-int2": ("oscar", {"bits": 2}),  # the default: the paper's method
-    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method, named explicitly
-    "oscar-perhead-int2": ("oscar", {"bits": 2, "method": "oscar"}),  # experimental: per-head key-rotation choice
-    "oscar-int4": ("oscar", {"bits": 4}),
+    # the default (method="auto"): the query rule (each KV head's key rotation chosen from the prompt's queries) on a
+    # model with sdpa attention, as transformers loads one by default; the paper's method elsewhere, with a warning
+    "oscar-int2": ("oscar", {"bits": 2}),
+    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
+    "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False}),
+    # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
     "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
     "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
     "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),

@@ -42,7 +42,7 @@ EVAL_CONFIGS = ROOT / "eval_configs"
 
 ALL_METHODS = list(METHODS)
 # The issue-9 evidence: the new default against the paper's method and KIVI, bf16 and INT4.
-EVIDENCE_METHODS = ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2", "oscar-int4"]
+EVIDENCE_METHODS = ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2", "oscar-int4"]
 ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
@@ -56,7 +56,7 @@ def retrieval(*lengths: str) -> list[str]:
 # and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build the data with
 # `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2 shared CPU
 # cores; every entry is saved as soon as it is measured, so it can run in pieces.
-SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-perhead-int2", "oscar-paper-int2", "kivi-int2"]
+SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
     *((name, ["oscar_multikey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
     *((name, ["oscar_pg_ppl_1k"], 20, EVIDENCE_METHODS) for name in MODELS),
@@ -138,7 +138,8 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     group = OscarConfig().group_size
     norms = {"max_over_median": [], "min_over_median": [], "first_over_median": []}
     offsets = []
-    configs = {m: OscarConfig(**options) for m, (impl, options) in METHODS.items() if impl == "oscar"}
+    # as a cache on this model runs them (its queries are captured: method="auto" is the query rule)
+    configs = {m: OscarConfig(**options).resolve("sdpa") for m, (impl, options) in METHODS.items() if impl == "oscar"}
     errors = {m: {"keys": [], "values": [], "first_token_keys": [], "logits": []} for m in configs}
     for idx, layer in enumerate(cache.layers):
         if type(layer) is not DynamicLayer:
@@ -187,7 +188,8 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
     from oscar_hf.reference import round_trip_kv
 
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16")
-    configs = {m: OscarConfig(**METHODS[m][1]) for m in ("oscar-perhead-int2", "oscar-paper-int2", "kivi-int2")}
+    methods = ("oscar-int2", "oscar-paper-int2", "kivi-int2")
+    configs = {m: OscarConfig(**METHODS[m][1]).resolve(model.config._attn_implementation) for m in methods}
     variants = [("none", None, "")] + [(f"{m} {part}", m, part) for m in configs for part in ("K", "V", "KV")]
     scores = {name: {"acc": [], "answer_loglik": []} for name, _, _ in variants}
     name = task.removeprefix("oscar_")
@@ -225,6 +227,53 @@ def load_results(model_name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {"model": model_name, "entries": {}}
 
 
+def key_rotation(method: str) -> str | None:
+    """Which keys an OScaR method's cache rotates on these models: "oscar" (per head, the query rule), "paper" (all),
+    None (no rotation, or not an OscarCache). The offline models load with sdpa attention, where the default
+    (method="auto") is the query rule."""
+    implementation, options = METHODS[method]
+    if implementation != "oscar":
+        return None
+    config = OscarConfig(**options).resolve("sdpa")
+    return config.method if config.rotation else None
+
+
+def entry_key_rotation(method: str, entry: dict) -> str | None:
+    """`key_rotation` as an entry measured it: recorded since the default became the query rule; before that, the
+    paper's method unless the entry's cache_config named another."""
+    if "key_rotation" in entry:
+        return entry["key_rotation"]
+    options = entry.get("cache_config") or {}
+    if METHODS[method][0] != "oscar" or not options.get("rotation", True):
+        return None
+    return options.get("method", "paper")
+
+
+def stale_entries(entries: dict) -> list[str]:
+    """Entries that no longer measure what their method names: a method renamed or removed ("oscar-perhead-int2" is
+    "oscar-int2" now), or measured with another key rotation ("oscar-int2" and "oscar-int4" before the default became
+    the query rule measured the paper's method)."""
+    stale = []
+    for key, entry in entries.items():
+        method = key.split("|")[0]
+        if method not in METHODS or entry_key_rotation(method, entry) != key_rotation(method):
+            stale.append(key)
+    return stale
+
+
+def current_entries(model_name: str) -> dict:
+    """The entries of a model's record, refused while any is stale (they would be reported under the wrong name)."""
+    entries = load_results(model_name)["entries"]
+    stale = stale_entries(entries)
+    if stale:
+        raise ValueError(
+            f"accuracy_{model_name}.json holds entries that do not measure what their method now names: {stale}. "
+            "Rename them (e.g. 'oscar-perhead-int2' -> 'oscar-int2', the paper's 'oscar-int2' -> 'oscar-paper-int2'), "
+            "remove them, or rerun the plan (it redoes the stale entries of current methods)."
+        )
+    return entries
+
+
 def save_results(results: dict) -> None:
     path = RESULTS / f"accuracy_{results['model']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,10 +282,13 @@ def save_results(results: dict) -> None:
 
 def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str], dtype: torch.dtype) -> None:
     results = load_results(model_name)
-    todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"]]
+    redo = set(stale_entries(results["entries"]))
+    todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"] or f"{m}|{t}" in redo]
     if not todo and "kv_stats" in results:
         return
     model, tokenizer = load_model(model_name, dtype=dtype)
+    if model.config._attn_implementation != "sdpa":  # `key_rotation` records method="auto" as the query rule
+        raise ValueError(f"{model_name} loaded with {model.config._attn_implementation!r} attention, not 'sdpa'.")
     text_config = model.config.get_text_config()
     results.update(
         model=model_name,
@@ -269,6 +321,7 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
             "n": out["n-samples"][task]["effective"],
             "context_tokens": context_tokens(task, tokenizer, limit),
             "cache_config": wrappers[method].cache_config,
+            "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
         }
@@ -299,7 +352,7 @@ def plot(model_names: list[str]) -> Path:
     width = 0.8 / max(len(model_names), 1)
     main_tasks = {name: tasks for name, tasks, _, _ in reversed(PLAN)}  # the first run of each model wins
     for i, name in enumerate(model_names):
-        entries = load_results(name)["entries"]
+        entries = current_entries(name)
         acc, ppl = {}, {}
         for key, entry in entries.items():
             method, task = key.split("|")
@@ -328,7 +381,7 @@ def plot(model_names: list[str]) -> Path:
     ax_ppl.set_ylim(bottom=-10)
     ax_acc.legend(fontsize=8, loc="upper right")
     if SWEEP_MODEL in model_names:
-        entries = load_results(SWEEP_MODEL)["entries"]
+        entries = current_entries(SWEEP_MODEL)
         for method in SWEEP_METHODS:
             points = [
                 (int(length[:-1]), statistics.mean(entries[f"{method}|oscar_{t}_{length}"]["acc"] for t in RETRIEVAL))
@@ -353,7 +406,7 @@ def markdown_table(model_name: str) -> str:
     "acc / answer perplexity", perplexity cells word ppl (+ change vs bf16); then the key/value decomposition and the
     K/V statistics when recorded."""
     results = load_results(model_name)
-    entries = results["entries"]
+    entries = current_entries(model_name)
     order = {"passkey": 0, "niah": 1, "multikey": 2}
     tasks = sorted(
         {k.split("|")[1] for k in entries},
@@ -412,7 +465,7 @@ def summarize(model_names: list[str]) -> Path:
     error and the number of documents."""
     summary = {}
     for name in model_names:
-        entries = load_results(name)["entries"]
+        entries = current_entries(name)
         methods = sorted({k.split("|")[0] for k in entries}, key=ALL_METHODS.index)
         ppl_tasks = sorted({k.split("|")[1] for k in entries if "_ppl_" in k and k.startswith("bf16|")})
         retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in methods)]

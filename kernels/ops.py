@@ -2,8 +2,8 @@
 
     torch.ops.oscar.decode_attention(query, quantized, residual_keys, residual_values, key_padding_mask, scaling,
                                      config, key_rotated) -> [B, Hq, Tq, D]
-    torch.ops.oscar.flush_residual(residual_keys, residual_values, storage, length, config, padding_mask) -> None
-        (writes storage)
+    torch.ops.oscar.flush_residual(residual_keys, residual_values, storage, length, config, padding_mask,
+                                   key_rotated) -> None (writes storage)
 
 The ops take plain tensors: `quantized` is the list of `QuantizedKV` fields in order (an empty list for no
 quantized region; absent fields, e.g. `key_norms` without token scaling, as None), `storage` the list of the present
@@ -76,16 +76,17 @@ def _flush_residual_op(
     length: torch.Tensor,
     config: str,
     padding_mask: torch.Tensor | None,
+    key_rotated: torch.Tensor | None,
 ) -> None:
     from . import flush_residual_triton
 
     parts = iter(storage)
     stored = QuantizedKV(*(next(parts) if present else None for present in _PRESENT_FIELDS[config]))
-    flush_residual_triton(residual_keys, residual_values, stored, length, _config(config), padding_mask)
+    flush_residual_triton(residual_keys, residual_values, stored, length, _config(config), padding_mask, key_rotated)
 
 
 @_flush_residual_op.register_fake
-def _(residual_keys, residual_values, storage, length, config, padding_mask):
+def _(residual_keys, residual_values, storage, length, config, padding_mask, key_rotated):
     return None
 
 
@@ -114,7 +115,8 @@ def flush_residual(
     length: torch.Tensor,
     config: str,
     padding_mask: torch.Tensor | None = None,
+    key_rotated: torch.Tensor | None = None,
 ) -> None:
     """`flush_residual_triton` through the `oscar::flush_residual` op (same contract; `config` from `config_key`)."""
     fields = [t for t in storage if t is not None]
-    torch.ops.oscar.flush_residual(residual_keys, residual_values, fields, length, config, padding_mask)
+    torch.ops.oscar.flush_residual(residual_keys, residual_values, fields, length, config, padding_mask, key_rotated)

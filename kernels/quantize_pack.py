@@ -283,12 +283,14 @@ def flush_residual_triton(
     length: torch.Tensor,
     config: OscarConfig,
     padding_mask: torch.Tensor | None = None,
+    key_rotated: torch.Tensor | None = None,
 ) -> None:
     """A compiled decode step's flush, decided on the device: when `length` (a one-element integer tensor, the
     tokens held) is a positive multiple of the residual window, quantize the full window `residual_keys/values`
     (`[B, Hkv, R, D]`) into tokens `[length - R, length)` of `storage`, as `quantize_kv_triton` would; otherwise
     write nothing. One launch either way and no host synchronisation, so a CUDA graph can replay it every step.
-    `padding_mask`: `[B, P]` bool over the cache's first P positions, False for padding (later ones are real)."""
+    `padding_mask`: `[B, P]` bool over the cache's first P positions, False for padding (later ones are real).
+    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as for `quantize_kv_triton` (None for method="paper")."""
     _check_inputs(residual_keys, residual_values, config)
     batch, heads, window, head_dim = residual_keys.shape
     if window != config.residual_length:
@@ -301,9 +303,9 @@ def flush_residual_triton(
             f"flush_residual_triton: length must be one integer on {residual_keys.device}, got {length.numel()} "
             f"{length.dtype} on {length.device}."
         )
-    check_key_rotated(None, batch, heads, residual_keys.device, config, "flush_residual_triton")
+    check_key_rotated(key_rotated, batch, heads, residual_keys.device, config, "flush_residual_triton")
     _check_valid(padding_mask, batch, residual_keys.device, "flush_residual_triton")
-    _launch(residual_keys, residual_values, storage, config, length, None, valid=padding_mask)
+    _launch(residual_keys, residual_values, storage, config, length, key_rotated, valid=padding_mask)
 
 
 def _check_valid(valid, batch: int, device: torch.device, who: str, tokens: int | None = None) -> None:
@@ -326,7 +328,7 @@ def _check_valid(valid, batch: int, device: torch.device, who: str, tokens: int 
 
 def check_key_rotated(key_rotated, batch: int, heads: int, device: torch.device, config: OscarConfig, who: str):
     """method="oscar" (with rotation) needs its per-head flags, `[B, Hkv]` bool on the K/V's device; method="paper"
-    takes none."""
+    takes none, nor does an unresolved "auto" (the cache resolves it; None rotates every key)."""
     if not (config.rotation and config.method == "oscar"):
         if key_rotated is not None:
             raise ValueError(f"{who}: key_rotated is for method='oscar' with rotation on; this config takes None.")

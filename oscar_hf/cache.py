@@ -20,7 +20,8 @@ length in a device counter. A compiled single-token step writes the token at the
 complete block from that counter alone (the flush kernel is launched every step and returns at once until the
 block is complete), and attends over the whole reserved storage with the unused part masked: shapes and addresses never
 change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
-back from the counter.
+back from the counter. method="oscar" fixes each (row, KV head)'s key rotation at the end of the prefill, when its
+queries arrive, however short the prompt: a flush in a compiled step reads those flags.
 
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
@@ -63,8 +64,6 @@ class _Padding:
 
     mask: torch.Tensor  # [B, P] bool, True for real tokens; positions from P on are real
     end: int  # no row has padding at or after this position: blocks starting there need no mask (host-side)
-    first_real: torch.Tensor  # [B] long, each row's first real position (P for a row of padding only)
-    last_first_real: int  # the largest of them (host-side)
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor) -> _Padding | None:
@@ -73,8 +72,7 @@ class _Padding:
         end = int(torch.where(mask, 0, positions + 1).amax()) if mask.numel() else 0  # one host sync per call
         if end == 0:
             return None
-        first_real = torch.where(mask, positions, mask.shape[1]).amin(-1)
-        return cls(mask, end, first_real, int(first_real.amax()))
+        return cls(mask, end)
 
     def valid(self, start: int, keys: torch.Tensor) -> torch.Tensor | None:
         """`[B, N]` bool for the N tokens of `keys` at positions `start..start + N - 1` (on their device), or None
@@ -92,7 +90,7 @@ class _Padding:
 
     def apply(self, fn) -> _Padding:
         """This padding after a batch-axis (or device) transform of the cache."""
-        return _Padding(fn(self.mask), self.end, fn(self.first_real), self.last_first_real)
+        return _Padding(fn(self.mask), self.end)
 
 
 class OscarLayer(CacheLayerMixin):
@@ -124,14 +122,14 @@ class OscarLayer(CacheLayerMixin):
         self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
         self._length: torch.Tensor | None = None  # tokens held, on the device (compiled decode only)
         self._length_is_newer = False  # compiled steps advanced `_length` past the host-side lengths
-        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided at the first quantized block from the
-        # queries seen so far (`query_rotation_choice`); their second moment [B, Hkv, D, D] until every row decided.
+        # method="oscar": [B, Hkv] bool, which heads rotate their keys, decided when the prefill's queries arrive
+        # (`_choose_key_rotation`) and fixed from then on: the flags every quantization, eager or compiled, reads.
         self.key_rotated: torch.Tensor | None = None
-        self._query_moment: torch.Tensor | None = None
-        # method="oscar", during the first update: the blocks it quantized before any query was seen (the prefill's
-        # attention runs after it), exact, to quantize again once `observe_queries` settles the choice.
+        # method="oscar", during the prefill (the first update): the blocks it quantized before its queries came (its
+        # attention runs after `update`), exact, to quantize again with the choice; and the keys it returned, which
+        # identify the attention call that brings those queries.
         self._provisional: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._awaiting_keys: torch.Tensor | None = None  # the keys the latest update returned, until its queries come
+        self._awaiting_keys: torch.Tensor | None = None
         self._padding: _Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -158,7 +156,7 @@ class OscarLayer(CacheLayerMixin):
             if buf is not None:
                 buf[:, :, self.quantized_length // rows :] = 0
         self._length = torch.tensor(self.get_seq_length(), dtype=torch.long, device=self.device)
-        for tensor in (self.residual_keys, self.residual_values, self._length, *self._storage):
+        for tensor in (self.residual_keys, self.residual_values, self._length, self.key_rotated, *self._storage):
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
@@ -184,14 +182,14 @@ class OscarLayer(CacheLayerMixin):
         return keys, values
 
     def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.wants_queries:
-            self._check_queries_arrived()
         if self.get_seq_length() == 0:
             if self.wants_queries:
                 self._provisional = []
                 self._awaiting_keys = key_states
             self.append(key_states, value_states)
             return key_states, value_states
+        if self.wants_queries:  # the prefill's attention never handed its queries over
+            raise RuntimeError(self._no_queries_message())
         if self.residual_length == self.config.residual_length:  # a complete block: quantized before it is read
             self._store(self._quantize(self.residual_keys, self.residual_values))
             self.residual_length = 0
@@ -210,8 +208,6 @@ class OscarLayer(CacheLayerMixin):
         # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
         keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
         self.append(key_states, value_states)
-        if self.wants_queries:
-            self._awaiting_keys = keys
         return keys, values
 
     def _check_shape(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -237,6 +233,8 @@ class OscarLayer(CacheLayerMixin):
                 f"`cache.reserve(max_length)` before the prefill). Got {key_states.shape[-2]} tokens, fused path "
                 f"{'on' if self.use_kernels else 'off'}, reserved length {self.max_cache_len}. Run this step eagerly."
             )
+        if self.wants_queries:
+            raise RuntimeError(self._no_queries_message())
         window = self.config.residual_length
         held = self._length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
         torch._assert_async(held < self.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
@@ -244,8 +242,9 @@ class OscarLayer(CacheLayerMixin):
             # A full residual (held a positive multiple of R) goes to tokens [held - R, held): the kernel reads the
             # counter and returns at once on the other R - 1 steps of a block.
             padding = None if self._padding is None else self._padding.mask
+            storage, flags = self._storage, self.key_rotated
             kernel_ops.flush_residual(
-                self.residual_keys, self.residual_values, self._storage, held, self._op_config, padding
+                self.residual_keys, self.residual_values, storage, held, self._op_config, padding, flags
             )
         slot = (held % window).view(1)
         self.residual_keys.index_copy_(2, slot, key_states)
@@ -285,7 +284,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
         self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
-        self.key_rotated = self._padding = self._query_moment = self._provisional = self._awaiting_keys = None
+        self.key_rotated = self._padding = self._provisional = self._awaiting_keys = None
         self._length_is_newer = False
         self.is_initialized = False
 
@@ -358,67 +357,34 @@ class OscarLayer(CacheLayerMixin):
         """Quantize the tokens that follow the quantized region (`quantized_length` onward)."""
         start = self.quantized_length
         valid = None if self._padding is None else self._padding.valid(start, keys)
-        if self.config.rotation and self.config.method == "oscar":
-            self._choose_key_rotation(keys, values, valid, start)
+        key_rotated = self.key_rotated
+        if self.wants_queries:  # a prefill block before its queries came: unrotated for now, again at the choice
+            self._provisional.append((keys, values))
+            key_rotated = torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device)
         norms = None
         if self.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
         if self.use_kernels:
             from .kernels import quantize_kv_triton
 
-            block = quantize_kv_triton(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
+            block = quantize_kv_triton(keys, values, self.config, key_rotated, norms=norms, valid=valid)
         else:
-            block = quantize_kv(keys, values, self.config, self.key_rotated, norms=norms, valid=valid)
+            block = quantize_kv(keys, values, self.config, key_rotated, norms=norms, valid=valid)
         check_finite(block, keys, values, self.config, valid)
         return block
 
-    def _choose_key_rotation(self, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None, start: int):
-        """method="oscar": each row decides its heads' key rotation once, from its first quantized block that holds a
-        real token (the prompt; a row whose first block is all padding stores zeros there, whatever the choice, and
-        decides at a later block) and the queries seen so far (`query_rotation_choice`).
-
-        A prefill quantizes its blocks before its own queries reach the cache (attention runs after `update`): they
-        are quantized unrotated for the moment and kept, exact, until that attention call hands the queries over
-        (`observe_queries`), which settles the choice and quantizes them again."""
-        if self._provisional:
-            self._provisional.append((keys, values))  # quantized with the choice for the moment: again at settling
-            return
-        if self._rows_decided(start):
-            return
-        if self._query_moment is None:
-            if self._provisional is None:
-                raise RuntimeError(self._no_queries_message())
-            self._provisional.append((keys, values))
-            choice = torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device)
-        else:
-            choice = query_rotation_choice(keys, self._query_moment.to(keys.device), self.config, valid)
-        first_real = None if self._padding is None else self._padding.first_real
-        if self.key_rotated is None:
-            self.key_rotated = choice
-        else:  # rows whose first real token is in this block decide now
-            end = start + keys.shape[-2]
-            now = ((first_real >= start) & (first_real < end)).to(choice.device)
-            self.key_rotated = torch.where(now[:, None], choice, self.key_rotated)
-
-    def _rows_decided(self, start: int) -> bool:
-        """Whether every row has made its final key-rotation choice before a block starting at `start`."""
-        if self.key_rotated is None or self._provisional:
-            return False
-        return self._padding is None or start > self._padding.last_first_real
-
     @property
     def wants_queries(self) -> bool:
-        """method="oscar": whether this layer still needs the queries that read it (to choose its key rotation)."""
-        return self.config.rotation and self.config.method == "oscar" and not self._rows_decided(self.quantized_length)
+        """method="oscar": whether this layer still waits for the prefill's queries (to choose its key rotation)."""
+        return self.config.rotation and self.config.method == "oscar" and self.key_rotated is None
 
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read this layer's
-        latest update, the newest Tq positions. The wrapped sdpa entry (integrations/fused_attention.py) calls it with
-        the keys it received, which must be the ones the update returned (a call for another layer or cache is
-        ignored); by hand, call it after each update of a cache filled without the model's attention."""
+        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read the prefill (this
+        layer's first update), the newest Tq positions. The wrapped sdpa entry (integrations/fused_attention.py) calls
+        it with the keys it received, which must be the ones that update returned (a call for another layer or cache
+        is ignored); by hand, call it after the first update of a cache filled without the model's attention."""
         if keys is not None and keys is not self._awaiting_keys:
             return
-        self._awaiting_keys = None
         start = self.get_seq_length() - query.shape[-2]
         valid = None if self._padding is None else self._padding.valid(start, query)
         self.observe_query_moment(query_moment(query, self.residual_keys.shape[1], valid))
@@ -428,28 +394,36 @@ class OscarLayer(CacheLayerMixin):
         filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill)."""
         if not self.wants_queries:
             return
-        self._query_moment = moment if self._query_moment is None else self._query_moment + moment
-        blocks, self._provisional = self._provisional, None
-        if blocks:  # the prefill's blocks, quantized before these queries came: again, with the settled choice
-            end, self.quantized_length, self.key_rotated = self.quantized_length, 0, None
+        self._choose_key_rotation(moment)
+        blocks, self._provisional, self._awaiting_keys = self._provisional, None, None
+        if blocks:  # the prefill's blocks, quantized before the choice: again, with it
+            end, self.quantized_length = self.quantized_length, 0
             for keys, values in blocks:
                 self._store(self._quantize(keys, values))
             assert self.quantized_length == end
-        if self._rows_decided(self.quantized_length):
-            self._query_moment = None  # no longer needed
 
-    def _check_queries_arrived(self) -> None:
-        if self._provisional:
-            raise RuntimeError(self._no_queries_message())
-        self._provisional = None
+    def _choose_key_rotation(self, moment: torch.Tensor) -> None:
+        """Each (row, KV head) decides its key rotation from the prompt's keys the layer holds (its first
+        `_QUANTIZE_CHUNK_TOKENS`: the provisional blocks, then the residual window, whole key groups or not) and the
+        second moment of the prompt's queries (`query_rotation_choice`). Made at the end of the prefill even when no
+        block is full yet, so that a flush inside a compiled decode step finds the flags fixed. A row whose prompt is
+        all padding has nothing to decide from: it keeps its keys unrotated (its later tokens quantize as KIVI's)."""
+        held = [keys for keys, _ in self._provisional or ()]
+        held.append(self.residual_keys[:, :, : self.residual_length])
+        keys = torch.cat(held, dim=-2)[:, :, :_QUANTIZE_CHUNK_TOKENS]
+        valid = None if self._padding is None else self._padding.valid(0, keys)
+        self.key_rotated = query_rotation_choice(keys, moment.to(keys.device), self.config, valid)
+        if self._length is not None:  # compiled decode reads the flags: a fixed address, as its other buffers
+            torch._dynamo.mark_static_address(self.key_rotated)
 
     @staticmethod
     def _no_queries_message() -> str:
         return (
             "OscarCache(method='oscar') chooses each KV head's key rotation from the queries that read the prompt, "
             "but none reached this layer: its attention must run through transformers' 'sdpa' attention "
-            "(attn_implementation='sdpa') on the keys the cache returned. A cache filled by hand (update without the "
-            "model's attention) needs `layer.observe_queries(query)` after each update. Or use method='paper'."
+            "(attn_implementation='sdpa') on the keys the cache returned, and the prefill must run eagerly. A cache "
+            "filled by hand (update without the model's attention) needs `layer.observe_queries(query)` after its "
+            "first update. Or use method='paper' (or the default method='auto', which picks it for such models)."
         )
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -558,8 +532,6 @@ class OscarLayer(CacheLayerMixin):
         self.residual_keys, self.residual_values = fn(self.residual_keys), fn(self.residual_values)
         if self.key_rotated is not None:
             self.key_rotated = fn(self.key_rotated)
-        if self._query_moment is not None:
-            self._query_moment = fn(self._query_moment)
         if self._padding is not None:
             self._padding = self._padding.apply(fn)
         if self._storage is not None:
@@ -693,8 +665,10 @@ class OscarCache(DynamicCache):
     attention, KV-sharing) keep transformers' own layers.
 
     Args:
-        config: the model's config (`model.config`); the layer types come from it.
-        oscar_config: an `OscarConfig`, or a dict of its fields (unknown keys are an error), or None for defaults.
+        config: the model's config (`model.config`); the layer types come from it, and its attention implementation
+            resolves method="auto" (`OscarConfig.resolve`).
+        oscar_config: an `OscarConfig`, or a dict of its fields (unknown keys are an error), or None for defaults;
+            `self.oscar_config` is it resolved (method "oscar" or "paper").
         tp_group: under tensor parallelism, the torch.distributed group over which the KV heads are sharded (default:
             the whole world, as with `torchrun` and `tp_plan="auto"`; `generate` passes the model's own). A layer that
             sees fewer KV heads than the config names while torch.distributed is initialized all-reduces its token
@@ -710,9 +684,11 @@ class OscarCache(DynamicCache):
     def __init__(self, config: PretrainedConfig, oscar_config: OscarConfig | dict | None = None, tp_group=None):
         if not isinstance(oscar_config, OscarConfig):
             oscar_config = OscarConfig.from_dict(oscar_config)
+        text_config = config.get_text_config(decoder=True)
+        # method="auto": the query rule where the model's attention hands the queries over, else the paper's (warned)
+        oscar_config = oscar_config.resolve(getattr(text_config, "_attn_implementation", None))
         self.oscar_config = oscar_config
         self.tp_group = tp_group
-        text_config = config.get_text_config(decoder=True)
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
             raise ValueError("OscarCache supports decoder-only models; this model is an encoder-decoder.")
@@ -804,11 +780,6 @@ class OscarCache(DynamicCache):
             reason
             for failed, reason in (
                 (self.oscar_config.attention == "portable", "attention='portable'"),
-                (
-                    self.oscar_config.rotation and self.oscar_config.method == "oscar",
-                    "method='oscar' decides its per-head key rotation at the first quantized block, which a compiled "
-                    "step cannot do (its eager fused path is supported)",
-                ),
                 (not _HAS_TRITON, "triton is not installed"),
                 (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
                 (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),

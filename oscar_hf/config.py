@@ -7,8 +7,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
+_METHODS = ("auto", "oscar", "paper")
+
+logger = logging.get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -25,14 +29,17 @@ class OscarConfig:
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
         scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
             "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
-        method: how `rotation` treats the keys. "paper" (default): every key is rotated, the paper's method (arXiv
-            2605.19660). "oscar" (experimental; fused kernels in eager decoding, not yet compiled decode): each
-            (batch row, KV head) of each layer decides once, at its first quantized block (the prompt), whether
-            rotating its keys lowers the attention-logit error against the queries that read them
-            (`reference.query_rotation_choice`; the queries reach the cache through the model's sdpa attention),
-            and keeps that choice; values are always rotated. It avoids the rotation's damage on models whose keys
-            carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's k_norm) and keeps it where it helps:
-            see benchmarks/results/ACCURACY.md.
+        method: how `rotation` treats the keys; values are always rotated. "oscar" (the query rule): each (batch
+            row, KV head) of each layer decides once, at the end of the prefill, whether rotating its keys lowers
+            the attention-logit error of the prompt's keys against the prompt's own queries
+            (`reference.query_rotation_choice`; the queries reach the cache through transformers' "sdpa" attention),
+            and keeps that choice for the whole generation (eager and compiled decoding alike). It avoids the
+            rotation's damage on models whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's
+            k_norm) and keeps it where it helps: see benchmarks/results/ACCURACY.md. "paper": every key is rotated,
+            the paper's method (arXiv 2605.19660). "auto" (default): "oscar" on a model whose attention is "sdpa",
+            "paper" on any other (eager, flash_attention_*, flex), whose queries the cache cannot see, with a warning
+            (once) saying so; `OscarCache` resolves it (`resolve`), so `cache.oscar_config.method` says which runs.
+            An explicit "oscar" on such a model is an error naming the fix.
         attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
             head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
             what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and
@@ -46,7 +53,7 @@ class OscarConfig:
     token_scaling: bool = True
     scale_dtype: str = "float16"
     attention: str = "auto"
-    method: str = "paper"
+    method: str = "auto"
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -74,15 +81,34 @@ class OscarConfig:
             f"scale_dtype={self.scale_dtype!r} is not supported; use one of {sorted(_SCALE_DTYPES)}.",
         )
         check(
-            self.method in ("oscar", "paper"),
-            f"method={self.method!r} is not supported; use 'paper' (default: the paper's method, every key rotated) "
-            "or 'oscar' (experimental: a per-head choice of the key rotation).",
+            self.method in _METHODS,
+            f"method={self.method!r} is not supported; use 'auto' (default: 'oscar' where the model's attention is "
+            "sdpa, else 'paper'), 'oscar' (a per-head choice of the key rotation from the prompt's queries) or "
+            "'paper' (the paper's method, every key rotated).",
         )
         check(
             self.attention in ("auto", "fused", "portable"),
             f"attention={self.attention!r} is not supported; use 'auto' (fused kernels where they apply), 'fused' "
             "or 'portable'.",
         )
+
+    def resolve(self, attn_implementation: str | None) -> OscarConfig:
+        """This config as a cache runs it on a model whose attention is `attn_implementation`: method="auto" becomes
+        "oscar" where the cache sees the queries (sdpa) and "paper" elsewhere, with a warning (once per
+        implementation) naming why and how to get the query rule. An explicit method is kept as it is."""
+        if self.method != "auto":
+            return self
+        if attn_implementation == "sdpa":  # its calls hand the queries over (integrations/fused_attention.py)
+            return dataclasses.replace(self, method="oscar")
+        if self.rotation:  # without rotation the method changes nothing
+            logger.warning_once(
+                f"OscarCache: this model's attention is {attn_implementation!r}, not 'sdpa', so the cache cannot see "
+                "the queries from which the default key-rotation rule (method='oscar') chooses; it uses "
+                "method='paper' (every key rotated, the paper's method), which is worse on some models (see the "
+                "README's Accuracy section). For the query rule load the model with attn_implementation='sdpa'; "
+                "pass cache_config={'method': 'paper'} to choose the paper's method and silence this warning."
+            )
+        return dataclasses.replace(self, method="paper")
 
     @property
     def scale_torch_dtype(self) -> torch.dtype:

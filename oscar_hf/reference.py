@@ -158,14 +158,23 @@ def query_rotation_choice(
     What quantization costs attention is the logit error q_i.(k^_t - k_t), less its mean over the keys t (a shift of
     all of a query's logits leaves the softmax unchanged). Summed over the queries i (through their second moment
     M = sum_i q_i q_i^T, `query_moment`) and the keys, it is tr(E_c^T E_c M) with E_c the key error centred over the
-    tokens. Both round trips of these keys (`fake_quantize_keys`: the first quantized block, the prompt) are costed
-    and the cheaper one kept. The rotation helps heads whose keys have rare large values in the channels the queries
-    read, and hurts heads whose queries weigh quiet, near-constant channels (Qwen2's k_proj-bias channels, Gemma 3's
-    k_norm-scaled keys): the rotation hands those channels a share of every channel's error.
+    tokens. Both round trips of these keys (`fake_quantize_keys`: the prompt's keys, in key groups of
+    `config.group_size` tokens from the first) are costed and the cheaper one kept. The rotation helps heads whose keys
+    have rare large values in the channels the queries read, and hurts heads whose queries weigh quiet, near-constant
+    channels (Qwen2's k_proj-bias channels, Gemma 3's k_norm-scaled keys): the rotation hands those channels a share of
+    every channel's error.
 
-    `valid` (`[B, N]` bool, None: all tokens): padding keys enter neither the quantization groups nor the cost.
+    `valid` (`[B, N]` bool, None: all tokens): padding keys enter neither the quantization groups nor the cost. N need
+    not be a multiple of the group size (a prompt shorter than a block): the last group is quantized from the tokens it
+    has, as if padded. A row without a valid token costs nothing either way and keeps its keys unrotated.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
+    partial = -k.shape[-2] % config.group_size
+    if partial:
+        if valid is None:
+            valid = torch.ones(k.shape[0], k.shape[-2], dtype=torch.bool, device=k.device)
+        k = torch.cat([k, k.new_zeros(*k.shape[:2], partial, k.shape[-1])], dim=-2)
+        valid = torch.cat([valid, valid.new_zeros(valid.shape[0], partial)], dim=1)
     if valid is not None:
         k = k.masked_fill(~_key_valid(valid), 0)  # whatever padding holds (NaN included) weighs 0 below
     count = k.shape[-2] if valid is None else _key_valid(valid).sum(-2, keepdim=True).clamp_min(1)
@@ -287,8 +296,14 @@ def round_trip_kv(
     dtype: torch.dtype = torch.float32,
     moment: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Quantize then dequantize, as a fresh cache's first block; method="oscar" chooses from these keys and the
-    second moment of the queries that read them (`query_moment`), which it needs."""
+    """Quantize then dequantize, as a fresh cache whose prompt these keys are; method="oscar" chooses from them and the
+    second moment of the queries that read them (`query_moment`), which it needs. method="auto" depends on the model's
+    attention: resolve it first (`config.resolve(attn_implementation)`)."""
+    if config.method == "auto":
+        raise ValueError(
+            "round_trip_kv: method='auto' means 'oscar' or 'paper' depending on the model's attention; pass "
+            "config.resolve(model.config._attn_implementation) or name the method."
+        )
     key_rotated = None
     if config.rotation and config.method == "oscar":
         if moment is None:

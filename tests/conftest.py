@@ -86,17 +86,18 @@ def oscar_oracle(
     keys: torch.Tensor,
     values: torch.Tensor,
     config: OscarConfig,
-    choice_tokens: int | None = None,
     valid: torch.Tensor | None = None,
     queries: torch.Tensor | None = None,
+    prompt: torch.Tensor | None = None,
 ):
     """What OScaR stores for tokens [0, N) (N a multiple of the group size), written independently of the package:
     a dense Sylvester Hadamard matrix, explicit group reshapes, float64 throughout except where the storage itself
     rounds (scales/mins to scale_dtype, token norms to float32). method="oscar": each (batch row, KV head) rotates
-    its keys iff that lowers the attention-logit error of `queries` ([B, Hq, Tq, D], the queries seen before the
-    choice) over the first `choice_tokens` keys (the cache's first quantized block; default all N), each query's
-    errors centred over those keys. `valid` ([B, N] bool): padding (False) enters no min/max, mean or cost, stores
-    code 0 and norm 1, and a group of padding only stores scale 0 and min 0."""
+    its keys iff that lowers the attention-logit error of `queries` ([B, Hq, Tq, D], the prompt's) over the keys of
+    `prompt` ([B, H, P, D], any P, no padding: the cache's prompt; default `keys`, with `valid`), each query's errors
+    centred over those keys; the key groups of the prompt start at its first token, a last partial group holding the
+    tokens it has. `valid` ([B, N] bool): padding (False) enters no min/max, mean or cost, stores code 0 and norm 1,
+    and a group of padding only stores scale 0 and min 0."""
     k, v = keys.double(), values.double()
     levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
     eye = torch.eye(k.shape[-1], dtype=torch.float64)
@@ -132,7 +133,10 @@ def oscar_oracle(
 
     rot_k = rot.expand(b, h, d, d)
     if config.rotation and config.method == "oscar" and n:
-        first, ok = k[:, :, : choice_tokens or n], real[:, : choice_tokens or n]
+        first, ok = (k, real) if prompt is None else (prompt.double(), torch.ones(b, prompt.shape[2], dtype=torch.bool))
+        partial = -first.shape[2] % g  # the last group's missing tokens: padding, in no min/max, mean or cost
+        first = torch.cat([first, first.new_zeros(b, h, partial, d)], 2)
+        ok = torch.cat([ok, ok.new_zeros(b, partial)], 1)
         w = ok[:, None, :, None].double()
         q = queries.double()
         q = q.reshape(b, h, q.shape[1] // h * q.shape[2], d)  # query head j reads KV head j // group

@@ -12,6 +12,9 @@ B, HKV, D = 2, 2, 32
 
 
 def _cache(config=None, layers=2, heads=HKV, head_dim=D):
+    """A cache for a bare Llama config, filled by hand. The config names no attention implementation, so the default
+    method ("auto") resolves to the paper's (with a warning): tests of the query rule pass method="oscar" and hand
+    each update's queries over (`observe_queries`), as the model's sdpa attention does."""
     model_config = LlamaConfig(
         num_hidden_layers=layers,
         num_attention_heads=4 * heads,
@@ -22,17 +25,18 @@ def _cache(config=None, layers=2, heads=HKV, head_dim=D):
     return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
 
 
-def _expected_history(oracle, keys, values, config, first_block, memo=None, stored=False, queries=None):
+def _expected_history(oracle, keys, values, config, memo=None, stored=False, queries=None, prompt=None):
     """What attention sees of a history of T tokens: every complete block quantized (the oracle's values), the rest
-    exact. `first_block`: tokens in the cache's first quantized block (method="oscar" decides its key rotation
-    there, from `queries`: those seen by then). `stored=True`: what the layer holds after its update instead, the
-    newest block still exact until the next update. `memo` reuses the oracle's blocks between steps (they only change
-    at a flush)."""
+    exact. method="oscar" decides its key rotation from the `prompt` keys and their `queries`. `stored=True`: what the
+    layer holds after its update instead, the newest block still exact until the next update. `memo` reuses the
+    oracle's blocks between steps (they only change at a flush)."""
     window = config.residual_length
     quantized = (max(keys.shape[2] - 1, 0) if stored else keys.shape[2]) // window * window
     memo = {} if memo is None else memo
     if quantized not in memo:
-        memo[quantized] = oracle(keys[:, :, :quantized], values[:, :, :quantized], config, first_block, queries=queries)
+        memo[quantized] = oracle(
+            keys[:, :, :quantized], values[:, :, :quantized], config, queries=queries, prompt=prompt
+        )
     k_hat, v_hat = memo[quantized]
     return torch.cat([k_hat, keys[:, :, quantized:]], 2), torch.cat([v_hat, values[:, :, quantized:]], 2)
 
@@ -53,9 +57,9 @@ def _assert_history(got, want, what):
 @pytest.mark.parametrize(
     "options",
     [
-        {},
+        {"method": "paper"},
         {"rotation": False, "token_scaling": False},
-        {"bits": 4, "residual_length": 64},
+        {"bits": 4, "residual_length": 64, "method": "paper"},
         {"method": "oscar", "residual_length": 64},
     ],
 )
@@ -67,11 +71,9 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
     keys = torch.randn(B, HKV, total, D, dtype=torch.float64) * scale
     values = torch.randn(B, HKV, total, D, dtype=torch.float64)
     queries = torch.randn(B, 4 * HKV, total, D, dtype=torch.float64)
-    window = config.residual_length
-    first_block = max((prefill - 1) // window * window, window)  # the prefill's flush, else the first decode flush
-    # method="oscar" chooses at the first flush from the queries seen: the prefill's when it flushes (its attention
-    # settles the choice), else those of every step before the flush.
-    seen = queries[:, :, : max(prefill, first_block)]
+    # method="oscar" chooses when the prefill's queries arrive, from its keys (all of them: whole key groups or not,
+    # a whole block or not) and those queries; later steps' queries change nothing.
+    prompt, seen = keys[:, :, :prefill], queries[:, :, :prefill]
     flushes, memo = 0, {}
     for start, end in [(0, prefill)] + [(t, t + 1) for t in range(prefill, total)]:
         before = cache.layers[0].quantized_length
@@ -82,21 +84,22 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
             assert torch.equal(got[0], keys[:, :, :end]) and torch.equal(got[1], values[:, :, :end])
         else:  # the history as stored, then the new exact token
             history = keys[:, :, :start], values[:, :, :start]
-            want = _expected_history(oracle, *history, config, first_block, memo, queries=seen)
+            want = _expected_history(oracle, *history, config, memo, queries=seen, prompt=prompt)
             _assert_history(got, _with_new(want, keys, values, start, end), end)
         layer = cache.layers[0]
+        assert (layer.key_rotated is not None) == (config.method == "oscar")  # decided at the end of the prefill
         assert cache.get_seq_length() == end
         assert cache.get_mask_sizes(1, 0) == (end + 1, 0)
         assert layer.quantized_length == (end - 1) // config.residual_length * config.residual_length
         assert 1 <= layer.residual_length <= config.residual_length
     assert flushes >= 2
-    want = _expected_history(oracle, keys, values, config, first_block, stored=True, queries=seen)
+    want = _expected_history(oracle, keys, values, config, stored=True, queries=seen, prompt=prompt)
     _assert_history(cache.layers[0].dense_history(), want, "")
 
 
 def test_chunks_arriving_with_history_match_oracle(oracle):
     """Multi-turn / chunked prefill: chunks of any size attend to the stored history plus their own exact tokens."""
-    config = OscarConfig(scale_dtype="float32")
+    config = OscarConfig(scale_dtype="float32", method="paper")
     cache = _cache(config)
     chunks = [70, 200, 1, 57, 128, 3]
     keys = torch.randn(B, HKV, sum(chunks), D, dtype=torch.float64)
@@ -107,14 +110,14 @@ def test_chunks_arriving_with_history_match_oracle(oracle):
         got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=1)
         if start:
             # 70 tokens wait in the residual; the 200 that follow flush (70 + 200 - 1) // 128 blocks: 256 tokens.
-            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config, first_block=256)
+            want = _expected_history(oracle, keys[:, :, :start], values[:, :, :start], config)
             _assert_history(got, _with_new(want, keys, values, start, end), end)
         start = end
     assert cache.get_seq_length(1) == sum(chunks) and cache.get_seq_length(0) == 0
 
 
 def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batch_ops(oracle):
-    """method="oscar" decides each (row, head)'s key rotation at the first quantized block and keeps it: later blocks
+    """method="oscar" decides each (row, head)'s key rotation at the end of the prefill and keeps it: later blocks
     with other statistics use the same choice, and batch reordering carries it with its row."""
     config = OscarConfig(scale_dtype="float32", method="oscar")
     cache = _cache(config)
@@ -141,7 +144,8 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
     got = cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
     layer.observe_queries(queries[:, :, 300:], got[0])
     assert layer.quantized_length == 384 and torch.equal(layer.key_rotated, choice)
-    want = _expected_history(oracle, keys, values, config, first_block=256, stored=True, queries=queries[:, :, :300])
+    prompt = keys[:, :, :300]
+    want = _expected_history(oracle, keys, values, config, stored=True, queries=queries[:, :, :300], prompt=prompt)
     _assert_history(layer.dense_history(), want, "after a later block")
     cache.reorder_cache(torch.tensor([1, 0]))
     assert torch.equal(layer.key_rotated, choice.flip(0))
@@ -347,30 +351,63 @@ def test_left_padded_row_stores_its_tokens_as_alone(method):
         assert torch.equal(layer.key_rotated[:1], alone_layer.key_rotated)
 
 
-def test_row_whose_first_block_is_padding_chooses_its_key_rotation_at_its_first_real_block():
-    """method="oscar": row 0's first quantized block (256 tokens) is all padding, so its choice waits for the next
-    block (its first real tokens); row 1 keeps the choice of its first block."""
+def _spiky_and_offset_keys(keys, gen, tokens):
+    """Keys where the rule's two choices both occur: row 0, KV head 0 has quiet offset channels (keep unrotated),
+    row 1, KV head 1 rare large values in every channel (rotate); queries weighing the offset channels."""
+    keys[0, 0, :, :4] = 0.01 * keys[0, 0, :, :4] + 30
+    keys[1, 1] = torch.where(torch.rand(keys[1, 1].shape, generator=gen) < 0.03, 30 * keys[1, 1], keys[1, 1])
+    queries = torch.randn(B, 4 * HKV, tokens, D, dtype=torch.float64, generator=gen)
+    queries[0, :4, :, :4] *= 20
+    return queries
+
+
+@pytest.mark.parametrize("prompt", [40, 300])
+def test_key_rotation_is_chosen_at_the_end_of_the_prefill_from_the_prompt(prompt):
+    """method="oscar" decides every (row, KV head)'s key rotation when the prefill's queries arrive, from all the
+    prompt's keys the layer holds (the quantized blocks and the residual window; key groups from the first real
+    position or not, padding left out), even when no block is full (a 40-token prompt: the first flush then happens in
+    a decode step, which may be compiled). Eager decoding across the next flush stores that block as the reference
+    quantizes it with that choice."""
     config = OscarConfig(scale_dtype="float32", method="oscar")
     gen = torch.Generator().manual_seed(2)
-    keys, values, mask = _padded_batch([260, 0], 400, gen)
-    spikes = torch.rand(HKV, 140, D, generator=gen) < 0.03  # heavy tails in row 0's real tokens: rotating helps
-    keys[0, :, 260:] = torch.where(spikes, 30 * keys[0, :, 260:], keys[0, :, 260:])
-    queries = torch.randn(B, 4 * HKV, 400, D, dtype=torch.float64, generator=gen)
+    keys, values, mask = _padded_batch([9, 0], prompt + 150, gen)
+    queries = _spiky_and_offset_keys(keys, gen, prompt)
     cache = _cache(config)
-    cache.set_padding(mask)
+    cache.set_padding(mask[:, :prompt])
     layer = cache.layers[0]
-    layer.observe_queries(queries[:, :, :300], cache.update(keys[:, :, :300], values[:, :, :300], layer_idx=0)[0])
-    first = layer.key_rotated.clone()
-    assert not first[0].any()  # nothing to decide from yet
-    cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)  # the flush decides from the queries seen before
-    block = slice(256, 384)
-    valid = mask[:, block].bool()
-    moment = query_moment(queries[:, :, :300], HKV, mask[:, :300].bool())
-    choice = query_rotation_choice(keys[:, :, block], moment, config, valid)
-    assert choice[0].any() and torch.equal(layer.key_rotated, torch.stack([choice[0], first[1]]))
-    stored = quantize_kv(keys[:, :, block], values[:, :, block], config, layer.key_rotated, valid=valid)
-    want = dequantize_kv(stored, config, torch.float64, layer.key_rotated)
-    _assert_history((t[:, :, block] for t in layer.dense_history()), want, "the block that decided row 0")
+    got = cache.update(keys[:, :, :prompt], values[:, :, :prompt], layer_idx=0)
+    assert layer.key_rotated is None and layer.wants_queries  # blocks quantized so far are provisional
+    layer.observe_queries(queries, got[0])
+    valid = mask[:, :prompt].bool()
+    choice = query_rotation_choice(keys[:, :, :prompt], query_moment(queries, HKV, valid), config, valid)
+    assert torch.equal(layer.key_rotated, choice) and choice[1, 1] and not choice[0, 0], choice
+    for t in range(prompt, prompt + 150):  # decode steps: the choice stays, the next block is flushed with it
+        cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], layer_idx=0)
+    assert torch.equal(layer.key_rotated, choice)
+    end = layer.quantized_length
+    assert end >= 128
+    full = torch.cat([valid, valid.new_ones(B, keys.shape[2] - prompt)], 1)[:, :end]
+    stored = quantize_kv(keys[:, :, :end], values[:, :, :end], config, choice, valid=full)
+    want = dequantize_kv(stored, config, torch.float64, choice)
+    _assert_history((t[:, :, :end] for t in layer.dense_history()), want, "the blocks quantized with the choice")
+
+
+def test_a_row_whose_prompt_is_all_padding_keeps_its_keys_unrotated():
+    """A row with no real prompt token has nothing to choose from: its keys stay unrotated (KIVI-style), whatever its
+    padding held; the other row chooses from its prompt, and blocks that follow store finite values."""
+    config = OscarConfig(scale_dtype="float32", method="oscar")
+    gen = torch.Generator().manual_seed(4)
+    keys, values, mask = _padded_batch([20, 0], 200, gen)
+    queries = _spiky_and_offset_keys(keys, gen, 20)
+    cache = _cache(config)
+    cache.set_padding(mask[:, :20])
+    layer = cache.layers[0]
+    layer.observe_queries(queries, cache.update(keys[:, :, :20], values[:, :, :20], layer_idx=0)[0])
+    choice = query_rotation_choice(keys[1:, :, :20], query_moment(queries[1:], HKV), config)
+    assert not layer.key_rotated[0].any() and torch.equal(layer.key_rotated[1], choice[0])
+    for t in range(20, 200):
+        cache.update(keys[:, :, t : t + 1], values[:, :, t : t + 1], layer_idx=0)
+    assert layer.quantized_length == 128 and all(torch.isfinite(t).all() for t in layer.dense_history())
 
 
 def test_set_padding_refuses_a_mask_it_cannot_use():

@@ -5,6 +5,7 @@ import torch
 from transformers import LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.reference import round_trip_kv
 
 
 @pytest.mark.parametrize(
@@ -19,7 +20,7 @@ from oscar_hf import OscarCache, OscarConfig
         ("token_scaling", 1, "token_scaling must be True or False"),
         ("scale_dtype", "bfloat16", "scale_dtype='bfloat16' is not supported"),
         ("attention", "flash", "attention='flash' is not supported"),
-        ("method", "kivi", "method='kivi' is not supported; use 'paper'"),
+        ("method", "kivi", "method='kivi' is not supported; use 'auto'"),
     ],
 )
 def test_invalid_field_is_refused(field, value, message):
@@ -104,3 +105,17 @@ def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attenti
     with pytest.raises(ValueError, match="non-finite keys or values") as error:
         OscarCache(config, options).update(kv["keys"], kv["values"], 0)
     assert "scale_dtype" not in str(error.value)
+
+
+def test_the_default_method_resolves_by_the_models_attention():
+    """method="auto" (default) is the query rule where the cache sees the queries (sdpa) and the paper's method
+    elsewhere; an explicit method is kept; code below the cache refuses the unresolved "auto" rather than guess."""
+    assert OscarConfig().method == "auto"
+    assert OscarConfig().resolve("sdpa").method == "oscar"
+    for implementation in ("eager", "flash_attention_2", "flex_attention", None):
+        assert OscarConfig().resolve(implementation) == OscarConfig(method="paper")
+    assert OscarConfig(method="oscar").resolve("eager").method == "oscar"  # the cache then names the fix
+    assert OscarConfig(method="paper").resolve("sdpa").method == "paper"
+    keys = torch.randn(1, 2, 64, 64)
+    with pytest.raises(ValueError, match="method='auto' means 'oscar' or 'paper'"):
+        round_trip_kv(keys, keys, OscarConfig(), moment=torch.eye(64).expand(1, 2, 64, 64))

@@ -1,6 +1,7 @@
 """`generate()` end to end: registration, plumbing proven lossless, and a real offline model."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -15,9 +16,11 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 from transformers.generation import configuration_utils
+from transformers.testing_utils import CaptureLogger
 
 import oscar_hf
 from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import config as config_module
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.reference import query_rotation_choice
 
@@ -182,7 +185,8 @@ def test_generate_accepts_an_oscar_config_object(tiny_llama):
         cache_config=OscarConfig(bits=4, residual_length=64),
         **GREEDY,
     )
-    assert out.past_key_values.oscar_config == OscarConfig(bits=4, residual_length=64)
+    # method="auto" resolved for this sdpa model: the query rule
+    assert out.past_key_values.oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar")
     assert out.past_key_values.layers[0].quantized_length == 128
 
 
@@ -210,12 +214,13 @@ def test_generate_keeps_what_padding_holds_out_of_the_quantized_history(tiny_lla
         assert torch.equal(got, want)
 
 
-def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_queries(tiny_llama):
+@pytest.mark.parametrize("prompt", [300, 40])
+def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_queries(tiny_llama, prompt):
     """The sdpa entry hands each layer the queries of the prefill (the cache quantized its blocks before they came),
-    and the settled choice is the reference's, from the same queries; a model whose attention does not hand them over
-    is refused with the fix."""
+    and the settled choice is the reference's, from the prompt's keys and queries, also for a prompt shorter than a
+    block; a model whose attention does not hand them over is refused with the fix when method="oscar" is named."""
     model = tiny_llama(dtype=torch.float64, num_key_value_heads=4, num_attention_heads=8)
-    ids = torch.randint(3, 97, (2, 300))
+    ids = torch.randint(3, 97, (2, prompt))
     exact, moments = DynamicCache(config=model.config), {}
     with recording_query_moments(moments):
         model(ids, past_key_values=exact)
@@ -223,13 +228,38 @@ def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_quer
     out = model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options, **GREEDY)
     chosen = []
     for idx, layer in enumerate(out.past_key_values.layers):
-        keys = exact.layers[idx].keys[:, :, :256]  # the prefill's flush
+        keys = exact.layers[idx].keys  # the whole prompt
         assert torch.equal(layer.key_rotated, query_rotation_choice(keys, moments[idx], OscarConfig(**options)))
         chosen.append(layer.key_rotated)
     assert torch.cat(chosen).any() and not torch.cat(chosen).all()  # both choices occur: the test can fail
     model.set_attn_implementation("eager")
     with pytest.raises(RuntimeError, match="none reached this layer"):
         model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options)
+
+
+def test_default_method_is_the_query_rule_where_the_cache_sees_queries_and_the_papers_elsewhere(tiny_llama):
+    """The default (method="auto") is the query rule on an sdpa model; on an eager-attention model, whose queries the
+    cache cannot see, it is the paper's method, said once in a warning that names the fix, and visible in
+    `cache.oscar_config`: tokens and storage are exactly those of method="paper"."""
+    model = tiny_llama(dtype=torch.float64)
+    ids = torch.randint(3, 97, (1, 150))
+    out = model.generate(ids, max_new_tokens=3, cache_implementation="oscar", **GREEDY)
+    assert out.past_key_values.oscar_config.method == "oscar"
+    assert all(layer.key_rotated is not None for layer in out.past_key_values.layers)
+    model.set_attn_implementation("eager")
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: once per process and message
+    with CaptureLogger(config_module.logger) as captured:
+        runs = [model.generate(ids, max_new_tokens=3, cache_implementation="oscar", **GREEDY) for _ in range(2)]
+    assert captured.out.count("not 'sdpa'") == 1 and "attn_implementation='sdpa'" in captured.out, captured.out
+    paper = model.generate(
+        ids, max_new_tokens=3, cache_implementation="oscar", cache_config={"method": "paper"}, **GREEDY
+    )
+    for out in runs:
+        cache = out.past_key_values
+        assert cache.oscar_config.method == "paper" and cache.layers[0].key_rotated is None
+        assert torch.equal(out.sequences, paper.sequences)
+        for got, want in zip(cache.layers[0].dense_history(), paper.past_key_values.layers[0].dense_history()):
+            assert torch.equal(got, want)
 
 
 def test_other_cache_implementations_are_untouched(tiny_llama):

@@ -154,7 +154,9 @@ def test_bad_method_or_option_fails_early(model, tokenizer):
 def test_an_oscar_config_is_taken_whole_where_the_method_agrees(model, tokenizer):
     config = OscarConfig(bits=4, residual_length=64)
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int4", cache_config=config)
-    assert wrapper.make_cache().oscar_config == config and wrapper.rolling_chunk == 64
+    # taken whole, with method="auto" resolved for this sdpa model: the query rule
+    assert wrapper.make_cache().oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar")
+    assert wrapper.rolling_chunk == 64
     with pytest.raises(ValueError, match=r"'kivi-int2' sets .* but the OscarConfig has \{'rotation': True"):
         OscarHFLM(pretrained=model, tokenizer=tokenizer, method="kivi-int2", cache_config=OscarConfig())
     with pytest.raises(ValueError, match="does not use an OscarCache"):

@@ -36,6 +36,7 @@ def test_is_compileable_only_where_the_fused_path_applies(gemma3_config):
         return cache.is_compileable
 
     assert compileable(_sdpa_llama_config())
+    assert compileable(_sdpa_llama_config(), method="oscar")  # its key rotation is fixed at the end of the prefill
     assert not compileable(_sdpa_llama_config(), reserve=False)  # no maximum length: storage cannot be static
     assert not compileable(_sdpa_llama_config(), attention="portable")
     assert not compileable(_sdpa_llama_config(head_dim=32))
@@ -62,15 +63,17 @@ def _decode(model, forward, prompt, steps, **options):
     return torch.cat(tokens, 1), logits, cache
 
 
-def test_compiled_decode_matches_eager_across_a_flush(tiny_llama):
-    """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone."""
+@pytest.mark.parametrize("method", ["oscar", "paper"])
+def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method):
+    """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone; with
+    method="oscar", with the key rotation chosen at the end of the (eager) prefill, before any block was full."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
     )
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 101, (1, 28), device=DEVICE)
-    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32)
-    eager_tokens, eager_logits, _ = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
+    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, method=method)
+    eager_tokens, eager_logits, eager_cache = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
@@ -81,6 +84,8 @@ def test_compiled_decode_matches_eager_across_a_flush(tiny_llama):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
     layer = cache.layers[0]
     assert layer.get_seq_length() == 34 and layer.quantized_length == 32  # host lengths read back from the device
+    if method == "oscar":
+        assert torch.equal(layer.key_rotated, eager_cache.layers[0].key_rotated)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step, flush included
     assert not torch._dynamo.utils.counters["graph_break"]
 
@@ -126,7 +131,7 @@ def test_generate_auto_compiles_an_oscar_cache(tiny_llama):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
-def _generate(model, prompt, mask, new_tokens, compiled, logits_processor=None):
+def _generate(model, prompt, mask, new_tokens, compiled, logits_processor=None, cache_config=None):
     options = dict(disable_compile=True)
     if compiled:
         options = dict(compile_config=CompileConfig(fullgraph=True))  # generate's default: Inductor, CUDA graphs
@@ -134,6 +139,7 @@ def _generate(model, prompt, mask, new_tokens, compiled, logits_processor=None):
         prompt,
         attention_mask=mask,
         cache_implementation="oscar",
+        cache_config=cache_config,
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
@@ -168,6 +174,47 @@ def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, b
     tokens = compiled.sequences[:, prompt.shape[1] :]
     eager = _generate(model, prompt, mask, 1000, False, teacher_forcing(tokens, prompt.shape[1]))
     assert torch.equal(eager.sequences, compiled.sequences)
+    for step, (a, b) in enumerate(zip(compiled.logits, eager.logits)):
+        a, b = a.float(), b.float()
+        assert ((a - b).norm() / b.norm()).item() < 2e-2, step  # bf16 outputs of differently split attention
+        top2 = b.topk(2, dim=-1).values
+        decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
+        assert torch.equal(tokens[decisive, step], b.argmax(-1)[decisive]), step
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_length", [40, 300])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_generate_with_the_query_rule_matches_eager_generate(
+    tiny_llama, teacher_forcing, prompt_length, batch
+):
+    """method="oscar" under generate's automatic compile (Inductor, CUDA graphs): each (row, KV head)'s key rotation
+    is fixed when the eager prefill's queries arrive, so a 40-token prompt's first block is flushed inside a graphed
+    step with the prefill's choice (a 300-token prompt quantizes its first block in the prefill, with the same rule).
+    Compiled greedy decoding matches eager: both runs choose the same flags, every step's logits match eager on the
+    same tokens (teacher forcing), and each compiled token is the eager argmax wherever the eager top-2 margin exceeds
+    the difference between the paths (B=3: rows 1 and 2 left-padded by 17 tokens)."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+    ).to(DEVICE)  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 1000, (batch, prompt_length), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    if batch > 1:
+        prompt[1:, :17], mask[1:, :17] = 0, 0
+    options = {"method": "oscar"}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, prompt, mask, 300, compiled=True, cache_config=options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    tokens = compiled.sequences[:, prompt_length:]
+    replay = teacher_forcing(tokens, prompt_length)
+    eager = _generate(model, prompt, mask, 300, False, replay, cache_config=options)
+    for a, b in zip(compiled.past_key_values.layers, eager.past_key_values.layers):
+        assert torch.equal(a.key_rotated, b.key_rotated)
+        assert a.get_seq_length() == b.get_seq_length() == prompt_length + 299  # reads the compiled lengths back
+        assert a.quantized_length == b.quantized_length == (prompt_length + 298) // 128 * 128
     for step, (a, b) in enumerate(zip(compiled.logits, eager.logits)):
         a, b = a.float(), b.float()
         assert ((a - b).norm() / b.norm()).item() < 2e-2, step  # bf16 outputs of differently split attention

@@ -137,14 +137,15 @@ def test_unconsumed_fused_step_is_an_error():
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256
     )
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(attention=FUSED))
+    # filled by hand, without the queries the query rule chooses from: the paper's method
+    cache = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))
     kv = torch.randn(2, 1, 2, 140, 64, device=DEVICE, dtype=torch.bfloat16)
     cache.update(kv[0], kv[1], 0)
     cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)  # a fused decode step whose attention never runs
     with pytest.raises(RuntimeError, match="did not run through the fused sdpa path"):
         cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
     # A new cache starts clean: the aborted step of the old one does not fail it.
-    fresh = OscarCache(config, OscarConfig(attention=FUSED))
+    fresh = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))
     fresh.update(kv[0], kv[1], 0)
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
     assert fused_attention._dispatch.waiting is fresh.layers[0]
@@ -158,7 +159,7 @@ def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
         num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=64, hidden_size=1024
     )
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(attention=FUSED))
+    cache = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))  # filled by hand, without queries
     kv = torch.randn(2, 1, 2, 160, 64, device=DEVICE, dtype=torch.bfloat16)
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8

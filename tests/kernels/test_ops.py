@@ -2,6 +2,8 @@
 autograd registration, AOT dispatch), the same results as the launchers, and traced by dynamo without graph breaks.
 On CPU the kernels run in Triton's interpreter."""
 
+import dataclasses
+
 import pytest
 import torch
 from oscar_hf.kernels import decode_attention_triton, flush_residual_triton, ops, quantize_kv_triton
@@ -21,27 +23,29 @@ def _inputs(config, batch=1, quantized_tokens=32, residual=8):
 
 def _storage(config, batch=1, tokens=64):
     keys, values = torch.randn(2, batch, 2, tokens, 64, device=DEVICE, dtype=torch.bfloat16)
-    return quantize_kv_triton(keys, values, config)  # random contents, in the storage layout
+    # random contents, in the storage layout (which the method does not change)
+    return quantize_kv_triton(keys, values, dataclasses.replace(config, method="paper"))
 
 
-@pytest.mark.parametrize("token_scaling", [True, False])
-def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling):
-    config = OscarConfig(residual_length=32, token_scaling=token_scaling)
+@pytest.mark.parametrize(("token_scaling", "method"), [(True, "paper"), (False, "paper"), (True, "oscar")])
+def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method):
+    config = OscarConfig(residual_length=32, token_scaling=token_scaling, method=method)
+    key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
     keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
     held = torch.tensor(64, device=DEVICE)
     got, expected = _storage(config), _storage(config)
     for a, b in zip(got, expected):
         if a is not None:
             a.copy_(b)
-    ops.flush_residual(keys, values, got, held, ops.config_key(config))
-    flush_residual_triton(keys, values, expected, held, config)
+    ops.flush_residual(keys, values, got, held, ops.config_key(config), None, key_rotated)
+    flush_residual_triton(keys, values, expected, held, config, None, key_rotated)
     for name, a, b in zip(got._fields, got, expected):
         assert (a is None) == (b is None), name
         if a is not None:
             assert torch.equal(a, b), name
     fields = [t for t in got if t is not None]
     padding = torch.arange(80, device=DEVICE)[None] >= 40  # 40 padding positions, some inside the flushed window
-    op_args = (keys, values, fields, held, ops.config_key(config), padding)
+    op_args = (keys, values, fields, held, ops.config_key(config), padding, key_rotated)
     torch.library.opcheck(torch.ops.oscar.flush_residual.default, op_args)
 
 

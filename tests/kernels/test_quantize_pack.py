@@ -181,25 +181,36 @@ def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int
 
 
 @pytest.mark.parametrize(
-    ("held", "padded"), [(0, False), (5, False), (32, False), (96, False), (97, False), (32, True)]
+    ("held", "padded", "method"),
+    [
+        (0, False, "paper"),
+        (5, False, "paper"),
+        (32, False, "paper"),
+        (96, False, "paper"),
+        (97, False, "paper"),
+        (32, True, "paper"),
+        (32, True, "oscar"),
+    ],
 )
-def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded):
+def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded, method):
     """The compiled decode step's flush: with `held` a positive multiple of the window R, tokens [held - R, held) of
     the storage become exactly `quantize_kv_triton` of the residual (with the padding mask's columns for those
-    positions, if any); every other bit is unchanged."""
-    config = OscarConfig(residual_length=32)
+    positions, if any, and method="oscar"'s per-(row, head) key rotation); every other bit is unchanged."""
+    config = OscarConfig(residual_length=32, method=method)
+    # method="oscar": a mixed choice, so that a flag the flush ignored would show
+    key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
     keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
     layout = StorageLayout.of(config)
     storage = _random_storage(layout, 2, 2, 64, 128)
     before = [None if t is None else t.clone() for t in storage]
     # row 0: 20 padding positions (the mask covers 24 positions; later ones are real); row 1: none
     padding = torch.arange(24, device=DEVICE)[None] >= torch.tensor([[20], [0]], device=DEVICE) if padded else None
-    flush_residual_triton(keys, values, storage, torch.tensor(held, device=DEVICE), config, padding)
+    flush_residual_triton(keys, values, storage, torch.tensor(held, device=DEVICE), config, padding, key_rotated)
     written = held > 0 and held % 32 == 0
     expected = [None if t is None else t.clone() for t in before]
     if written:
         valid = None if padding is None else torch.cat([padding, padding.new_ones(2, 8)], dim=1)[:, held - 32 : held]
-        block = quantize_kv_triton(keys, values, config, valid=valid)
+        block = quantize_kv_triton(keys, values, config, key_rotated, valid=valid)
         for buf, part in zip(layout.rows(expected, held - 32, held), block):
             if buf is not None:
                 buf.copy_(part)
