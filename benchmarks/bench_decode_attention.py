@@ -230,7 +230,7 @@ def sweep(config, gen, shapes) -> list:
     scale = 1 / math.sqrt(HEAD_DIM)
     base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
-    for block_n, warps, stages in ((64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 4, 3), (128, 8, 3)):
+    for block_n, warps, stages in ((64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 8, 3)):
         variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
     for per_sm, per_sm_few in ((4, 4), (16, 1), (4, 2)):
         variants.append(dataclasses.replace(base, programs_per_sm=per_sm, programs_per_sm_few_heads=per_sm_few))
