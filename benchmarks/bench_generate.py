@@ -131,22 +131,15 @@ def main() -> None:
         model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
     model.generation_config.pad_token_id = 0
 
-    gpu = torch.cuda.get_device_name()
-    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
-        "benchmark": "model.generate decode step, Llama-3.1-8B shape, random bf16 weights, greedy",
-        "device": gpu,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
+        **record_header("model.generate decode step, Llama-3.1-8B shape, random bf16 weights, greedy"),
         "model": LLAMA_31_8B,
         "new_tokens": new_tokens,
         "rows": [],
     }
-    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    gpu = record["device"]
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"generate_{slug}.json"
+    path = args.out / f"generate_{gpu_slug(gpu)}.json"
     if args.append and path.exists():
         earlier = json.loads(path.read_text())
         rerun = {(b, c, *VARIANTS[v][::2]) for b, c in shapes for v in args.variants}
@@ -192,6 +185,24 @@ def main() -> None:
             print(f"{head} {e['step_ms']:8.2f} {e['tokens_per_s']:8.1f} {e['peak_gib']:9.1f}")
         else:
             print(f"{head} {e.get('error') or e.get('skipped')}")
+
+
+def record_header(benchmark: str) -> dict:
+    """The fields every record of these GPU benchmarks starts with (profile_generate.py uses it too)."""
+    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    return {
+        "benchmark": benchmark,
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
+    }
+
+
+def gpu_slug(device: str) -> str:
+    """ "NVIDIA H200" -> "h200": the record file's suffix."""
+    return device.lower().replace("nvidia", "").strip().replace(" ", "-")
 
 
 def _triton() -> str | None:

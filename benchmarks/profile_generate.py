@@ -13,16 +13,12 @@ measured under the profiler, which slows the host side).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import os
-import subprocess
 import time
 from pathlib import Path
 
 import torch
-import transformers
-from bench_generate import LLAMA_31_8B, _triton
+from bench_generate import LLAMA_31_8B, gpu_slug, record_header
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
@@ -60,14 +56,10 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
-    gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
     record = {
-        "benchmark": "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights",
-        "device": gpu,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
+        **record_header(
+            "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights"
+        ),
         "rows": [],
     }
 
@@ -107,7 +99,7 @@ def main() -> None:
                 kernels=kernels,
             )  # fmt: skip
         )
-    slug = gpu.lower().replace("nvidia", "").strip().replace(" ", "-")
+    slug = gpu_slug(record["device"])
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"profile_generate_{slug}.json").write_text(json.dumps(record, indent=2))
 
