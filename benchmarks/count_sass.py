@@ -31,11 +31,13 @@ _POINTERS = {  # bf16 model, 2-bit codes, fp16 scales, fp32 norms and partials
 }  # fmt: skip
 
 
-def compile_split_kernel(block_n: int, warps: int, gqa: int, head_dim: int, arch: int, stages: int = 3):
+def compile_split_kernel(
+    block_n: int, warps: int, gqa: int, head_dim: int, arch: int, per_head: bool = False, stages: int = 3
+):
     constants = dict(
         GQA=gqa, TQ=1, HEAD_DIM=head_dim, LOG2_D=head_dim.bit_length() - 1, BITS=2, GROUP=32,
         BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, BLOCK_R=16, ROTATION=True,
-        KEY_ROTATION_PER_HEAD=False, TOKEN_SCALING=True, HAS_MASK=False,
+        KEY_ROTATION_PER_HEAD=per_head, TOKEN_SCALING=True, HAS_MASK=False,
     )  # fmt: skip
     signature = {
         name: "constexpr" if name in constants else _POINTERS.get(name, "fp32" if name == "qk_scale" else "i32")
@@ -71,9 +73,10 @@ def main() -> None:
     parser.add_argument("--gqa", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="sm_XX target")
+    parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     args = parser.parse_args()
 
-    kernel = compile_split_kernel(args.block_n, args.warps, args.gqa, args.head_dim, args.arch)
+    kernel = compile_split_kernel(args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head)
     instructions, labels, usage = disassemble(kernel)
     loops = []  # (start, end) of every backward branch
     for address, text in instructions:

@@ -6,8 +6,9 @@ Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 wei
 compile). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of steady decode steps, started
 and stopped from the streamer; the GPU-busy share of the window tells launch/host overhead from kernel time.
 Prints the kernels by total GPU time per step and writes benchmarks/results/profile_generate_<gpu>.json
-(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, kernels: [{name, us_per_step, calls_per_step}]}]`; wall_ms is
-measured under the profiler, which slows the host side).
+(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, kernels, runtime_calls, host_operators: [{name, us_per_step,
+calls_per_step}], inductor_counters}]`; wall_ms is measured under the profiler, which slows the host side). The
+runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from kernels launched one by one.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main() -> None:
     start, stop = 16, 24
     for cache in args.cache:
         torch._dynamo.reset()
+        torch._dynamo.utils.counters.clear()
         window = _ProfileWindow(start, stop)
         options = dict(max_new_tokens=stop + 2, min_new_tokens=stop + 2, do_sample=False, streamer=window,
                        cache_implementation=cache, compile_config=CompileConfig(fullgraph=True))  # fmt: skip
@@ -89,6 +91,23 @@ def main() -> None:
         ]
         for k in kernels:
             print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:4d}x  {k['name'][:100]}")
+        # The host side: CUDA runtime/driver calls per step (kernels launched one by one vs one graph launch, the
+        # per-step synchronisations) and the host operators that take the most time.
+        host = [e for e in window.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        runtime = [
+            {"name": e.key, "us_per_step": e.self_cpu_time_total / steps, "calls_per_step": e.count / steps}
+            for e in sorted(host, key=lambda e: -e.self_cpu_time_total)
+            if e.key.startswith(("cuda", "cu"))
+        ][: args.top]
+        operators = [
+            {"name": e.key, "us_per_step": e.cpu_time_total / steps, "calls_per_step": e.count / steps}
+            for e in sorted(host, key=lambda e: -e.cpu_time_total)
+            if not e.key.startswith(("cuda", "cu"))
+        ][: args.top]
+        skips = dict(torch._dynamo.utils.counters["inductor"])
+        print(f"  host: cudagraph counters {skips}")
+        for k in runtime + operators:
+            print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name'][:100]}")
         record["rows"].append(
             dict(
                 batch=args.batch,
@@ -97,6 +116,9 @@ def main() -> None:
                 wall_ms=1000 * window.wall / steps,
                 gpu_busy_ms=gpu_us / 1000,
                 kernels=kernels,
+                runtime_calls=runtime,
+                host_operators=operators,
+                inductor_counters=skips,
             )  # fmt: skip
         )
     slug = gpu_slug(record["device"])
