@@ -199,10 +199,9 @@ def _quantized_part(
 
     q = q.to(tl.float32)
     if ROTATION:  # (q H) . (k H) = q . k: the query meets the keys in their stored domain
-        if KEY_ROTATION_PER_HEAD:
-            q = tl.where(key_rotated, _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D), q)
-        else:
-            q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
+        if KEY_ROTATION_PER_HEAD:  # H is an involution: an unrotated head's query is H(H q)
+            q = tl.where(key_rotated, q, _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D))
+        q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
     q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
     q_max = tl.where(q_max > 0, q_max, 1.0)
     b_q = (q / q_max).to(DOT_DTYPE)
