@@ -403,8 +403,8 @@ def plot(model_names: list[str]) -> Path:
 
 def markdown_table(model_name: str) -> str:
     """The model's results as markdown, one table per set of tasks run with the same methods: retrieval cells are
-    "acc / answer perplexity", perplexity cells word ppl (+ change vs bf16); then the key/value decomposition and the
-    K/V statistics when recorded."""
+    "acc / answer perplexity", generation cells exact match, perplexity cells word ppl (+ change vs bf16); then the
+    key/value decomposition and the K/V statistics when recorded."""
     results = load_results(model_name)
     entries = current_entries(model_name)
     order = {"passkey": 0, "niah": 1, "multikey": 2}
@@ -426,8 +426,10 @@ def markdown_table(model_name: str) -> str:
                 if "_ppl_" in t:
                     change = f" ({100 * (e['word_perplexity'] / base['word_perplexity'] - 1):+.1f}%)" if base else ""
                     cells.append(f"{e['word_perplexity']:.2f}{change}")
+                elif "_gen_" in t:
+                    cells.append(f"{e['exact_match']:.2f}")
                 else:
-                    cells.append(f"{e['acc']:.1f} / {e['perplexity']:.3g}")
+                    cells.append(f"{e['acc']:.2f} / {e['perplexity']:.3g}")
             lines.append(f"| {m} | " + " | ".join(cells) + " |")
         lines.append("")
     sizes = sorted({(k.split("|")[1], e["n"], e["context_tokens"]) for k, e in entries.items()})
