@@ -58,12 +58,20 @@ def retrieval(*lengths: str) -> list[str]:
 # cores; every entry is saved as soon as it is measured, so it can run in pieces.
 SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
-    *((name, ["oscar_multikey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
-    *((name, ["oscar_pg_ppl_1k"], 20, EVIDENCE_METHODS) for name in MODELS),
-    *((name, ["oscar_niah_2k", "oscar_passkey_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
-    *((name, retrieval("4k"), 30, EVIDENCE_METHODS) for name in MODELS),
-    *((name, ["oscar_passkey_gen_2k"], 30, EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_multikey_2k"], EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_pg_ppl_1k"], EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_niah_2k", "oscar_passkey_2k"], EVIDENCE_METHODS) for name in MODELS),
+    *((name, retrieval("4k"), EVIDENCE_METHODS) for name in MODELS),
+    *((name, ["oscar_passkey_gen_2k"], EVIDENCE_METHODS) for name in MODELS),
 ]
+
+
+def documents(task: str) -> int:
+    """The plan's documents per task: 20 per perplexity task, 30 per retrieval or generation task. One number per
+    task, whichever plan row or command line runs it, so that every method of a task is scored on the same documents."""
+    return 20 if "_ppl_" in task else 30
+
+
 # Where the INT2 loss comes from (keys or values), on the main retrieval tasks: (model, tasks, documents per task).
 DECOMPOSE = [
     ("smollm2-135m", ["oscar_niah_2k", "oscar_multikey_2k"], 10),
@@ -280,7 +288,8 @@ def save_results(results: dict) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str], dtype: torch.dtype) -> None:
+def run_model(model_name: str, tasks: list[str], limit: int | None, methods: list[str], dtype: torch.dtype) -> None:
+    """Scores every (task, method) not yet in the model's record on `limit` documents (default: `documents(task)`)."""
     results = load_results(model_name)
     redo = set(stale_entries(results["entries"]))
     todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"] or f"{m}|{t}" in redo]
@@ -313,13 +322,14 @@ def run_model(model_name: str, tasks: list[str], limit: int, methods: list[str],
         if task != current_task:
             store.clear()
             current_task = task
+        n_docs = limit or documents(task)
         out = simple_evaluate(
-            model=wrappers[method], tasks=[task], limit=limit, task_manager=task_manager, bootstrap_iters=1000
+            model=wrappers[method], tasks=[task], limit=n_docs, task_manager=task_manager, bootstrap_iters=1000
         )
         metrics = out["results"][task]
         entry = {
             "n": out["n-samples"][task]["effective"],
-            "context_tokens": context_tokens(task, tokenizer, limit),
+            "context_tokens": context_tokens(task, tokenizer, n_docs),
             "cache_config": wrappers[method].cache_config,
             "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -401,6 +411,13 @@ def plot(model_names: list[str]) -> Path:
     return path
 
 
+def ppl_change_pct(entry: dict, base: dict | None) -> float | None:
+    """Word-perplexity change against bf16 in percent; None unless both scored the same documents (same n)."""
+    if base is None or entry["n"] != base["n"]:
+        return None
+    return 100 * (entry["word_perplexity"] / base["word_perplexity"] - 1)
+
+
 def markdown_table(model_name: str) -> str:
     """The model's results as markdown, one table per set of tasks run with the same methods: retrieval cells are
     "acc / answer perplexity", generation cells exact match, perplexity cells word ppl (+ change vs bf16); then the
@@ -424,7 +441,8 @@ def markdown_table(model_name: str) -> str:
             for t in group:
                 e, base = entries[f"{m}|{t}"], entries.get(f"bf16|{t}")
                 if "_ppl_" in t:
-                    change = f" ({100 * (e['word_perplexity'] / base['word_perplexity'] - 1):+.1f}%)" if base else ""
+                    change = ppl_change_pct(e, base)
+                    change = "" if change is None else f" ({change:+.1f}%)"
                     cells.append(f"{e['word_perplexity']:.2f}{change}")
                 elif "_gen_" in t:
                     cells.append(f"{e['exact_match']:.2f}")
@@ -462,9 +480,10 @@ def markdown_table(model_name: str) -> str:
 
 
 def summarize(model_names: list[str]) -> Path:
-    """accuracy_summary.json: per model and method, the perplexity change vs bf16 (the longest perplexity task run)
-    and the retrieval accuracy pooled over the 2k retrieval tasks run for every method, with its binomial standard
-    error and the number of documents."""
+    """accuracy_summary.json: per model and method, the perplexity change vs bf16 (the longest perplexity task run,
+    where the method scored the same documents as bf16), the retrieval accuracy pooled over the 2k retrieval tasks
+    run for every method, with its binomial standard error and the number of documents, and the exact match of each
+    generation task run."""
     summary = {}
     for name in model_names:
         entries = current_entries(name)
@@ -475,12 +494,10 @@ def summarize(model_names: list[str]) -> Path:
         for m in methods:
             row = {}
             if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
-                e, base = entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"]
-                row |= {
-                    "ppl_task": ppl_tasks[-1],
-                    "ppl_delta_pct": round(100 * (e["word_perplexity"] / base["word_perplexity"] - 1), 2),
-                    "ppl_n": e["n"],
-                }
+                change = ppl_change_pct(entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"])
+                if change is not None:
+                    row |= {"ppl_task": ppl_tasks[-1], "ppl_delta_pct": round(change, 2)}
+                    row["ppl_n"] = entries[f"{m}|{ppl_tasks[-1]}"]["n"]
             cells = [entries[f"{m}|{t}"] for t in retrieval_tasks]
             if cells:
                 n = sum(c["n"] for c in cells)
@@ -491,6 +508,10 @@ def summarize(model_names: list[str]) -> Path:
                     "retrieval_se": round(math.sqrt(acc * (1 - acc) / n), 4),
                     "retrieval_n": n,
                 }
+            for key, e in sorted(entries.items()):
+                method, task = key.split("|")
+                if method == m and "_gen_" in task:
+                    row[task.removeprefix("oscar_")] = {"exact_match": round(e["exact_match"], 4), "n": e["n"]}
             summary[name][m] = row
     path = RESULTS / "accuracy_summary.json"
     path.write_text(json.dumps(summary, indent=1) + "\n")
@@ -523,9 +544,9 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not args.plot_only and "plan" in args.steps:
-        for name, tasks, limit, methods in PLAN:
+        for name, tasks, methods in PLAN:
             if name in args.models:
-                run_model(name, args.tasks or tasks, args.limit or limit, args.methods or methods, dtype)
+                run_model(name, args.tasks or tasks, args.limit, args.methods or methods, dtype)
     if not args.plot_only and "stats" in args.steps:
         for name in args.models:
             results = load_results(name)
