@@ -51,8 +51,9 @@ from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
-# Triton's CPU interpreter (3.9) multiplies raw bf16 bit patterns in tl.dot: upcast dot operands there.
-_UPCAST_DOTS: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+# Triton's CPU interpreter (the CPU CI): it multiplies raw bf16 bit patterns in tl.dot (3.9), so dot operands are
+# upcast there, and it cannot run PTX, so codes are unpacked there with the integer ops the PTX below performs.
+_INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
 
 @triton.jit
@@ -62,14 +63,27 @@ def _unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: t
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
     shifts = tl.arange(0, H) * BITS
-    x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
-    pairs = tl.join(x.to(tl.int16), (x >> 16).to(tl.int16)).to(tl.float16, bitcast=True)
-    return tl.reshape(pairs, (HEAD_DIM, ROWS * W)) - 1024.0
+    if _INTERPRETER:
+        x = ((words_t[:, :, None] >> shifts[None, None, :]) & MASK) | 0x64006400  # two fp16 (1024 + code)
+        lo = x.to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
+    else:  # the same in PTX (lop3 0xea: (a & b) | c), the register handed out as its two fp16 halves, which saves
+        # the 16-bit shuffles Triton emits to split and re-pair them (H200: 2-3 % of the kernel; test_unpack_codes_order
+        # checks this path against the storage layout's unpacker on the GPU)
+        lo, hi = tl.inline_asm_elementwise(
+            f"{{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, {MASK}, 0x64006400, 0xea; mov.b32 {{$0, $1}}, t; }}",
+            "=h,=h,r,r",
+            [words_t[:, :, None], shifts[None, None, :]],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=1,
+        )
+    return tl.reshape(tl.join(lo, hi), (HEAD_DIM, ROWS * W)) - 1024.0
 
 
 @triton.jit
 def _dot(a, b, PRECISION: tl.constexpr):
-    if _UPCAST_DOTS:
+    if _INTERPRETER:
         a, b = a.to(tl.float32), b.to(tl.float32)
     return tl.dot(a, b, input_precision=PRECISION)
 
