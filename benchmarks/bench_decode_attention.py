@@ -264,9 +264,10 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Instruction-issue bound, not memory bound: ~5.6 SASS instructions per K or V code in the inner loop "
-    "(benchmarks/count_sass.py: code shifts and masks, 16-bit shuffles between the code pairs' token order and the "
-    "tensor core's, per-token value parameters, Triton's layout conversions) for 1 byte read per 4 codes. At 4K the "
+    "Instruction-issue bound, not memory bound: ~6.7 SASS instructions per K or V code in the inner loop with "
+    "Triton 3.6, 4.8 with 3.9 (benchmarks/count_sass.py: code shifts and masks, per-token value parameters, the "
+    "tiles' round trip through shared memory to the tensor-core operand layout, 16-bit stores on 3.6) for 1 byte "
+    "read per 4 codes. At 4K the "
     "fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) dominate. What "
     "would close it: see benchmarks/NOTES_kernels.md."
 )
