@@ -360,14 +360,14 @@ def plot(model_names: list[str]) -> Path:
     vs bf16; (c) retrieval accuracy vs context length on the model of the context sweep."""
     fig, (ax_acc, ax_ppl, ax_len) = plt.subplots(1, 3, figsize=(19, 5.5), gridspec_kw={"width_ratios": [3, 3, 2]})
     width = 0.8 / max(len(model_names), 1)
-    main_tasks = {name: tasks for name, tasks, _, _ in reversed(PLAN)}  # the first run of each model wins
+    main_tasks = {name: tasks for name, tasks, _ in reversed(PLAN)}  # the first run of each model wins
     for i, name in enumerate(model_names):
         entries = current_entries(name)
         acc, ppl = {}, {}
         for key, entry in entries.items():
             method, task = key.split("|")
             if "_ppl_" in task:
-                ppl[method] = entry["word_perplexity"]
+                ppl[method] = entry
             elif task in main_tasks[name] and "acc" in entry:
                 acc.setdefault(method, []).append(entry["acc"])
         xs = [j + i * width for j in range(len(ALL_METHODS))]
@@ -377,8 +377,8 @@ def plot(model_names: list[str]) -> Path:
         for x, h in zip(xs, heights, strict=True):
             if h == 0:
                 ax_acc.text(x, 0.005, "0", ha="center", va="bottom", fontsize=7, color=bars.patches[0].get_facecolor())
-        base = ppl.get("bf16")
-        changes = [100 * (ppl[m] / base - 1) if base and m in ppl else math.nan for m in ALL_METHODS]
+        changes = [ppl_change_pct(ppl[m], ppl.get("bf16")) if m in ppl else None for m in ALL_METHODS]
+        changes = [math.nan if c is None else c for c in changes]
         ax_ppl.bar(xs, changes, width, label=name)
     for ax, title in (
         (ax_acc, "(a) retrieval accuracy, mean of the model's tasks"),
