@@ -213,7 +213,9 @@ def _quantized_part(
 
     q = q.to(tl.float32)
     if ROTATION:  # (q H) . (k H) = q . k: the query meets the keys in their stored domain
-        if KEY_ROTATION_PER_HEAD:  # H is an involution: an unrotated head's query is H(H q)
+        # H is an involution, so an unrotated head's query is H(H q): ending on the paper kernel's rotation keeps one
+        # query operand in registers (a select after the rotation made Triton re-read it from shared memory each step)
+        if KEY_ROTATION_PER_HEAD:
             q = tl.where(key_rotated, q, _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D))
         q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
     q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
