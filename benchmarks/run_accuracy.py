@@ -52,10 +52,10 @@ def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
-# Runs of (model, tasks, documents per task, methods), in priority order: 2k retrieval with 30 documents per task
-# and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build the data with
-# `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2 shared CPU
-# cores; every entry is saved as soon as it is measured, so it can run in pieces.
+# Runs of (model, tasks, methods), in priority order (documents per task: `documents`): 2k retrieval with 30
+# documents per task and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build
+# the data with `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2
+# shared CPU cores; every entry is saved as soon as it is measured, so it can run in pieces.
 SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
     *((name, ["oscar_multikey_2k"], EVIDENCE_METHODS) for name in MODELS),
@@ -496,8 +496,8 @@ def summarize(model_names: list[str]) -> Path:
             if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
                 change = ppl_change_pct(entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"])
                 if change is not None:
-                    row |= {"ppl_task": ppl_tasks[-1], "ppl_delta_pct": round(change, 2)}
-                    row["ppl_n"] = entries[f"{m}|{ppl_tasks[-1]}"]["n"]
+                    n = entries[f"{m}|{ppl_tasks[-1]}"]["n"]
+                    row |= {"ppl_task": ppl_tasks[-1], "ppl_delta_pct": round(change, 2), "ppl_n": n}
             cells = [entries[f"{m}|{t}"] for t in retrieval_tasks]
             if cells:
                 n = sum(c["n"] for c in cells)
