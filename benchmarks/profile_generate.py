@@ -81,7 +81,8 @@ def main() -> None:
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), **options)
         steps = stop - start
-        events = [e for e in window.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        averages = window.profiler.key_averages()
+        events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_us = sum(e.self_device_time_total for e in events) / steps
         print(f"\n{cache} compiled, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
               f"per step, GPU busy {gpu_us / 1000:.2f} ms per step")  # fmt: skip
@@ -93,7 +94,7 @@ def main() -> None:
             print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:4d}x  {k['name'][:100]}")
         # The host side: CUDA runtime/driver calls per step (kernels launched one by one vs one graph launch, the
         # per-step synchronisations) and the host operators that take the most time.
-        host = [e for e in window.profiler.key_averages() if e.device_type == torch.autograd.DeviceType.CPU]
+        host = [e for e in averages if e.device_type == torch.autograd.DeviceType.CPU]
         runtime = [
             {"name": e.key, "us_per_step": e.self_cpu_time_total / steps, "calls_per_step": e.count / steps}
             for e in sorted(host, key=lambda e: -e.self_cpu_time_total)
@@ -104,8 +105,8 @@ def main() -> None:
             for e in sorted(host, key=lambda e: -e.cpu_time_total)
             if not e.key.startswith(("cuda", "cu"))
         ][: args.top]
-        skips = dict(torch._dynamo.utils.counters["inductor"])
-        print(f"  host: cudagraph counters {skips}")
+        inductor_counters = dict(torch._dynamo.utils.counters["inductor"])  # a cudagraph skip would show here
+        print(f"  host: Inductor counters {inductor_counters}")
         for k in runtime + operators:
             print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name'][:100]}")
         record["rows"].append(
@@ -118,7 +119,7 @@ def main() -> None:
                 kernels=kernels,
                 runtime_calls=runtime,
                 host_operators=operators,
-                inductor_counters=skips,
+                inductor_counters=inductor_counters,
             )  # fmt: skip
         )
     slug = gpu_slug(record["device"])
