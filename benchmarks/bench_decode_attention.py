@@ -1,9 +1,11 @@
 """Decode attention per layer on the GPU: bf16 SDPA vs the portable path vs the fused OScaR kernel.
 
     python benchmarks/bench_decode_attention.py [--out benchmarks/results] [--quick | --shapes 8x32768 ...] [--sweep]
+        [--head-dim 128]
 
-Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B), one query token, residual window of 64 exact tokens, B in
-{1, 8, 32}, quantized context in {4K, 32K, 128K} plus the largest that fits per B. For each shape:
+Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B; `--head-dim 256`: Gemma 3's head dim), one query token,
+residual window of 64 exact tokens, B in {1, 8, 32}, quantized context in {4K, 32K, 128K} plus the largest that fits
+per B. For each shape:
 
 - `sdpa_bf16`: torch SDPA on bf16 K/V of the same length (the baseline; the faster of `enable_gqa=True` and the
   query heads of a group folded into the query-length axis, which reads each K/V head once);
@@ -231,12 +233,15 @@ def sweep(config, gen, shapes) -> list:
     scale = 1 / math.sqrt(HEAD_DIM)
     base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
-    for block_n, warps, stages in ((64, 4, 3), (64, 4, 2), (64, 4, 4), (32, 4, 3), (32, 4, 4), (128, 8, 3)):
-        variants.append(dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages))
-    for per_sm, per_sm_few in ((4, 4), (16, 1), (4, 2)):
-        variants.append(dataclasses.replace(base, programs_per_sm=per_sm, programs_per_sm_few_heads=per_sm_few))
-    # 3 programs of 128 threads per SM instead of 2, at the cost of spills
-    variants.append(dataclasses.replace(base, max_registers=168))
+    for change in (
+        *(dict(block_n=n, num_warps=w) for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))),
+        dict(num_stages=4),
+        dict(programs_per_sm=4, programs_per_sm_few_heads=4),
+        dict(programs_per_sm=16, programs_per_sm_few_heads=1),
+        dict(max_registers=168),  # 3 programs of 128 threads per SM instead of 2, at the cost of spills
+    ):
+        if (tuning := dataclasses.replace(base, **change)) != base:
+            variants.append(tuning)
 
     def time_variants(batch, context):
         data = make_sets(batch, context, config, 1, gen)[0]
@@ -309,13 +314,16 @@ def evaluate_targets(record: dict) -> dict:
 
 
 def main() -> None:
+    global HEAD_DIM  # --head-dim: the shapes' head dim, read by the functions above
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--quick", action="store_true", help="only B=8 at 32K (a smoke run)")
     parser.add_argument("--shapes", nargs="+", metavar="BxTOKENS", help="e.g. 8x32768 1x131072 (instead of all)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
+    parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64, 128 (default) or 256")
     args = parser.parse_args()
+    HEAD_DIM = args.head_dim
     if args.profile_once:
         data = make_sets(8, 32768, OscarConfig(), 1, torch.Generator(device="cuda").manual_seed(0))[0]
         fused(data, OscarConfig(), 1 / math.sqrt(HEAD_DIM))
@@ -344,7 +352,7 @@ def main() -> None:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    path = out_dir / f"decode_attention_{slug}.json"
+    path = out_dir / f"decode_attention_{slug}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
 
     def save():
         path.write_text(json.dumps(record, indent=1))
