@@ -19,7 +19,8 @@ Every variant is timed with `triton.testing.do_bench` (median, eager launches) a
 (`do_bench_cudagraph`, median: kernel time without Python launch overhead); ratios use the graph times. Small
 shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
 copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
-prefill with the same heads. `--sweep` times launch variants of the fused kernel on a few shapes.
+prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8
+and B=1 at 32K).
 
 Correctness is checked in the same run: fused vs the float32 reference where it fits in memory, else vs portable.
 Writes `decode_attention_<gpu>.json` under --out and prints a table last.
@@ -238,6 +239,8 @@ def sweep(config, gen, shapes) -> list:
         dict(num_stages=4),
         dict(programs_per_sm=4, programs_per_sm_few_heads=4),
         dict(programs_per_sm=16, programs_per_sm_few_heads=1),
+        *(dict(min_blocks_per_split=n) for n in (1, 2)),
+        dict(min_blocks_per_split=1, programs_per_sm_few_heads=4),
         dict(max_registers=168),  # 3 programs of 128 threads per SM instead of 2, at the cost of spills
     ):
         if (tuning := dataclasses.replace(base, **change)) != base:
@@ -385,7 +388,7 @@ def main() -> None:
         save()
 
     if args.sweep:
-        record["sweep"] = sweep(config, gen, [(8, 32768), (1, 32768)])
+        record["sweep"] = sweep(config, gen, shapes if args.shapes else [(8, 32768), (1, 32768)])
         save()
 
     copy = record["copy_bandwidth"]["GBps"]

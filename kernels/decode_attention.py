@@ -563,18 +563,28 @@ class _Tuning:
 
 
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
-    """128-token steps for up to 16 query rows per KV head and D <= 128 with fp16 scales (on an H200, B=8 at 32K:
-    266 vs 319 us for 64-token steps, B=1: 37.7 vs 39.0 us; two runs agreed); 64 with more rows; wider tiles
-    (D = 256, fp32 scales) get 32-token steps and 8 warps at D = 256 instead of spilling. Three pipeline stages and
-    the split counts were the fastest measured on an H100 (benchmarks/NOTES_kernels.md)."""
-    wide = head_dim > 128 or scale_dtype == torch.float32
+    """Launch choices by head dim, query rows per KV head and scale dtype. Measured on an H200 with 4 query rows per KV
+    head (`bench_decode_attention.py --sweep [--head-dim]`, graph medians, B=8 and B=1 at 32K; NOTES_kernels.md):
+    D=128: 128-token steps over 4 warps (B=8: 266 vs 319 us for 64-token steps, two runs agreed); D=256: 64-token
+    steps over 8 warps (695 vs 1317 us for 32-token steps; B=1: 100 vs 171 us); D=64: 128-token steps with at most
+    168 registers, so that three programs share an SM (152 vs 181 us; B=1: 23.7 vs 24.6 us). More query rows take
+    64-token steps (32 at D=256); fp32 scales (tf32 operands) take 32-token steps. Three pipeline stages and the split
+    counts were the fastest measured on an H100."""
+    few_rows = rows <= 16
+    if scale_dtype == torch.float32 or (head_dim > 128 and not few_rows):
+        block_n = 32
+    elif head_dim > 128:
+        block_n = 64
+    else:
+        block_n = 128 if few_rows else 64
     return _Tuning(
-        block_n=32 if wide else (128 if rows <= 16 else 64),
+        block_n=block_n,
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
         num_stages=3,
         programs_per_sm=8,
         programs_per_sm_few_heads=2,
         min_blocks_per_split=4,
+        max_registers=168 if head_dim == 64 and few_rows and scale_dtype != torch.float32 else None,
     )
 
 
