@@ -239,8 +239,9 @@ def sweep(config, gen, shapes) -> list:
         dict(num_stages=4),
         dict(programs_per_sm=4, programs_per_sm_few_heads=4),
         dict(programs_per_sm=16, programs_per_sm_few_heads=1),
-        *(dict(min_blocks_per_split=n) for n in (1, 2)),
-        dict(min_blocks_per_split=1, programs_per_sm_few_heads=4),
+        dict(min_blocks_per_split=1),
+        dict(min_blocks_per_split_few_heads=4),
+        dict(programs_per_sm_few_heads=4),
         dict(max_registers=168),  # 3 programs of 128 threads per SM instead of 2, at the cost of spills
     ):
         if (tuning := dataclasses.replace(base, **change)) != base:

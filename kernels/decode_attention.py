@@ -558,7 +558,8 @@ class _Tuning:
     num_stages: int
     programs_per_sm: int  # splits are sized to launch about this many programs per SM ...
     programs_per_sm_few_heads: int  # ... this many when B * Hkv < SMs / 4 (one wave: shorter merge, fewer partials)
-    min_blocks_per_split: int  # ... but no split gets fewer blocks than this
+    min_blocks_per_split: int  # ... but no split gets fewer blocks than this ...
+    min_blocks_per_split_few_heads: int  # ... or than this with few heads (short contexts: one block per program)
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
 
 
@@ -569,7 +570,8 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuni
     steps over 8 warps (695 vs 1317 us for 32-token steps; B=1: 100 vs 171 us); D=64: 128-token steps with at most
     168 registers, so that three programs share an SM (152 vs 181 us; B=1: 23.7 vs 24.6 us). More query rows take
     64-token steps (32 at D=256); fp32 scales (tf32 operands) take 32-token steps. Three pipeline stages and the split
-    counts were the fastest measured on an H100."""
+    counts were the fastest measured on an H100, except that with few KV heads (B * Hkv < SMs / 4) a split may hold
+    a single block (H200, B=1 at 4K: 12.3 vs 16.7 us with at least 4; B=8 at 4K keeps 4: 39 vs 47 us)."""
     few_rows = rows <= 16
     if scale_dtype == torch.float32 or (head_dim > 128 and not few_rows):
         block_n = 32
@@ -584,6 +586,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuni
         programs_per_sm=8,
         programs_per_sm_few_heads=2,
         min_blocks_per_split=4,
+        min_blocks_per_split_few_heads=1,
         max_registers=168 if head_dim == 64 and few_rows and scale_dtype != torch.float32 else None,
     )
 
@@ -595,12 +598,13 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
     """
     if num_blocks == 0:
         return 0
-    if device.type == "cuda":
-        sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-        min_blocks = tuning.min_blocks_per_split
+    if device.type != "cuda":
+        return max(1, min(math.ceil(tuning.programs_per_sm * 4 / batch_heads), num_blocks))
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
+    if 4 * batch_heads < sms:
+        per_sm, min_blocks = tuning.programs_per_sm_few_heads, tuning.min_blocks_per_split_few_heads
     else:
-        sms, min_blocks = 4, 1
-    per_sm = tuning.programs_per_sm_few_heads if 4 * batch_heads < sms else tuning.programs_per_sm
+        per_sm, min_blocks = tuning.programs_per_sm, tuning.min_blocks_per_split
     return max(1, min(math.ceil(per_sm * sms / batch_heads), num_blocks // min_blocks))
 
 
