@@ -394,5 +394,5 @@ def _launch(
             NORMS_GIVEN=norms_given,
             HAS_VALID=valid is not None,
             FLUSH_WINDOW=config.residual_length if length is not None else 0,
-            num_warps=4,
+            num_warps=8 if head_dim > 128 else 4,  # D = 256: the [G, D] fp32 tiles over twice the threads
         )
