@@ -273,12 +273,12 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Instruction-issue bound, not memory bound: ~6.7 SASS instructions per K or V code in the inner loop with "
-    "Triton 3.6, 4.8 with 3.9 (benchmarks/count_sass.py: code shifts and masks, per-token value parameters, the "
-    "tiles' round trip through shared memory to the tensor-core operand layout, 16-bit stores on 3.6) for 1 byte "
-    "read per 4 codes. At 4K the "
-    "fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) dominate. What "
-    "would close it: see benchmarks/NOTES_kernels.md."
+    "Latency-bound at two warps per scheduler, not memory bound: 255 registers per thread leave room for 2 programs "
+    "of 4 warps per SM (ncu on the H200: 12.5 % occupancy, 0.44 instructions issued per cycle and scheduler), so each "
+    "step's chain (copy wait, unpacking ~6.7 SASS instructions per code with Triton 3.6, MMA, cross-warp softmax, MMA) "
+    "is exposed; a third fewer instructions (keys packed along channels, measured) did not make it faster. At 4K the "
+    "fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) weigh most. "
+    "What would close it: see benchmarks/NOTES_kernels.md."
 )
 
 
