@@ -39,22 +39,12 @@ from pathlib import Path
 
 import torch
 import transformers
+from bench_generate import LLAMA_31_8B  # the model shape every end-to-end benchmark uses
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
 import oscar_hf
 from oscar_hf import OscarLayer
 
-LLAMA_31_8B = dict(
-    vocab_size=128256,
-    hidden_size=4096,
-    intermediate_size=14336,
-    num_hidden_layers=32,
-    num_attention_heads=32,
-    num_key_value_heads=8,
-    head_dim=128,
-    max_position_embeddings=131072,
-    rope_theta=500000.0,
-)
 CACHES = ("dynamic", "oscar")
 
 
