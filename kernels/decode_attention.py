@@ -598,7 +598,7 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
     """
     if num_blocks == 0:
         return 0
-    if device.type != "cuda":
+    if device.type != "cuda":  # the interpreter: 4 SMs, one block per split
         return max(1, min(math.ceil(tuning.programs_per_sm * 4 / batch_heads), num_blocks))
     sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
     if 4 * batch_heads < sms:
