@@ -481,6 +481,11 @@ def markdown_table(model_name: str) -> str:
     return "\n".join(lines)
 
 
+def binomial_se(acc: float, n: int) -> float:
+    """Standard error of an accuracy over n independent documents."""
+    return math.sqrt(acc * (1 - acc) / n)
+
+
 def summarize(model_names: list[str]) -> Path:
     """accuracy_summary.json: per model and method, the perplexity change vs bf16 (the longest perplexity task run,
     where the method scored the same documents as bf16); the retrieval accuracy pooled over the 2k retrieval tasks
@@ -510,18 +515,19 @@ def summarize(model_names: list[str]) -> Path:
                 row |= {
                     "retrieval_tasks": ran,
                     "retrieval_acc": round(acc, 4),
-                    "retrieval_se": round(math.sqrt(acc * (1 - acc) / n), 4),
+                    "retrieval_se": round(binomial_se(acc, n), 4),
                     "retrieval_n": n,
                 }
             own = {t: entries[f"{m}|{t}"] for t in retrieval("2k", "4k") if f"{m}|{t}" in entries}
             if own:
                 row["retrieval_cells"] = {
                     t.removeprefix("oscar_"): {
-                        "acc": round(e["acc"], 4), "se": round(math.sqrt(e["acc"] * (1 - e["acc"]) / e["n"]), 4),
+                        "acc": round(e["acc"], 4),
+                        "se": round(binomial_se(e["acc"], e["n"]), 4),
                         "n": e["n"],
                     }
                     for t, e in own.items()
-                }  # fmt: skip
+                }
             for key, e in sorted(entries.items()):
                 method, task = key.split("|")
                 if method == m and "_gen_" in task:
