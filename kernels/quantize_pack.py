@@ -18,7 +18,7 @@ per head, rotation (fp32 butterflies in registers), scaling, the two kinds of mi
 packing. The second read of K hits L2 (G * D * Hkv elements per program).
 Non-finite inputs are not checked here (that would need a host synchronisation): an inf makes its scales non-finite,
 but the min/max skip a NaN (maxNum), which can leave every scale finite. The cache checks each eagerly quantized
-block's K/V (`oscar_hf.reference.check_finite`).
+block's K/V (`oscar_hf.reference.finite_flags`).
 """
 
 from __future__ import annotations

@@ -44,12 +44,13 @@ from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_T
 from .kernels import ops as kernel_ops
 from .layout import QuantizedKV, StorageLayout
 from .reference import (
-    check_finite,
     check_head_dim,
     dequantize_kv,
+    finite_flags,
     quantize_kv,
     query_moment,
     query_rotation_choice,
+    raise_unless_finite,
     token_norms,
 )
 
@@ -131,6 +132,9 @@ class OscarLayer(CacheLayerMixin):
         self._provisional: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self._awaiting_keys: torch.Tensor | None = None
         self._padding: _Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
+        # Eager decode on CUDA: the latest flushed block's `finite_flags`, on their way to pinned host memory, and the
+        # event after which they are there (`_defer_finite_check`).
+        self._finite_check: tuple[torch.Tensor, torch.cuda.Event] | None = None
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         check_head_dim(key_states.shape[-1], self.config)
@@ -176,6 +180,7 @@ class OscarLayer(CacheLayerMixin):
         self._check_shape(key_states, value_states)
         if torch.compiler.is_compiling():
             return self._compiled_step(key_states, value_states)
+        self._read_finite_check(wait=False)
         keys, values = self._eager_update(key_states, value_states)
         if self._length is not None:
             self._length.fill_(self.get_seq_length())
@@ -191,7 +196,7 @@ class OscarLayer(CacheLayerMixin):
         if self.wants_queries:  # the prefill's attention never handed its queries over
             raise RuntimeError(self._no_queries_message())
         if self.residual_length == self.config.residual_length:  # a complete block: quantized before it is read
-            self._store(self._quantize(self.residual_keys, self.residual_values))
+            self._store(self._quantize(self.residual_keys, self.residual_values, decoding=True))
             self.residual_length = 0
         new = key_states.shape[-2]
         if (
@@ -284,7 +289,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.quantized_length = self.residual_length = 0
         self._storage = self.residual_keys = self.residual_values = self.fused_step = self._length = None
-        self.key_rotated = self._padding = self._provisional = self._awaiting_keys = None
+        self.key_rotated = self._padding = self._provisional = self._awaiting_keys = self._finite_check = None
         self._length_is_newer = False
         self.is_initialized = False
 
@@ -353,8 +358,10 @@ class OscarLayer(CacheLayerMixin):
         self.residual_keys[:, :, : self.residual_length] = key_states[:, :, to_quantize:]
         self.residual_values[:, :, : self.residual_length] = value_states[:, :, to_quantize:]
 
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor) -> QuantizedKV:
-        """Quantize the tokens that follow the quantized region (`quantized_length` onward)."""
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV:
+        """Quantize the tokens that follow the quantized region (`quantized_length` onward), refusing non-finite
+        blocks: at once (one host synchronisation), or, for a block that a decode step flushes on CUDA
+        (`decoding`), from a later update without waiting (`_defer_finite_check`)."""
         start = self.quantized_length
         valid = None if self._padding is None else self._padding.valid(start, keys)
         key_rotated = self.key_rotated
@@ -370,8 +377,34 @@ class OscarLayer(CacheLayerMixin):
             block = quantize_kv_triton(keys, values, self.config, key_rotated, norms=norms, valid=valid)
         else:
             block = quantize_kv(keys, values, self.config, key_rotated, norms=norms, valid=valid)
-        check_finite(block, keys, values, self.config, valid)
+        flags = finite_flags(block, keys, values, valid)
+        if decoding and flags.is_cuda:
+            self._defer_finite_check(flags)
+        else:
+            raise_unless_finite(flags, self.config)
         return block
+
+    def _defer_finite_check(self, flags: torch.Tensor) -> None:
+        """Send a decode flush's `finite_flags` to the host behind the block's kernels, to be read by the first update
+        that finds them arrived (in `generate`, the next step's: it synchronises after every token), so that eager
+        decode never waits for the GPU. The next flush waits for them if they have not arrived by then."""
+        self._read_finite_check(wait=True)
+        host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
+        host.copy_(flags, non_blocking=True)
+        arrived = torch.cuda.Event()
+        arrived.record()
+        self._finite_check = (host, arrived)
+
+    def _read_finite_check(self, wait: bool) -> None:
+        """Raise if the pending decode flush's block was not finite; without `wait`, only once its flags arrived."""
+        if self._finite_check is None:
+            return
+        host, arrived = self._finite_check
+        if not wait and not arrived.query():
+            return
+        arrived.synchronize()
+        self._finite_check = None
+        raise_unless_finite(host, self.config)
 
     @property
     def wants_queries(self) -> bool:

@@ -249,29 +249,35 @@ def quantize_kv(
     )
 
 
-def check_finite(
-    qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None
-) -> None:
-    """Refuse a quantized block of `keys`/`values` that are not finite, or whose scales/mins are not (it would decode
-    to inf/NaN silently), saying whether the model's K/V were not finite or the scale dtype overflowed. The K/V are
-    checked themselves: the Triton quantizer's min/max skip NaN (IEEE maxNum, as Triton's maximum does on a GPU), so a
-    NaN can leave every scale finite. `valid` (`[B, N]` bool, None: all tokens): padding may hold anything."""
+def finite_flags(
+    qkv: QuantizedKV, keys: torch.Tensor, values: torch.Tensor, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`[2]` bool on the block's device, computed without a host synchronisation: whether the model's `keys`/`values`
+    are finite, and whether the block's scales/mins are (an overflow of the scale dtype decodes to inf/NaN silently).
+    The K/V are checked themselves: the Triton quantizer's min/max skip NaN (IEEE maxNum, as Triton's maximum does on
+    a GPU), so a NaN can leave every scale finite. `valid` (`[B, N]` bool, None: all tokens): padding may hold
+    anything. `raise_unless_finite` reads them."""
     inputs = torch.isfinite(keys) & torch.isfinite(values)
     if valid is not None:
         inputs |= ~valid[:, None, :, None]
     params = (qkv.key_scale, qkv.key_min, qkv.value_scale, qkv.value_min)
-    finite = torch.stack([inputs.all(), *(torch.isfinite(p).all() for p in params)])
-    if finite.all():  # one host sync per quantized block
-        return
-    if not finite[0]:
+    return torch.stack([inputs.all(), torch.stack([torch.isfinite(p).all() for p in params]).all()])
+
+
+def raise_unless_finite(flags: torch.Tensor, config: OscarConfig) -> None:
+    """Refuse a block whose `finite_flags` are not all set, saying whether the model's K/V were not finite or the scale
+    dtype overflowed (reading device flags synchronises the host)."""
+    inputs_finite, params_finite = flags.tolist()
+    if not inputs_finite:
         raise ValueError(
             "OscarCache: the model produced non-finite keys or values (NaN or inf) for this block; no cache setting "
             "fixes that. Check the model's activations (dtype overflow, e.g. float16 for a bfloat16-trained model)."
         )
-    raise ValueError(
-        f"OscarCache: a quantization scale or minimum overflowed {config.scale_dtype} (the K/V values are finite "
-        "but too large for it). Use scale_dtype='float32'."
-    )
+    if not params_finite:
+        raise ValueError(
+            f"OscarCache: a quantization scale or minimum overflowed {config.scale_dtype} (the K/V values are finite "
+            "but too large for it). Use scale_dtype='float32'."
+        )
 
 
 def dequantize_kv(

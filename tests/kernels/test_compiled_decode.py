@@ -225,9 +225,11 @@ def test_compiled_generate_with_the_query_rule_matches_eager_generate(
 
 
 @pytest.mark.gpu
-def test_compiled_decode_steps_never_synchronise_the_host(tiny_llama):
-    """The manual route (README): 200 compiled steps across a block flush run with CUDA's sync debug mode set to
-    raise on any host-device synchronisation."""
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_decode_steps_never_synchronise_the_host(tiny_llama, compiled):
+    """Compiled (the manual route of the README) and eager fused decode: 200 steps across a block flush run with CUDA's
+    sync debug mode set to raise on any host-device synchronisation (eager flushes check their block's finiteness
+    without waiting for it)."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
@@ -237,7 +239,7 @@ def test_compiled_decode_steps_never_synchronise_the_host(tiny_llama):
     cache = OscarCache(model.config, OscarConfig())
     cache.reserve(prompt.shape[1] + 210)
     torch._dynamo.reset()
-    decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     with torch.no_grad():
         token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(5):  # compile, warm up, record the CUDA graph
@@ -250,3 +252,34 @@ def test_compiled_decode_steps_never_synchronise_the_host(tiny_llama):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert cache.get_seq_length() == 305 and cache.layers[0].quantized_length == 256
+
+
+@pytest.mark.gpu
+def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
+    """A block that an eager decode step flushes is checked without waiting: the error comes from the first step
+    whose update finds the block's flags arrived (here the next one: the loop synchronises after every token, as
+    `generate` does), naming the cause."""
+    model = tiny_llama(torch.bfloat16, head_dim=128, hidden_size=256).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    poison = {"position": None}
+
+    def nan_key(module, args, output):  # the model produces a NaN key for one token
+        if poison["position"] == 125:
+            output[..., 7] = float("nan")
+        return output
+
+    model.model.layers[0].self_attn.k_proj.register_forward_hook(nan_key)
+    cache = OscarCache(model.config, OscarConfig(method="paper"))
+    refused_at = None
+    with torch.no_grad():
+        token = model(torch.randint(3, 97, (2, 120), device=DEVICE), past_key_values=cache).logits[:, -1:].argmax(-1)
+        for position in range(120, 140):  # the step of token 128 flushes block [0, 128)
+            poison["position"] = position
+            try:
+                token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+            except ValueError as error:
+                assert "non-finite keys or values" in str(error)
+                refused_at = position
+                break
+            torch.cuda.synchronize()
+    assert refused_at == 129
