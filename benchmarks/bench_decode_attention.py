@@ -236,7 +236,10 @@ def sweep(config, gen, shapes) -> list:
     variants = [base]
     for change in (
         *(dict(block_n=n, num_warps=w) for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))),
+        dict(num_stages=2),
         dict(num_stages=4),
+        dict(residual_block=16),  # the residual program's tile: part of the kernel's register count
+        dict(residual_block=32),
         dict(programs_per_sm=4, programs_per_sm_few_heads=4),
         dict(programs_per_sm=16, programs_per_sm_few_heads=1),
         dict(min_blocks_per_split=1),
