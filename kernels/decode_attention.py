@@ -567,7 +567,7 @@ class _Tuning:
     min_blocks_per_split: int  # ... but no split gets fewer blocks than this ...
     min_blocks_per_split_few_heads: int  # ... or than this with few heads (short contexts: one block per program)
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
-    residual_block: int = 64  # residual tokens per step of the program that reads the residual window
+    residual_block: int = 32  # residual tokens per step of the program that reads the residual window
 
 
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
@@ -578,7 +578,9 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuni
     168 registers, so that three programs share an SM (152 vs 181 us; B=1: 23.7 vs 24.6 us). More query rows take
     64-token steps (32 at D=256); fp32 scales (tf32 operands) take 32-token steps. Three pipeline stages and the split
     counts were the fastest measured on an H100, except that with few KV heads (B * Hkv < SMs / 4) a split may hold
-    a single block (H200, B=1 at 4K: 12.3 vs 16.7 us with at least 4; B=8 at 4K keeps 4: 39 vs 47 us)."""
+    a single block (H200, B=1 at 4K: 12.3 vs 16.7 us with at least 4; B=8 at 4K keeps 4: 39 vs 47 us). The residual
+    program steps over 32 tokens: its tile counts towards the kernel's registers (D=128: 254 and no spills, 255 and
+    spills with 64; H200 B=8 32K 256 vs 270 us, B=1 32K 36.3 vs 37.7 us)."""
     few_rows = rows <= 16
     if scale_dtype == torch.float32 or (head_dim > 128 and not few_rows):
         block_n = 32
