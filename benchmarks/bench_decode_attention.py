@@ -175,7 +175,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
             lambda s: decode_attention_triton(
                 s["q"], s["quantized"], s["rk"], s["rv"], None, scale, per_head, key_rotated
             )
-        ),  # fmt: skip
+        ),
         sets,
     )
     entry["per_head_vs_fused"] = (results["fused_per_head"]["us_graph"] or results["fused_per_head"]["us"]) / (
@@ -246,6 +246,26 @@ def sweep(config, gen, shapes) -> list:
         dict(min_blocks_per_split_few_heads=4),
         dict(programs_per_sm_few_heads=4),
         dict(max_registers=168),  # 3 programs of 128 threads per SM instead of 2, at the cost of spills
+        # programs of one or two warps: no barrier inside a step (the warps of a program wait for each other at every
+        # cross-warp reduction and layout conversion), as many warps per SM, four or two times the programs
+        *(
+            dict(block_n=n, num_warps=w, programs_per_sm=per_sm, programs_per_sm_few_heads=per_sm // 4, max_registers=r)
+            for n, w, per_sm, r in (
+                (32, 1, 32, None),
+                (64, 1, 32, None),
+                (32, 2, 16, None),
+                (64, 2, 16, None),
+                (128, 2, 16, None),
+                (64, 2, 24, None),
+                (64, 2, 32, None),
+                (64, 2, 16, 200),
+                (64, 2, 16, 184),
+                (64, 2, 24, 200),
+                (32, 4, 8, None),
+                (64, 4, 8, None),
+                (64, 4, 8, 168),
+            )
+        ),
     ):
         if (tuning := dataclasses.replace(base, **change)) != base:
             variants.append(tuning)
