@@ -229,12 +229,13 @@ def quantize_vs_prefill(config, gen) -> dict:
     }
 
 
-def sweep(config, gen, shapes) -> list:
-    """Fused-kernel launch variants on a few shapes (graph medians)."""
+def sweep(config, gen, shapes, changes=None) -> list:
+    """Fused-kernel launch variants on a few shapes (graph medians): `changes` to the default launch choices (a
+    list of `_Tuning` field dicts), else the list below."""
     scale = 1 / math.sqrt(HEAD_DIM)
     base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
-    for change in (
+    for change in changes or (
         *(dict(block_n=n, num_warps=w) for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))),
         dict(num_stages=2),
         dict(num_stages=4),
@@ -347,6 +348,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="only B=8 at 32K (a smoke run)")
     parser.add_argument("--shapes", nargs="+", metavar="BxTOKENS", help="e.g. 8x32768 1x131072 (instead of all)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
+    parser.add_argument("--variants", help='with --sweep: a JSON list of launch changes, e.g. [{"num_warps": 2}]')
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64, 128 (default) or 256")
     args = parser.parse_args()
@@ -412,7 +414,8 @@ def main() -> None:
         save()
 
     if args.sweep:
-        record["sweep"] = sweep(config, gen, shapes if args.shapes else [(8, 32768), (1, 32768)])
+        changes = json.loads(args.variants) if args.variants else None
+        record["sweep"] = sweep(config, gen, shapes if args.shapes else [(8, 32768), (1, 32768)], changes)
         save()
 
     copy = record["copy_bandwidth"]["GBps"]
