@@ -571,32 +571,43 @@ class _Tuning:
 
 
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
-    """Launch choices by head dim, query rows per KV head and scale dtype. Measured on an H200 with 4 query rows per KV
-    head (`bench_decode_attention.py --sweep [--head-dim]`, graph medians, B=8 and B=1 at 32K; NOTES_kernels.md):
-    D=128: 128-token steps over 4 warps (B=8: 266 vs 319 us for 64-token steps, two runs agreed); D=256: 64-token
-    steps over 8 warps (695 vs 1317 us for 32-token steps; B=1: 100 vs 171 us); D=64: 128-token steps with at most
-    168 registers, so that three programs share an SM (152 vs 181 us; B=1: 23.7 vs 24.6 us). More query rows take
-    64-token steps (32 at D=256); fp32 scales (tf32 operands) take 32-token steps. Three pipeline stages and the split
-    counts were the fastest measured on an H100, except that with few KV heads (B * Hkv < SMs / 4) a split may hold
-    a single block (H200, B=1 at 4K: 12.3 vs 16.7 us with at least 4; B=8 at 4K keeps 4: 39 vs 47 us). The residual
-    program steps over 32 tokens: its tile counts towards the kernel's registers (D=128: 254 and no spills, 255 and
-    spills with 64; H200 B=8 32K 256 vs 270 us, B=1 32K 36.3 vs 37.7 us)."""
-    few_rows = rows <= 16
-    if scale_dtype == torch.float32 or (head_dim > 128 and not few_rows):
-        block_n = 32
-    elif head_dim > 128:
-        block_n = 64
-    else:
-        block_n = 128 if few_rows else 64
+    """Launch choices by head dim, query rows per KV head and scale dtype, measured on an H200 with 4 query rows per KV
+    head (`bench_decode_attention.py --sweep [--head-dim] [--variants]`, graph medians, B=8 and B=1 at 32K;
+    NOTES_kernels.md).
+
+    Up to 16 query rows with fp16 scales (the usual decode step): 64-token steps over one warp per 64 channels. The
+    kernel is latency-bound at two or three warps per scheduler (its registers allow no more), and the warps of one
+    program wait for each other at every cross-warp reduction and layout conversion of a step; programs of fewer warps
+    keep as many warps per SM, independent of each other. B=8 at 32K, against the 4- and 8-warp programs before: D=64
+    104 vs 154 us (one warp), D=128 228 vs 256 us (two warps), D=256 492 vs 797 us (four warps); B=1 at 32K: 21.1 vs
+    23.6, 35.2 vs 36.2 and 72.5 vs 114 us. Splits are sized for 32 / 12 / 8 programs per SM (2x / 1.5x / 1x the warps
+    of the earlier 8 programs of 4 warps; D=128 with 16: 236 us), and with few KV heads (B * Hkv < SMs / 4) for 8 / 4
+    / 2, where a split may hold a single block (B=1 at 4K: 12.3 vs 16.7 us with at least 4, measured with the 4-warp
+    programs).
+
+    More query rows (speculative steps, wide GQA) or fp32 scales (tf32 operands) keep the choices measured before:
+    64-token steps (32 at D=256, and with fp32 scales) over 4 warps (8 at D=256 or above 32 rows). The residual
+    program steps over 32 tokens: its tile counts towards the kernel's registers (D=128, 4-warp programs: 254 and no
+    spills, 255 and spills with 64; B=8 32K 256 vs 270 us)."""
+    if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
+        warps = head_dim // 64
+        return _Tuning(
+            block_n=64,
+            num_warps=warps,
+            num_stages=3,
+            programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
+            programs_per_sm_few_heads=8 // warps,
+            min_blocks_per_split=4,
+            min_blocks_per_split_few_heads=1,
+        )
     return _Tuning(
-        block_n=block_n,
+        block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
         num_stages=3,
         programs_per_sm=8,
         programs_per_sm_few_heads=2,
         min_blocks_per_split=4,
         min_blocks_per_split_few_heads=1,
-        max_registers=168 if head_dim == 64 and few_rows and scale_dtype != torch.float32 else None,
     )
 
 
