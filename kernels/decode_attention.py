@@ -550,8 +550,12 @@ def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _num_sms(device: torch.device) -> int:
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
 @functools.cache
-def _num_sms(device_index: int) -> int:
+def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
@@ -570,7 +574,12 @@ class _Tuning:
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
 
 
-def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuning:
+# Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
+# steps: H200, B=1 at 4K, 11.6 us against 13.0-13.7 for the 2-warp programs (at 32K they are as fast: 36.2 vs 35.2).
+_SHORT_CONTEXT = 8192
+
+
+def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_few_heads: bool = False) -> _Tuning:
     """Launch choices by head dim, query rows per KV head and scale dtype, measured on an H200 with 4 query rows per KV
     head (`bench_decode_attention.py --sweep [--head-dim] [--variants]`, graph medians, B=8 and B=1 at 32K;
     NOTES_kernels.md).
@@ -588,8 +597,19 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype) -> _Tuni
     More query rows (speculative steps, wide GQA) or fp32 scales (tf32 operands) keep the choices measured before:
     64-token steps (32 at D=256, and with fp32 scales) over 4 warps (8 at D=256 or above 32 rows). The residual
     program steps over 32 tokens: its tile counts towards the kernel's registers (D=128, 4-warp programs: 254 and no
-    spills, 255 and spills with 64; B=8 32K 256 vs 270 us)."""
+    spills, 255 and spills with 64; B=8 32K 256 vs 270 us). `short_few_heads`: at most `_SHORT_CONTEXT` quantized
+    tokens over few KV heads."""
     if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
+        if short_few_heads and head_dim == 128:
+            return _Tuning(
+                block_n=128,
+                num_warps=4,
+                num_stages=3,
+                programs_per_sm=8,
+                programs_per_sm_few_heads=2,
+                min_blocks_per_split=4,
+                min_blocks_per_split_few_heads=1,
+            )
         warps = head_dim // 64
         return _Tuning(
             block_n=64,
@@ -620,12 +640,16 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
         return 0
     if device.type != "cuda":  # the interpreter: 4 SMs, one block per split
         return max(1, min(math.ceil(tuning.programs_per_sm * 4 / batch_heads), num_blocks))
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device())
-    if 4 * batch_heads < sms:
+    if _few_heads(batch_heads, device):
         per_sm, min_blocks = tuning.programs_per_sm_few_heads, tuning.min_blocks_per_split_few_heads
     else:
         per_sm, min_blocks = tuning.programs_per_sm, tuning.min_blocks_per_split
-    return max(1, min(math.ceil(per_sm * sms / batch_heads), num_blocks // min_blocks))
+    return max(1, min(math.ceil(per_sm * _num_sms(device) / batch_heads), num_blocks // min_blocks))
+
+
+def _few_heads(batch_heads: int, device: torch.device) -> bool:
+    """Whether B * Hkv is under a quarter of the SMs (then one wave of programs: `_Tuning`'s few-heads choices)."""
+    return device.type == "cuda" and 4 * batch_heads < _num_sms(device)
 
 
 def _strides(prefix: str, tensor: torch.Tensor, axes: str) -> dict[str, int]:
@@ -699,10 +723,8 @@ def decode_attention_triton(
 ) -> torch.Tensor:
     """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D].
     `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as given to `quantize_kv_triton` (None for method="paper")."""
-    rows = query.shape[1] // max(1, residual_keys.shape[1]) * query.shape[2]
-    tuning = _default_tuning(query.shape[-1], rows, config.scale_torch_dtype)
     return _decode_attention(
-        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, tuning
+        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated
     )
 
 
@@ -715,8 +737,9 @@ def _decode_attention(
     scaling: float,
     config: OscarConfig,
     key_rotated: torch.Tensor | None,
-    tuning: _Tuning,
+    tuning: _Tuning | None = None,
 ) -> torch.Tensor:
+    """`decode_attention_triton` with the launch choices given (the benchmark's sweep), else `_default_tuning`'s."""
     num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config)
     check_key_rotated(
         key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
@@ -727,6 +750,9 @@ def _decode_attention(
     kv_heads, residual = residual_keys.shape[1], residual_keys.shape[2]
     gqa = q_heads // kv_heads
     rows = gqa * q_len
+    if tuning is None:
+        short_few_heads = num_quantized <= _SHORT_CONTEXT and _few_heads(batch * kv_heads, query.device)
+        tuning = _default_tuning(head_dim, rows, config.scale_torch_dtype, short_few_heads)
     block_n = tuning.block_n
     num_blocks = triton.cdiv(num_quantized, block_n)
     num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning)
