@@ -297,12 +297,14 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Latency-bound at two warps per scheduler, not memory bound: 255 registers per thread leave room for 2 programs "
-    "of 4 warps per SM (ncu on the H200: 12.5 % occupancy, 0.44 instructions issued per cycle and scheduler), so each "
-    "step's chain (copy wait, unpacking ~6.7 SASS instructions per code with Triton 3.6, MMA, cross-warp softmax, MMA) "
-    "is exposed; a third fewer instructions (keys packed along channels, measured) did not make it faster. At 4K the "
-    "fixed per-call costs (query rotation, output un-rotation, partial writes, a second merge launch) weigh most. "
-    "What would close it: see benchmarks/NOTES_kernels.md."
+    "Latency-bound, not memory bound: ~250 registers per thread allow about 8 warps per SM (12.5 % occupancy; ncu on "
+    "the H200: 0.44 instructions issued per cycle and scheduler), so each step's chain (copy wait, unpacking ~6.7 SASS "
+    "instructions per code with Triton 3.6, MMA, softmax, MMA) is exposed. Programs of fewer warps (one per 64 "
+    "channels) removed the cross-warp waits inside a step (B=8 32K on the H200: 256 -> 228 us at D=128, 797 -> 492 "
+    "at D=256, 154 -> 104 at D=64), but the register count still caps the warps per SM; a third fewer instructions "
+    "(keys packed along channels, measured) did not make it faster. At 4K the fixed per-call costs (query rotation, "
+    "output un-rotation, partial writes, a second merge launch) weigh most. What would close it: see "
+    "benchmarks/NOTES_kernels.md."
 )
 
 
