@@ -1,12 +1,13 @@
 """Instructions per dequantized code of the fused decode kernel's inner loop, counted on the CPU (no GPU needed).
 
-    python benchmarks/count_sass.py [--block-n 128] [--warps 4] [--gqa 4] [--head-dim 128] [--arch 90]
+    python benchmarks/count_sass.py [--block-n N] [--warps W] [--gqa 4] [--head-dim 128] [--arch 90]
 
 Compiles `_split_kernel` for an NVIDIA target with this machine's Triton (its bundled ptxas), disassembles it with
-the bundled nvdisasm and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks). The kernel
-is issue-bound (benchmarks/NOTES_kernels.md), so SASS instructions per code predict its speed well enough to try
-ideas before spending GPU time on them: `warps * 32 * loop instructions / (block_n * 2 * head_dim)` lane-instructions
-per K or V code. Counts depend on the Triton version (the GPU image may run another); time the winner on a GPU.
+the bundled nvdisasm and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks), with the
+launch's step and warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)`
+lane-instructions per K or V code, and the registers and spills, which bound the programs per SM. The kernel is
+latency-bound (benchmarks/NOTES_kernels.md): fewer instructions help only with fewer registers or fewer waits, so
+time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
 """
 
 from __future__ import annotations
@@ -18,8 +19,9 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+import torch
 import triton
-from oscar_hf.kernels.decode_attention import _split_kernel
+from oscar_hf.kernels.decode_attention import _default_tuning, _split_kernel
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
@@ -32,11 +34,12 @@ _POINTERS = {  # bf16 model, 2-bit codes, fp16 scales, fp32 norms and partials
 
 
 def compile_split_kernel(
-    block_n: int, warps: int, gqa: int, head_dim: int, arch: int, per_head: bool = False, stages: int = 3
-):
+    block_n: int, warps: int, gqa: int, head_dim: int, arch: int, per_head: bool = False, stages: int = 3,
+    residual_block: int = 32,
+):  # fmt: skip
     constants = dict(
         GQA=gqa, TQ=1, HEAD_DIM=head_dim, LOG2_D=head_dim.bit_length() - 1, BITS=2, GROUP=32,
-        BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, BLOCK_R=64, ROTATION=True,
+        BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, BLOCK_R=residual_block, ROTATION=True,
         KEY_ROTATION_PER_HEAD=per_head, TOKEN_SCALING=True, HAS_MASK=False, PARTIAL_BLOCK=False,
     )  # fmt: skip
     signature = {
@@ -68,15 +71,19 @@ def disassemble(kernel) -> tuple[list[tuple[int, str]], dict[str, int], str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--block-n", type=int, default=128)
-    parser.add_argument("--warps", type=int, default=4)
+    parser.add_argument("--block-n", type=int, help="tokens per step (default: the launch's)")
+    parser.add_argument("--warps", type=int, help="warps per program (default: the launch's)")
     parser.add_argument("--gqa", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="sm_XX target")
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     args = parser.parse_args()
+    launch = _default_tuning(args.head_dim, args.gqa, torch.float16)
+    args.block_n, args.warps = args.block_n or launch.block_n, args.warps or launch.num_warps
 
-    kernel = compile_split_kernel(args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head)
+    kernel = compile_split_kernel(
+        args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head, 3, launch.residual_block
+    )
     instructions, labels, usage = disassemble(kernel)
     loops = []  # (start, end) of every backward branch
     for address, text in instructions:
