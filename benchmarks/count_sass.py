@@ -82,8 +82,9 @@ def main() -> None:
     args.block_n, args.warps = args.block_n or launch.block_n, args.warps or launch.num_warps
 
     kernel = compile_split_kernel(
-        args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head, 3, launch.residual_block
-    )
+        args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head,
+        launch.num_stages, launch.residual_block,
+    )  # fmt: skip
     instructions, labels, usage = disassemble(kernel)
     loops = []  # (start, end) of every backward branch
     for address, text in instructions:
