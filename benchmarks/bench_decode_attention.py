@@ -175,7 +175,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
             lambda s: decode_attention_triton(
                 s["q"], s["quantized"], s["rk"], s["rv"], None, scale, per_head, key_rotated
             )
-        ),
+        ),  # fmt: skip
         sets,
     )
     entry["per_head_vs_fused"] = (results["fused_per_head"]["us_graph"] or results["fused_per_head"]["us"]) / (
