@@ -566,11 +566,11 @@ class _Tuning:
 
     block_n: int  # quantized tokens per inner step (a multiple of 16)
     num_warps: int
-    num_stages: int
     programs_per_sm: int  # splits are sized to launch about this many programs per SM ...
     programs_per_sm_few_heads: int  # ... this many when B * Hkv < SMs / 4 (one wave: shorter merge, fewer partials)
-    min_blocks_per_split: int  # ... but no split gets fewer blocks than this ...
-    min_blocks_per_split_few_heads: int  # ... or than this with few heads (short contexts: one block per program)
+    min_blocks_per_split: int = 4  # ... but no split gets fewer blocks than this ...
+    min_blocks_per_split_few_heads: int = 1  # ... or than this with few heads (short contexts: one block per program)
+    num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
 
@@ -602,38 +602,24 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
     tokens over few KV heads."""
     if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
         if short_few_heads and head_dim == 128:
-            return _Tuning(
-                block_n=128,
-                num_warps=4,
-                num_stages=3,
-                programs_per_sm=8,
-                programs_per_sm_few_heads=2,
-                min_blocks_per_split=4,
-                min_blocks_per_split_few_heads=1,
-            )
+            return _Tuning(block_n=128, num_warps=4, programs_per_sm=8, programs_per_sm_few_heads=2)
         warps = head_dim // 64
         return _Tuning(
             block_n=64,
             num_warps=warps,
-            num_stages=3,
             programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
             programs_per_sm_few_heads=8 // warps,
-            min_blocks_per_split=4,
-            min_blocks_per_split_few_heads=1,
         )
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
-        num_stages=3,
         programs_per_sm=8,
         programs_per_sm_few_heads=2,
-        min_blocks_per_split=4,
-        min_blocks_per_split_few_heads=1,
     )
 
 
-def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning: _Tuning) -> int:
-    """Splits of the quantized blocks of each KV head (0 without quantized blocks).
+def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning: _Tuning, few_heads: bool) -> int:
+    """Splits of the quantized blocks of each KV head (0 without quantized blocks); `few_heads`: `_few_heads`.
 
     Under the interpreter: as if there were 4 SMs, one block per split (tests then cross split boundaries).
     """
@@ -641,7 +627,7 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
         return 0
     if device.type != "cuda":  # the interpreter: 4 SMs, one block per split
         return max(1, min(math.ceil(tuning.programs_per_sm * 4 / batch_heads), num_blocks))
-    if _few_heads(batch_heads, device):
+    if few_heads:
         per_sm, min_blocks = tuning.programs_per_sm_few_heads, tuning.min_blocks_per_split_few_heads
     else:
         per_sm, min_blocks = tuning.programs_per_sm, tuning.min_blocks_per_split
@@ -751,12 +737,13 @@ def _decode_attention(
     kv_heads, residual = residual_keys.shape[1], residual_keys.shape[2]
     gqa = q_heads // kv_heads
     rows = gqa * q_len
+    few_heads = _few_heads(batch * kv_heads, query.device)
     if tuning is None:
-        short_few_heads = num_quantized <= _SHORT_CONTEXT and _few_heads(batch * kv_heads, query.device)
+        short_few_heads = few_heads and num_quantized <= _SHORT_CONTEXT
         tuning = _default_tuning(head_dim, rows, config.scale_torch_dtype, short_few_heads)
     block_n = tuning.block_n
     num_blocks = triton.cdiv(num_quantized, block_n)
-    num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning)
+    num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning, few_heads)
     blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
     if num_splits:
         num_splits = triton.cdiv(num_blocks, blocks_per_split)
