@@ -6,9 +6,11 @@ Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 wei
 compile). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of steady decode steps, started
 and stopped from the streamer; the GPU-busy share of the window tells launch/host overhead from kernel time.
 Prints the kernels by total GPU time per step and writes benchmarks/results/profile_generate_<gpu>.json
-(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, kernels, runtime_calls, host_operators: [{name, us_per_step,
-calls_per_step}], inductor_counters}]`; wall_ms is measured under the profiler, which slows the host side). The
-runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from kernels launched one by one.
+(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, gpu_idle_ms, kernels, runtime_calls, host_operators: [{name,
+us_per_step, calls_per_step}], idle_host_operators: [{name, us_per_step}], inductor_counters}]`; wall_ms is measured
+under the profiler, which slows the host side). The runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from
+kernels launched one by one. gpu_idle_ms is the time per step with no kernel running between the window's first and
+last kernel, and idle_host_operators the outermost host operators running in that time: what the GPU waits for.
 """
 
 from __future__ import annotations
@@ -47,6 +49,29 @@ class _ProfileWindow:
 
     def end(self):
         pass
+
+
+def _idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
+    """The GPU's idle time per step (gaps between kernels, first to last kernel of the window) and the outermost host
+    operators overlapping those gaps, by time per step; the rest of the idle time is Python between operators."""
+    kernels = sorted(
+        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
+    )
+    gaps, busy_until = [], kernels[0][1]
+    for start, end in kernels[1:]:
+        if start > busy_until:
+            gaps.append((busy_until, start))
+        busy_until = max(busy_until, end)
+    overlap: dict[str, float] = {}
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None:
+            lo, hi = e.time_range.start, e.time_range.end
+            inside = sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in gaps)
+            if inside > 0:
+                overlap[e.name] = overlap.get(e.name, 0.0) + inside
+    by_time = sorted(overlap.items(), key=lambda item: -item[1])[:top]
+    idle_ms = sum(b - a for a, b in gaps) / steps / 1000
+    return idle_ms, [{"name": name, "us_per_step": us / steps} for name, us in by_time]
 
 
 def main() -> None:
@@ -105,6 +130,10 @@ def main() -> None:
             for e in sorted(host, key=lambda e: -e.cpu_time_total)
             if not e.key.startswith(("cuda", "cu"))
         ][: args.top]
+        idle_ms, idle_operators = _idle_host_time(window.profiler.events(), steps, args.top)
+        print(f"  GPU idle {idle_ms:.2f} ms per step; outermost host operators in that time:")
+        for k in idle_operators:
+            print(f"  {k['us_per_step']:9.1f} us  {k['name'][:100]}")
         inductor_counters = dict(torch._dynamo.utils.counters["inductor"])  # a cudagraph skip would show here
         print(f"  host: Inductor counters {inductor_counters}")
         for k in runtime + operators:
@@ -116,9 +145,11 @@ def main() -> None:
                 cache=cache,
                 wall_ms=1000 * window.wall / steps,
                 gpu_busy_ms=gpu_us / 1000,
+                gpu_idle_ms=idle_ms,
                 kernels=kernels,
                 runtime_calls=runtime,
                 host_operators=operators,
+                idle_host_operators=idle_operators,
                 inductor_counters=inductor_counters,
             )  # fmt: skip
         )
