@@ -14,7 +14,7 @@ whole `generate` call. An out-of-memory run is recorded as such. Random weights 
 are meaningless.
 
 Writes benchmarks/results/generate_<gpu>.json after every run (a partial record survives an interrupted run):
-`rows: [{batch, context, cache, compiled, step_ms, tokens_per_s, peak_gib, prefill_s}]`.
+`rows: [{batch, context, cache, compiled, step_ms, tokens_per_s, peak_gib, prefill_s, steady_steps_ms}]`.
 """
 
 from __future__ import annotations
@@ -109,6 +109,7 @@ def run(model, batch: int, context: int, new_tokens: int, cache_implementation: 
         "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "prefill_s": clock.times[0] - start,
         "steps_timed": len(steady),
+        "steady_steps_ms": [round(1000 * step, 2) for step in steady],  # shows a bimodal baseline for what it is
     }
 
 
