@@ -29,7 +29,7 @@ _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 _POINTERS = {  # bf16 model, 2-bit codes, fp16 scales, fp32 norms and partials
     "q_ptr": "*bf16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "km_ptr": "*fp16", "kn_ptr": "*fp32", "vc_ptr": "*i32",
     "vs_ptr": "*fp16", "vm_ptr": "*fp16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "mask_ptr": "*i8",
-    "key_rotated_ptr": "*i8", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32", "sem_ptr": "*i32", "out_ptr": "*bf16",
+    "key_rotated_ptr": "*i8", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
 }  # fmt: skip
 
 

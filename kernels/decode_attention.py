@@ -14,13 +14,11 @@ Query i (0-based, of Tq) sees every quantized token and residual tokens 0 .. R -
 Tq residual tokens). Scores: `(q H . deq(u_t)) * n_t * scaling` for quantized tokens, `q . k_t * scaling` for
 residual ones. Nothing proportional to the context is materialised: the split kernel reads the packed codes.
 
-One kernel, grid (B * Hkv, S + 1): program (bh, s < S) runs an online softmax over its range of quantized blocks for
+Kernel 1, grid (B * Hkv, S + 1): program (bh, s < S) runs an online softmax over its range of quantized blocks for
 all g * Tq query rows of KV head bh (each K/V tile is loaded once and used by the g heads), starting from the
 rotated query, and un-rotates its accumulator (o = o~ H, exact since H is linear); program (bh, S) does the same
 over the residual tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer
-[B * Hkv, S + 1, g * Tq, (D)] and counts itself done on its head's semaphore (zeroed per call); the last of a head's
-S + 1 programs merges their partials by log-sum-exp into the output (a second kernel for the merge cost its launch
-and latency: a tenth of a B=1 decode step at 32K).
+[B * Hkv, S + 1, g * Tq, (D)]. Kernel 2, grid (B * Hkv * g * Tq,), merges the S + 1 partials by log-sum-exp.
 
 Dequantization in registers: a word holds the codes of tokens j and j + H (H = W / 2) at bits j*b and j*b + 16, so
 one shift and one mask turn it into two fp16 `1024 + code` (exact; no int-to-float conversion), and packed fp16
@@ -342,8 +340,6 @@ def _split_kernel(
     key_rotated_ptr,
     part_o_ptr,
     part_ml_ptr,
-    sem_ptr,
-    out_ptr,
     # sizes
     num_kv_heads,
     num_quantized,
@@ -394,10 +390,6 @@ def _split_kernel(
     stride_mt,
     stride_krb,
     stride_krh,
-    stride_ob,
-    stride_oh,
-    stride_ot,
-    stride_od,
     # meta-parameters
     GQA: tl.constexpr,
     TQ: tl.constexpr,
@@ -498,45 +490,60 @@ def _split_kernel(
     tl.store(part_o_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], acc, mask=m_m[:, None])
     tl.store(part_ml_ptr + o_part * 2, m_i, mask=m_m)
     tl.store(part_ml_ptr + o_part * 2 + 1, l_i, mask=m_m)
-    # The program's partial is complete once all its threads have stored (the barrier); the count's release/acquire
-    # at GPU scope then makes every partial of the head visible to the program that counts last.
-    tl.debug_barrier()
-    if tl.atomic_add(sem_ptr + pid_bh, 1, sem="acq_rel", scope="gpu") == num_splits:
-        out = _merge_partials(
-            part_o_ptr + pid_bh * (num_splits + 1) * ROWS_USED * HEAD_DIM,
-            part_ml_ptr + pid_bh * (num_splits + 1) * ROWS_USED * 2,
-            num_splits + 1,
-            ROWS_USED,
-            HEAD_DIM,
-            BLOCK_M,
-        )
-        p_out = out_ptr + b * stride_ob + (h * GQA + o_m // TQ) * stride_oh + (o_m % TQ) * stride_ot
-        tl.store(p_out[:, None] + o_d[None, :] * stride_od, out.to(out_ptr.dtype.element_ty), mask=m_m[:, None])
 
 
-@triton.jit
-def _merge_partials(part_o_ptr, part_ml_ptr, num_parts, ROWS_USED: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_M: tl.constexpr):  # fmt: skip
-    """Log-sum-exp merge of one KV head's `num_parts` partials (acc [rows, D], m and l [rows], base 2) into its
-    normalised output rows [BLOCK_M, D]; rows that saw no token (every m = -inf) come out zero."""
-    o_m = tl.arange(0, BLOCK_M)
-    m_m = o_m < ROWS_USED
+@triton.jit(do_not_specialize=["num_parts"])
+def _merge_kernel(
+    # pointers
+    part_o_ptr,
+    part_ml_ptr,
+    out_ptr,
+    # sizes
+    num_kv_heads,
+    num_parts,
+    # strides
+    stride_ob,
+    stride_oh,
+    stride_ot,
+    stride_od,
+    # meta-parameters
+    GQA: tl.constexpr,
+    TQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+):
+    ROWS_USED: tl.constexpr = GQA * TQ
+    pid = tl.program_id(0).to(tl.int64)  # (b * Hkv + h) * GQA * TQ + row
+    bh = pid // ROWS_USED
+    row = pid % ROWS_USED
     o_d = tl.arange(0, HEAD_DIM)
-    m_run = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_run = tl.full([BLOCK_M], 0.0, tl.float32)
-    acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    for part in range(num_parts):
-        o_row = part * ROWS_USED + o_m
-        m_p = tl.load(part_ml_ptr + o_row * 2, mask=m_m, other=float("-inf"))
-        l_p = tl.load(part_ml_ptr + o_row * 2 + 1, mask=m_m, other=0.0)
-        o_p = tl.load(part_o_ptr + o_row[:, None] * HEAD_DIM + o_d[None, :], mask=m_m[:, None], other=0.0)
-        m_new = tl.maximum(m_run, m_p)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m_run - m_use), tl.exp2(m_p - m_use)
-        acc = acc * alpha[:, None] + o_p * beta[:, None]
-        l_run = l_run * alpha + l_p * beta
-        m_run = m_new
-    return acc / tl.where(l_run > 0, l_run, 1.0)[:, None]
+    p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
+
+    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    for start in range(0, num_parts, BLOCK_S):
+        o_s = start + tl.arange(0, BLOCK_S)
+        m_max = tl.maximum(m_max, tl.load(p_ml + o_s * ROWS_USED * 2, mask=o_s < num_parts, other=float("-inf")))
+    m_all = tl.reduce(m_max, 0, _maximum)
+    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
+
+    l_sum = tl.full([BLOCK_S], 0.0, tl.float32)
+    acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
+    for start in range(0, num_parts, BLOCK_S):
+        o_s = start + tl.arange(0, BLOCK_S)
+        m_s = o_s < num_parts
+        m_p = tl.load(p_ml + o_s * ROWS_USED * 2, mask=m_s, other=float("-inf"))
+        l_p = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=m_s, other=0.0)
+        scale = tl.exp2(m_p - m_all)
+        l_sum += scale * l_p
+        p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
+        acc += scale[:, None] * tl.load(p_o, mask=m_s[:, None], other=0.0)
+    l_all = tl.reduce(l_sum, 0, _add)
+    out = tl.reduce(acc, 0, _add) / tl.where(l_all > 0, l_all, 1.0)
+
+    b = bh // num_kv_heads
+    head = (bh % num_kv_heads) * GQA + row // TQ
+    p_out = out_ptr + b * stride_ob + head * stride_oh + (row % TQ) * stride_ot + o_d * stride_od
+    tl.store(p_out, out.to(out_ptr.dtype.element_ty))
 
 
 def _interpreting() -> bool:
@@ -745,7 +752,6 @@ def _decode_attention(
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_o = torch.empty((batch * kv_heads, num_splits + 1, rows, head_dim), dtype=torch.float32, device=device)
     part_ml = torch.empty((batch * kv_heads, num_splits + 1, rows, 2), dtype=torch.float32, device=device)
-    semaphores = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)  # programs done, per KV head
     if quantized is None:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
         quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
     key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
@@ -767,8 +773,6 @@ def _decode_attention(
             key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,  # unused if None
             part_o_ptr=part_o,
             part_ml_ptr=part_ml,
-            sem_ptr=semaphores,
-            out_ptr=out,
             num_kv_heads=kv_heads,
             num_quantized=num_quantized,
             num_residual=residual,
@@ -787,7 +791,6 @@ def _decode_attention(
             **_strides("rv", residual_values, "bhtd"),
             **_strides("m", mask, "bt"),
             **_strides("kr", key_rotated if key_rotated is not None else mask, "bh"),
-            **_strides("o", out, "bhtd"),
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
@@ -805,5 +808,18 @@ def _decode_attention(
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
+        )
+        _merge_kernel[(batch * kv_heads * rows,)](
+            part_o,
+            part_ml,
+            out,
+            kv_heads,
+            num_splits + 1,
+            **_strides("o", out, "bhtd"),
+            GQA=gqa,
+            TQ=q_len,
+            HEAD_DIM=head_dim,
+            BLOCK_S=16,
+            num_warps=4,
         )
     return out
