@@ -55,9 +55,10 @@ def retrieval(*lengths: str) -> list[str]:
 
 
 # Runs of (model, tasks, methods), in priority order (documents per task: `documents`): 2k retrieval with 30
-# documents per task and perplexity on 20 documents on every model first, then 4k and generation-based passkey. Build
-# the data with `python eval_configs/build_data.py --lengths 1k 2k 4k --docs 30`. The whole plan takes many hours on 2
-# shared CPU cores; every entry is saved as soon as it is measured, so it can run in pieces.
+# documents per task and perplexity on 20 documents on every model first, then 4k and generation-based passkey, then
+# niah and passkey at 8k on SmolLM2 (its context limit is 8192 tokens; the prompts are ~7.7K of its tokens). Build
+# the data with `python eval_configs/build_data.py --lengths 1k 2k 4k 8k --docs 30`. The whole plan takes many hours on
+# 2 shared CPU cores; every entry is saved as soon as it is measured, so it can run in pieces.
 SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
     *((name, ["oscar_multikey_2k"], EVIDENCE_METHODS) for name in MODELS),
@@ -65,6 +66,7 @@ PLAN = [
     *((name, ["oscar_niah_2k", "oscar_passkey_2k"], EVIDENCE_METHODS) for name in MODELS),
     *((name, retrieval("4k"), EVIDENCE_METHODS) for name in MODELS),
     *((name, ["oscar_passkey_gen_2k"], EVIDENCE_METHODS) for name in MODELS),
+    ("smollm2-135m", ["oscar_niah_8k", "oscar_passkey_8k"], COMPARED_METHODS),
 ]
 
 
@@ -491,7 +493,7 @@ def summarize(model_names: list[str]) -> Path:
     where the method scored the same documents as bf16); the retrieval accuracy pooled over the 2k retrieval tasks
     that the INT2 comparison (bf16, the default, the paper's method, KIVI) ran in full (another method: those of them
     it ran, listed in its `retrieval_tasks`), with its binomial standard error and the number of documents; every
-    retrieval cell on its own (`retrieval_cells`, 2k and 4k); and the exact match of each generation task run."""
+    retrieval cell on its own (`retrieval_cells`, 2k, 4k and 8k); and the exact match of each generation task run."""
     summary = {}
     for name in model_names:
         entries = current_entries(name)
@@ -518,7 +520,7 @@ def summarize(model_names: list[str]) -> Path:
                     "retrieval_se": round(binomial_se(acc, n), 4),
                     "retrieval_n": n,
                 }
-            own = {t: entries[f"{m}|{t}"] for t in retrieval("2k", "4k") if f"{m}|{t}" in entries}
+            own = {t: entries[f"{m}|{t}"] for t in retrieval("2k", "4k", "8k") if f"{m}|{t}" in entries}
             if own:
                 row["retrieval_cells"] = {
                     t.removeprefix("oscar_"): {
