@@ -119,7 +119,11 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=40)
     parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS}, 24 new tokens")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument("--append", action="store_true", help="keep the record's other rows (a run split in two)")
+    parser.add_argument(
+        "--append",
+        action="store_true",
+        help="keep the record's other rows (a run split in two); rows measured again go to earlier_runs",
+    )
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     args = parser.parse_args()
     rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
@@ -144,14 +148,20 @@ def main() -> None:
     if args.append and path.exists():
         earlier = json.loads(path.read_text())
         rerun = {(b, c, *VARIANTS[v][::2]) for b, c in shapes for v in args.variants}
-        record["rows"] = [
-            r for r in earlier["rows"] if (r["batch"], r["context"], r["cache"], r["compiled"]) not in rerun
-        ]
-        for row in record["rows"]:
+        for row in earlier["rows"]:
             row.setdefault("commit", earlier["commit"])  # rows from before rows named their commit
+        replaced = [r for r in earlier["rows"] if (r["batch"], r["context"], r["cache"], r["compiled"]) in rerun]
+        record["rows"] = [r for r in earlier["rows"] if r not in replaced]
         record["earlier_runs"] = [
             *earlier.get("earlier_runs", []),
-            {k: earlier[k] for k in ("date", "commit", "new_tokens")},
+            {
+                **{k: earlier[k] for k in ("date", "commit", "new_tokens")},
+                # what this run measures again, as it was: a rerun never hides an earlier number
+                "replaced_rows": [
+                    {k: r.get(k) for k in ("batch", "context", "cache", "compiled", "commit", "step_ms", "error")}
+                    for r in replaced
+                ],
+            },
         ]
     probe = OscarCache(model.config, OscarConfig())
     probe.reserve(1)  # generate reserves its maximum length
