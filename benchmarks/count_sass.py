@@ -40,7 +40,7 @@ def compile_split_kernel(
     constants = dict(
         GQA=gqa, TQ=1, HEAD_DIM=head_dim, LOG2_D=head_dim.bit_length() - 1, BITS=2, GROUP=32,
         BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, BLOCK_R=residual_block, ROTATION=True,
-        KEY_ROTATION_PER_HEAD=per_head, TOKEN_SCALING=True, HAS_MASK=False, PARTIAL_BLOCK=False, DEPENDENT_MERGE=True,
+        KEY_ROTATION_PER_HEAD=per_head, TOKEN_SCALING=True, HAS_MASK=False, PARTIAL_BLOCK=False,
     )  # fmt: skip
     signature = {
         name: "constexpr" if name in constants else _POINTERS.get(name, "fp32" if name == "qk_scale" else "i32")

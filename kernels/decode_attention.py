@@ -42,7 +42,6 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -406,11 +405,8 @@ def _split_kernel(
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
     PARTIAL_BLOCK: tl.constexpr,
-    DEPENDENT_MERGE: tl.constexpr,
 ):
     ROWS_USED: tl.constexpr = GQA * TQ
-    if DEPENDENT_MERGE:  # the merge kernel may start launching now: it waits for this grid's results (`gdc_wait`)
-        gdc_launch_dependents()
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
@@ -515,11 +511,8 @@ def _merge_kernel(
     TQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    DEPENDENT_MERGE: tl.constexpr,
 ):
     ROWS_USED: tl.constexpr = GQA * TQ
-    if DEPENDENT_MERGE:  # launched while the split kernel runs: wait until its partials are written and visible
-        gdc_wait()
     pid = tl.program_id(0).to(tl.int64)  # (b * Hkv + h) * GQA * TQ + row
     bh = pid // ROWS_USED
     row = pid % ROWS_USED
@@ -567,11 +560,6 @@ def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-def _has_dependent_launch(device: torch.device) -> bool:
-    """Whether kernels on `device` can use programmatic dependent launch (Hopper, sm_90, and later)."""
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
 @dataclass(frozen=True)
 class _Tuning:
     """Launch choices of the split kernel; `_default_tuning` picks them, the benchmark sweeps them."""
@@ -585,9 +573,6 @@ class _Tuning:
     num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
-    # launch the merge with programmatic dependent launch where the GPU has it (sm_90+): its programs start while the
-    # split kernel's last wave runs and wait for the partials in `gdc_wait`, which hides the second launch's latency
-    dependent_merge: bool = True
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -764,7 +749,6 @@ def _decode_attention(
         num_splits = triton.cdiv(num_blocks, blocks_per_split)
 
     device = query.device
-    dependent_merge = tuning.dependent_merge and _has_dependent_launch(device)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_o = torch.empty((batch * kv_heads, num_splits + 1, rows, head_dim), dtype=torch.float32, device=device)
     part_ml = torch.empty((batch * kv_heads, num_splits + 1, rows, 2), dtype=torch.float32, device=device)
@@ -821,7 +805,6 @@ def _decode_attention(
             TOKEN_SCALING=config.token_scaling,
             HAS_MASK=key_padding_mask is not None,
             PARTIAL_BLOCK=num_quantized % block_n != 0,
-            DEPENDENT_MERGE=dependent_merge,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
@@ -837,8 +820,6 @@ def _decode_attention(
             TQ=q_len,
             HEAD_DIM=head_dim,
             BLOCK_S=16,
-            DEPENDENT_MERGE=dependent_merge,
             num_warps=4,
-            **({"launch_pdl": True} if dependent_merge else {}),
         )
     return out
