@@ -519,26 +519,29 @@ def _merge_kernel(
     o_d = tl.arange(0, HEAD_DIM)
     p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
 
-    m_max = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    for start in range(0, num_parts, BLOCK_S):
-        o_s = start + tl.arange(0, BLOCK_S)
-        m_max = tl.maximum(m_max, tl.load(p_ml + o_s * ROWS_USED * 2, mask=o_s < num_parts, other=float("-inf")))
-    m_all = tl.reduce(m_max, 0, _maximum)
-    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)
-
-    l_sum = tl.full([BLOCK_S], 0.0, tl.float32)
+    # One pass: slot i of the tile keeps its own running (m, l, acc) over partials i, i + BLOCK_S, ..., so each step
+    # loads m, l and o together (one round trip to memory; BLOCK_S covers all partials up to `_Tuning.merge_tile`)
+    # and rescales elementwise; the slots are combined once at the end. Empty partials (m = -inf, l = 0) add nothing.
+    m_s = tl.full([BLOCK_S], float("-inf"), tl.float32)
+    l_s = tl.full([BLOCK_S], 0.0, tl.float32)
     acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
     for start in range(0, num_parts, BLOCK_S):
         o_s = start + tl.arange(0, BLOCK_S)
-        m_s = o_s < num_parts
-        m_p = tl.load(p_ml + o_s * ROWS_USED * 2, mask=m_s, other=float("-inf"))
-        l_p = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=m_s, other=0.0)
-        scale = tl.exp2(m_p - m_all)
-        l_sum += scale * l_p
+        m_p = o_s < num_parts
+        part_m = tl.load(p_ml + o_s * ROWS_USED * 2, mask=m_p, other=float("-inf"))
+        part_l = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=m_p, other=0.0)
         p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
-        acc += scale[:, None] * tl.load(p_o, mask=m_s[:, None], other=0.0)
-    l_all = tl.reduce(l_sum, 0, _add)
-    out = tl.reduce(acc, 0, _add) / tl.where(l_all > 0, l_all, 1.0)
+        part_o = tl.load(p_o, mask=m_p[:, None], other=0.0)
+        m_new = tl.maximum(m_s, part_m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha, beta = tl.exp2(m_s - m_use), tl.exp2(part_m - m_use)
+        l_s = l_s * alpha + part_l * beta
+        acc = acc * alpha[:, None] + part_o * beta[:, None]
+        m_s = m_new
+    m_all = tl.reduce(m_s, 0, _maximum)
+    weight = tl.exp2(m_s - tl.where(m_all == float("-inf"), 0.0, m_all))
+    l_all = tl.reduce(l_s * weight, 0, _add)
+    out = tl.reduce(acc * weight[:, None], 0, _add) / tl.where(l_all > 0, l_all, 1.0)
 
     b = bh // num_kv_heads
     head = (bh % num_kv_heads) * GQA + row // TQ
@@ -573,6 +576,7 @@ class _Tuning:
     num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
+    merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -819,7 +823,7 @@ def _decode_attention(
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
-            BLOCK_S=16,
+            BLOCK_S=min(triton.next_power_of_2(num_splits + 1), max(1, tuning.merge_tile // head_dim)),
             num_warps=4,
         )
     return out

@@ -15,7 +15,13 @@ import torch
 import triton
 import triton.language as tl
 from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
-from oscar_hf.kernels.decode_attention import _unpack_codes_t
+from oscar_hf.kernels.decode_attention import (
+    _decode_attention,
+    _default_tuning,
+    _few_heads,
+    _num_splits,
+    _unpack_codes_t,
+)
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -223,6 +229,19 @@ def test_unpack_codes_order(bits: int):
     out = torch.empty(dim, rows * per_word, dtype=torch.float16, device=DEVICE)
     _unpack_kernel[(1,)](words.T.contiguous(), out, dim, rows, bits)
     torch.testing.assert_close(out.float().cpu(), tokens[:, token_of_col].float().cpu(), rtol=0, atol=0)
+
+
+def test_merge_over_several_steps():
+    """The merge kernel's per-slot running (m, l, acc) across steps: a merge tile of 4 partials over this case's 9
+    splits + the residual program (a partial last step), with the first splits fully masked (m = -inf, l = 0)."""
+    case = replace(BASE, quantized=544, batch=1, kv_heads=1, left_pad=200)
+    inputs = make_inputs(case)
+    tuning = replace(_default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
+    blocks = triton.cdiv(case.quantized, tuning.block_n)
+    assert _num_splits(1, blocks, DEVICE, tuning, _few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
+    out = _decode_attention(*inputs, tuning=tuning)
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
 def test_quantized_none_equals_zero_tokens():
