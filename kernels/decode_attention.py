@@ -218,11 +218,12 @@ def _quantized_part(
 
     q = q.to(tl.float32)
     if ROTATION:  # (q H) . (k H) = q . k: the query meets the keys in their stored domain
-        # H is an involution, so an unrotated head's query is H(H q): ending on the paper kernel's rotation keeps one
-        # query operand in registers (a select after the rotation made Triton re-read it from shared memory each step)
-        if KEY_ROTATION_PER_HEAD:
-            q = tl.where(key_rotated, q, _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D))
-        q = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
+        # method="oscar" selects the query per head: one transform in the prologue. (With the masked last-block step
+        # compiled in as well, Triton 3.6 duplicated the selected query's operand conversion and re-read it from shared
+        # memory every step; that step is compiled only for partial blocks now, `PARTIAL_BLOCK`, and the usual kernel's
+        # loop counts as the paper kernel's, `count_sass.py --per-head`.)
+        q_rotated = _fwht_rows(q, BLOCK_M, HEAD_DIM, LOG2_D)
+        q = tl.where(key_rotated, q_rotated, q) if KEY_ROTATION_PER_HEAD else q_rotated
     q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
     q_max = tl.where(q_max > 0, q_max, 1.0)
     b_q = (q / q_max).to(DOT_DTYPE)
