@@ -598,7 +598,9 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
     23.6, 35.2 vs 36.2 and 72.5 vs 114 us. Splits are sized for 32 / 12 / 8 programs per SM (2x / 1.5x / 1x the warps
     of the earlier 8 programs of 4 warps; D=128 with 16: 236 us), and with few KV heads (B * Hkv < SMs / 4) for 8 / 4
     / 2, where a split may hold a single block (B=1 at 4K: 12.3 vs 16.7 us with at least 4, measured with the 4-warp
-    programs).
+    programs). At D=128 a split holds at least 8 blocks otherwise: where the KV heads fill the SMs at short contexts,
+    fewer and longer programs fit in fewer waves (B=8 4K 33.0 vs 37.7 us with at least 4, B=8 8K 67.8 vs 77.2, B=16 4K
+    67.3 vs 80.8; no change from 32K, where splits hold more than 8 blocks anyway).
 
     More query rows (speculative steps, wide GQA) or fp32 scales (tf32 operands) keep the choices measured before:
     64-token steps (32 at D=256, and with fp32 scales) over 4 warps (8 at D=256 or above 32 rows). The residual
@@ -614,6 +616,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
             num_warps=warps,
             programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
             programs_per_sm_few_heads=8 // warps,
+            min_blocks_per_split=8 if head_dim == 128 else 4,
         )
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
