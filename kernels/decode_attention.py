@@ -528,11 +528,11 @@ def _merge_kernel(
     acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
     for start in range(0, num_parts, BLOCK_S):
         o_s = start + tl.arange(0, BLOCK_S)
-        m_p = o_s < num_parts
-        part_m = tl.load(p_ml + o_s * ROWS_USED * 2, mask=m_p, other=float("-inf"))
-        part_l = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=m_p, other=0.0)
+        valid = o_s < num_parts
+        part_m = tl.load(p_ml + o_s * ROWS_USED * 2, mask=valid, other=float("-inf"))
+        part_l = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=valid, other=0.0)
         p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
-        part_o = tl.load(p_o, mask=m_p[:, None], other=0.0)
+        part_o = tl.load(p_o, mask=valid[:, None], other=0.0)
         m_new = tl.maximum(m_s, part_m)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha, beta = tl.exp2(m_s - m_use), tl.exp2(part_m - m_use)
