@@ -303,7 +303,8 @@ _WHY_MISSED = (
     "channels) removed the cross-warp waits inside a step (B=8 32K on the H200: 256 -> 228 us at D=128, 797 -> 492 "
     "at D=256, 154 -> 104 at D=64), but the register count still caps the warps per SM; a third fewer instructions "
     "(keys packed along channels, measured) did not make it faster. At 4K the fixed per-call costs (query rotation, "
-    "output un-rotation, partial writes, a second merge launch) weigh most. What would close it: see "
+    "output un-rotation, partial writes, the merge launch) weigh most; a one-pass merge and splits sized to whole "
+    "waves brought it level with SDPA there. What would close it: see "
     "benchmarks/NOTES_kernels.md."
 )
 
