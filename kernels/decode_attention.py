@@ -4,7 +4,8 @@
 
     query             [B, Hq, Tq, D]      bf16 / fp16 / fp32; Hq = g * Hkv (GQA), 1 <= Tq <= R (speculative decoding)
     quantized         QuantizedKV or None, L quantized tokens (layout: `oscar_hf.layout.StorageLayout`; tensors may be
-                      views of larger capacity buffers, any strides), L a multiple of group_size
+                      views of larger capacity buffers, any strides but the value parameters' last two, which must be
+                      the layout's (D / G, 1)), L a multiple of group_size
     residual_keys     [B, Hkv, R, D]      raw post-RoPE keys, query dtype (not rotated, not scaled), 1 <= R
     residual_values   [B, Hkv, R, D]
     key_padding_mask  None or bool [B, L + R] (True = attend)
@@ -188,10 +189,6 @@ def _quantized_part(
     stride_knt,
     stride_vcr,
     stride_vcd,
-    stride_vst,
-    stride_vsg,
-    stride_vmt,
-    stride_vmg,
     stride_mt,
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
@@ -238,11 +235,14 @@ def _quantized_part(
     off_vw = o_w * stride_vcr + o_d * stride_vcd
     NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1  # key groups per tile (columns c // GROUP)
     o_kg = tl.arange(0, NKG)[None, :, None]
-    o_vg = tl.arange(0, HEAD_DIM // GROUP)[:, None, None]
+    NVG: tl.constexpr = HEAD_DIM // GROUP  # value groups per token
+    o_vg = tl.arange(0, NVG)[:, None, None]
     off_ks = o_kg * stride_ksg + o_d[:, :, None] * stride_ksd  # [D, NKG, 1]
     off_km = o_kg * stride_kmg + o_d[:, :, None] * stride_kmd
-    off_vs = tok[None, None, :] * stride_vst + o_vg * stride_vsg  # [D / GROUP, 1, BLOCK_N]
-    off_vm = tok[None, None, :] * stride_vmt + o_vg * stride_vmg
+    # value parameters: [tokens, D / GROUP] contiguous (`_validate`); the constant strides let each thread load a
+    # token's groups as one vector, which Triton then pipelines with the codes (cp.async) instead of issuing 16-bit
+    # gathers whose latency every step waited for
+    off_vs = tok[None, None, :] * NVG + o_vg  # [D / GROUP, 1, BLOCK_N]
     off_kn = tok * stride_knt
     off_mask = tok * stride_mt
 
@@ -259,8 +259,8 @@ def _quantized_part(
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
             vc_ptr + (t0 // W) * stride_vcr + off_vw,
-            vs_ptr + t0 * stride_vst + off_vs,
-            vm_ptr + t0 * stride_vmt + off_vm,
+            vs_ptr + t0 * NVG + off_vs,
+            vm_ptr + t0 * NVG + off_vs,
             mask_ptr + t0 * stride_mt + off_mask,
             BLOCK_N, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
         )  # fmt: skip
@@ -273,8 +273,8 @@ def _quantized_part(
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
             vc_ptr + (t0 // W) * stride_vcr + off_vw,
-            vs_ptr + t0 * stride_vst + off_vs,
-            vm_ptr + t0 * stride_vmt + off_vm,
+            vs_ptr + t0 * NVG + off_vs,
+            vm_ptr + t0 * NVG + off_vs,
             mask_ptr + t0 * stride_mt + off_mask,
             num_quantized - t0, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
         )  # fmt: skip
@@ -373,12 +373,8 @@ def _split_kernel(
     stride_vcd,
     stride_vsb,
     stride_vsh,
-    stride_vst,
-    stride_vsg,
     stride_vmb,
     stride_vmh,
-    stride_vmt,
-    stride_vmg,
     stride_rkb,
     stride_rkh,
     stride_rkt,
@@ -468,10 +464,6 @@ def _split_kernel(
             stride_knt,
             stride_vcr,
             stride_vcd,
-            stride_vst,
-            stride_vsg,
-            stride_vmt,
-            stride_vmg,
             stride_mt,
             HEAD_DIM,
             LOG2_D,
@@ -696,6 +688,15 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
         num_quantized = StorageLayout.of(config).check(
             quantized, batch, kv_heads, head_dim, query.device, "decode_attention_triton"
         )
+    if quantized is not None:
+        groups = head_dim // config.group_size
+        for name in ("value_scale", "value_min"):
+            if getattr(quantized, name).stride()[2:] != (groups, 1):
+                raise ValueError(
+                    f"decode_attention_triton: quantized.{name} must be contiguous over its last two dims [L, D / G] "
+                    f"(strides ({groups}, 1), as the storage layout allocates them and its token views keep), got "
+                    f"{getattr(quantized, name).stride()[2:]}; pass `.contiguous()` storage."
+                )
     if key_padding_mask is not None and (
         key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, num_quantized + residual)
     ):
@@ -793,8 +794,8 @@ def _decode_attention(
             **_strides("km", quantized.key_min, "bhgd"),
             **_strides("kn", key_norms, "b_t"),
             **_strides("vc", quantized.value_codes, "bhrd"),
-            **_strides("vs", quantized.value_scale, "bhtg"),
-            **_strides("vm", quantized.value_min, "bhtg"),
+            **_strides("vs", quantized.value_scale, "bh__"),
+            **_strides("vm", quantized.value_min, "bh__"),
             **_strides("rk", residual_keys, "bhtd"),
             **_strides("rv", residual_values, "bhtd"),
             **_strides("m", mask, "bt"),

@@ -266,6 +266,9 @@ def test_rejects_bad_inputs():
         decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, method="oscar"))
     with pytest.raises(ValueError, match="this config takes None"):
         decode_attention_triton(query, quantized, rk, rv, None, scaling, config, torch.ones(1, 2, dtype=torch.bool))
+    groups_major = quantized.value_min.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
+    with pytest.raises(ValueError, match=r"value_min must be contiguous over its last two dims"):
+        decode_attention_triton(query, quantized._replace(value_min=groups_major), rk, rv, None, scaling, config)
 
 
 GPU_CASES = [
