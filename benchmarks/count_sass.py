@@ -2,10 +2,12 @@
 
     python benchmarks/count_sass.py [--block-n N] [--warps W] [--gqa 4] [--head-dim 128] [--arch 90]
 
-Compiles `_split_kernel` for an NVIDIA target with this machine's Triton (its bundled ptxas), disassembles it with
-the bundled nvdisasm and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks), with the
-launch's step and warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)`
-lane-instructions per K or V code, and the registers and spills, which bound the programs per SM. The kernel is
+Compiles `_split_kernel` for an NVIDIA target with this machine's Triton (its bundled ptxas) from the arguments the
+launcher passes (so strides and alignments are specialized as on the GPU), disassembles it with the bundled nvdisasm
+and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks), with the launch's step and
+warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)` lane-instructions per K or
+V code, the registers and spills, which bound the programs per SM, and the loop's global loads that Triton did not
+pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead). The kernel is
 latency-bound (benchmarks/NOTES_kernels.md): fewer instructions help only with fewer registers or fewer waits, so
 time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
 """
@@ -14,40 +16,65 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import re
 import subprocess
 import tempfile
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
-from oscar_hf.kernels.decode_attention import _default_tuning, _split_kernel
+from oscar_hf.kernels import decode_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
+from triton.runtime.jit import create_function_from_signature
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.layout import StorageLayout
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
-_POINTERS = {  # bf16 model, 2-bit codes, fp16 scales, fp32 norms and partials
-    "q_ptr": "*bf16", "kc_ptr": "*i32", "ks_ptr": "*fp16", "km_ptr": "*fp16", "kn_ptr": "*fp32", "vc_ptr": "*i32",
-    "vs_ptr": "*fp16", "vm_ptr": "*fp16", "rk_ptr": "*bf16", "rv_ptr": "*bf16", "mask_ptr": "*i8",
-    "key_rotated_ptr": "*i8", "part_o_ptr": "*fp32", "part_ml_ptr": "*fp32",
-}  # fmt: skip
 
 
-def compile_split_kernel(
-    block_n: int, warps: int, gqa: int, head_dim: int, arch: int, per_head: bool = False, stages: int = 3,
-    residual_block: int = 32,
-):  # fmt: skip
-    constants = dict(
-        GQA=gqa, TQ=1, HEAD_DIM=head_dim, LOG2_D=head_dim.bit_length() - 1, BITS=2, GROUP=32,
-        BLOCK_M=max(16, triton.next_power_of_2(gqa)), BLOCK_N=block_n, BLOCK_R=residual_block, ROTATION=True,
-        KEY_ROTATION_PER_HEAD=per_head, TOKEN_SCALING=True, HAS_MASK=False, PARTIAL_BLOCK=False,
-    )  # fmt: skip
-    signature = {
-        name: "constexpr" if name in constants else _POINTERS.get(name, "fp32" if name == "qk_scale" else "i32")
-        for name in _split_kernel.arg_names
-    }
-    source = ASTSource(fn=_split_kernel, signature=signature, constexprs=constants)
-    return triton.compile(source, target=GPUTarget("cuda", arch, 32), options=dict(num_warps=warps, num_stages=stages))
+def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, context: int = 32768) -> dict:
+    """The split kernel's keyword arguments as `decode_attention_triton` passes them for a bf16 model's decode step
+    (B=8, Hkv=8, residual window 64), built on CPU tensors of the storage layout: the same strides and alignments the
+    GPU launch specializes on (a stride of 1 becomes a constant, multiples of 16 are marked divisible), so the
+    compiled loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
+    batch, kv_heads, residual = 8, 8, 64
+    config = OscarConfig(method="oscar" if per_head else "paper")
+    query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
+    quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, context, "cpu")
+    keys, values = (torch.randn(batch, kv_heads, residual, head_dim, dtype=torch.bfloat16) for _ in range(2))
+    mask = torch.ones(batch, context + residual, dtype=torch.bool) if masked else None
+    key_rotated = torch.ones(batch, kv_heads, dtype=torch.bool) if per_head else None
+    recorded = {}
+
+    def recorder(name):
+        return mock.Mock(__getitem__=lambda self, grid: lambda *args, **kwargs: recorded.setdefault(name, kwargs))
+
+    with (
+        mock.patch.object(decode_attention, "_split_kernel", recorder("split")),
+        mock.patch.object(decode_attention, "_merge_kernel", recorder("merge")),
+        mock.patch.object(decode_attention, "_interpreting", lambda: True),
+    ):
+        decode_attention._decode_attention(
+            query, quantized, keys, values, mask, head_dim**-0.5, config, key_rotated, tuning
+        )
+    return recorded["split"]
+
+
+def compile_split_kernel(tuning, gqa: int, head_dim: int, arch: int, per_head: bool = False, masked: bool = False):
+    """`_split_kernel` compiled for sm_`arch` with the launch's arguments, specialized as Triton's launcher does."""
+    kernel = decode_attention._split_kernel
+    arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked)
+    target = GPUTarget("cuda", arch, 32)
+    backend = make_backend(target)
+    binder = create_function_from_signature(kernel.signature, kernel.params, backend)
+    bound, specialization, options = binder(**arguments)
+    options, signature, constexprs, attrs = kernel._pack_args(backend, arguments, bound, specialization, options)
+    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
 
 
 def disassemble(kernel) -> tuple[list[tuple[int, str]], dict[str, int], str]:
@@ -77,14 +104,15 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--arch", type=int, default=90, help="sm_XX target")
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
+    parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     args = parser.parse_args()
-    launch = _default_tuning(args.head_dim, args.gqa, torch.float16)
-    args.block_n, args.warps = args.block_n or launch.block_n, args.warps or launch.num_warps
+    launch = decode_attention._default_tuning(args.head_dim, args.gqa, torch.float16)
+    launch = dataclasses.replace(
+        launch, block_n=args.block_n or launch.block_n, num_warps=args.warps or launch.num_warps
+    )
+    args.block_n, args.warps = launch.block_n, launch.num_warps
 
-    kernel = compile_split_kernel(
-        args.block_n, args.warps, args.gqa, args.head_dim, args.arch, args.per_head,
-        launch.num_stages, launch.residual_block,
-    )  # fmt: skip
+    kernel = compile_split_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked)
     instructions, labels, usage = disassemble(kernel)
     loops = []  # (start, end) of every backward branch
     for address, text in instructions:
@@ -100,6 +128,8 @@ def main() -> None:
         f"block_n={args.block_n} warps={args.warps} gqa={args.gqa} D={args.head_dim}: {len(body)} instructions per "
         f"step and warp = {per_code:.2f} per K or V code"
     )
+    waited = opcodes["LDG"]
+    print(f"global loads waited on in the loop (LDG, not pipelined): {waited}")
     print("most frequent:", ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
 
 
