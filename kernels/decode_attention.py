@@ -17,9 +17,11 @@ residual ones. Nothing proportional to the context is materialised: the split ke
 
 Kernel 1, grid (B * Hkv, S + 1): program (bh, s < S) runs an online softmax over its range of quantized blocks for
 all g * Tq query rows of KV head bh (each K/V tile is loaded once and used by the g heads), starting from the
-rotated query, and un-rotates its accumulator (o = o~ H, exact since H is linear); program (bh, S) does the same
-over the residual tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer
-[B * Hkv, S + 1, g * Tq, (D)]. Kernel 2, grid (B * Hkv * g * Tq,), merges the S + 1 partials by log-sum-exp.
+rotated query; its accumulator stays in the values' rotated domain. Program (bh, S) does the same over the residual
+tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer [B * Hkv, S + 1, g * Tq, (D)].
+Kernel 2, grid (B * Hkv * g * Tq,), merges the S quantized partials by log-sum-exp, un-rotates their sum once
+(o = o~ H, exact since H is linear: one transform per row instead of one per split program), and adds the residual
+partial.
 
 Dequantization in registers: a word holds the codes of tokens j and j + H (H = W / 2) at bits j*b and j*b + 16, so
 one shift and one mask turn it into two fp16 `1024 + code` (exact; no int-to-float conversion), and packed fp16
@@ -202,7 +204,8 @@ def _quantized_part(
     HAS_MASK: tl.constexpr,
     PARTIAL_BLOCK: tl.constexpr,
 ):
-    """Online softmax over quantized blocks [block_lo, block_hi); returns the un-rotated (acc, m, l).
+    """Online softmax over quantized blocks [block_lo, block_hi); returns (acc, m, l), acc in the values' stored
+    (rotated, with ROTATION) domain: the merge kernel un-rotates the sum of the splits.
     `key_rotated`: with KEY_ROTATION_PER_HEAD (method="oscar"), whether this head's keys are stored rotated.
     PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
     The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
@@ -278,8 +281,6 @@ def _quantized_part(
             mask_ptr + t0 * stride_mt + off_mask,
             num_quantized - t0, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
         )  # fmt: skip
-    if ROTATION:
-        acc = _fwht_rows(acc, BLOCK_M, HEAD_DIM, LOG2_D)
     return acc, m_i, l_i
 
 
@@ -503,6 +504,8 @@ def _merge_kernel(
     GQA: tl.constexpr,
     TQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    ROTATION: tl.constexpr,
     BLOCK_S: tl.constexpr,
 ):
     ROWS_USED: tl.constexpr = GQA * TQ
@@ -511,16 +514,18 @@ def _merge_kernel(
     row = pid % ROWS_USED
     o_d = tl.arange(0, HEAD_DIM)
     p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
+    num_splits = num_parts - 1  # the quantized partials; the last one is the residual program's
 
-    # One pass: slot i of the tile keeps its own running (m, l, acc) over partials i, i + BLOCK_S, ..., so each step
-    # loads m, l and o together (one round trip to memory; BLOCK_S covers all partials up to `_Tuning.merge_tile`)
-    # and rescales elementwise; the slots are combined once at the end. Empty partials (m = -inf, l = 0) add nothing.
+    # One pass over the quantized partials: slot i of the tile keeps its own running (m, l, acc) over partials i,
+    # i + BLOCK_S, ..., so each step loads m, l and o together (one round trip to memory; BLOCK_S covers all partials
+    # up to `_Tuning.merge_tile`) and rescales elementwise; the slots are combined once at the end. Empty partials
+    # (m = -inf, l = 0) add nothing.
     m_s = tl.full([BLOCK_S], float("-inf"), tl.float32)
     l_s = tl.full([BLOCK_S], 0.0, tl.float32)
     acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
-    for start in range(0, num_parts, BLOCK_S):
+    for start in range(0, num_splits, BLOCK_S):
         o_s = start + tl.arange(0, BLOCK_S)
-        valid = o_s < num_parts
+        valid = o_s < num_splits
         part_m = tl.load(p_ml + o_s * ROWS_USED * 2, mask=valid, other=float("-inf"))
         part_l = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=valid, other=0.0)
         p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
@@ -531,10 +536,20 @@ def _merge_kernel(
         l_s = l_s * alpha + part_l * beta
         acc = acc * alpha[:, None] + part_o * beta[:, None]
         m_s = m_new
-    m_all = tl.reduce(m_s, 0, _maximum)
-    weight = tl.exp2(m_s - tl.where(m_all == float("-inf"), 0.0, m_all))
-    l_all = tl.reduce(l_s * weight, 0, _add)
-    out = tl.reduce(acc * weight[:, None], 0, _add) / tl.where(l_all > 0, l_all, 1.0)
+    # the residual program's partial, in the values' original domain
+    m_r = tl.load(p_ml + num_splits * ROWS_USED * 2)
+    l_r = tl.load(p_ml + num_splits * ROWS_USED * 2 + 1)
+    o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
+
+    m_all = tl.maximum(tl.reduce(m_s, 0, _maximum), m_r)
+    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
+    weight = tl.exp2(m_s - m_use)
+    acc_q = tl.reduce(acc * weight[:, None], 0, _add)  # [D], rotated with ROTATION
+    if ROTATION:
+        acc_q = tl.reshape(_fwht_rows(tl.reshape(acc_q, (1, HEAD_DIM)), 1, HEAD_DIM, LOG2_D), (HEAD_DIM,))
+    weight_r = tl.exp2(m_r - m_use)
+    l_all = tl.reduce(l_s * weight, 0, _add) + l_r * weight_r
+    out = (acc_q + o_r * weight_r) / tl.where(l_all > 0, l_all, 1.0)
 
     b = bh // num_kv_heads
     head = (bh % num_kv_heads) * GQA + row // TQ
@@ -828,7 +843,9 @@ def _decode_attention(
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
-            BLOCK_S=min(triton.next_power_of_2(num_splits + 1), max(1, tuning.merge_tile // head_dim)),
+            LOG2_D=head_dim.bit_length() - 1,
+            ROTATION=config.rotation,
+            BLOCK_S=min(triton.next_power_of_2(max(num_splits, 1)), max(1, tuning.merge_tile // head_dim)),
             num_warps=4,
         )
     return out
