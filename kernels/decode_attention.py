@@ -245,7 +245,7 @@ def _quantized_part(
     # value parameters: [tokens, D / GROUP] contiguous (`_validate`); the constant strides let each thread load a
     # token's groups as one vector, which Triton then pipelines with the codes (cp.async) instead of issuing 16-bit
     # gathers whose latency every step waited for
-    off_vs = tok[None, None, :] * NVG + o_vg  # [D / GROUP, 1, BLOCK_N]
+    off_vparams = tok[None, None, :] * NVG + o_vg  # [D / GROUP, 1, BLOCK_N]
     off_kn = tok * stride_knt
     off_mask = tok * stride_mt
 
@@ -262,8 +262,8 @@ def _quantized_part(
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
             vc_ptr + (t0 // W) * stride_vcr + off_vw,
-            vs_ptr + t0 * NVG + off_vs,
-            vm_ptr + t0 * NVG + off_vs,
+            vs_ptr + t0 * NVG + off_vparams,
+            vm_ptr + t0 * NVG + off_vparams,
             mask_ptr + t0 * stride_mt + off_mask,
             BLOCK_N, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
         )  # fmt: skip
@@ -276,8 +276,8 @@ def _quantized_part(
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
             vc_ptr + (t0 // W) * stride_vcr + off_vw,
-            vs_ptr + t0 * NVG + off_vs,
-            vm_ptr + t0 * NVG + off_vs,
+            vs_ptr + t0 * NVG + off_vparams,
+            vm_ptr + t0 * NVG + off_vparams,
             mask_ptr + t0 * stride_mt + off_mask,
             num_quantized - t0, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
         )  # fmt: skip
@@ -703,8 +703,7 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
         num_quantized = StorageLayout.of(config).check(
             quantized, batch, kv_heads, head_dim, query.device, "decode_attention_triton"
         )
-    if quantized is not None:
-        groups = head_dim // config.group_size
+        groups = head_dim // config.group_size  # the kernel reads the value parameters with these constant strides
         for name in ("value_scale", "value_min"):
             if getattr(quantized, name).stride()[2:] != (groups, 1):
                 raise ValueError(
