@@ -305,7 +305,7 @@ _WHY_MISSED = (
     "(keys packed along channels, measured) did not make it faster; removing the two memory round trips each step "
     "waited on (value parameters read as 16-bit gathers, now pipelined with the codes) did (B=8 32K 226 -> 193 us on "
     "the H200, 1.09x -> 1.28x SDPA). At 4K the fixed per-call costs (query rotation, "
-    "output un-rotation, partial writes, the merge launch) weigh most; a one-pass merge and splits sized to whole "
+    "partial writes, the merge launch and its un-rotation) weigh most; a one-pass merge and splits sized to whole "
     "waves brought it level with SDPA there. What would close it: see "
     "benchmarks/NOTES_kernels.md."
 )

@@ -128,8 +128,7 @@ def main() -> None:
         f"block_n={args.block_n} warps={args.warps} gqa={args.gqa} D={args.head_dim}: {len(body)} instructions per "
         f"step and warp = {per_code:.2f} per K or V code"
     )
-    waited = opcodes["LDG"]
-    print(f"global loads waited on in the loop (LDG, not pipelined): {waited}")
+    print(f"global loads waited on in the loop (LDG, not pipelined): {opcodes['LDG']}")
     print("most frequent:", ", ".join(f"{op} {n}" for op, n in opcodes.most_common(16)))
 
 
