@@ -176,6 +176,11 @@ def _fused_sdpa(original, module, query, key, value, attention_mask, dropout=0.0
         return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
     _check_call(layer, query, value)
     _dispatch.waiting = None
+    if torch.compiler.is_compiling():
+        # A compiled model has no layer reading another's K/V (`OscarCache.compile_blockers`), so the step is used up.
+        # Left in place, its K/V would outlive the traced forward: two more graph outputs per layer, which CUDA-graph
+        # replays rebuild as tensors on the host while the GPU waits (generate synchronises every step).
+        layer.fused_step = None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     if dropout or any(kwargs.get(name) is not None for name in _UNSUPPORTED_KWARGS):

@@ -76,7 +76,14 @@ def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method):
     eager_tokens, eager_logits, eager_cache = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    graph_outputs = []
+    aot_eager = torch._dynamo.lookup_backend("aot_eager")
+
+    def counting_outputs(gm, example_inputs):
+        graph_outputs.append(len(next(node for node in gm.graph.nodes if node.op == "output").args[0]))
+        return aot_eager(gm, example_inputs)
+
+    compiled = torch.compile(model.forward, fullgraph=True, backend=counting_outputs)
     tokens, logits, cache = _decode(model, compiled, prompt, 6, **options)
     assert torch.equal(tokens, eager_tokens)
     for a, b in zip(logits, eager_logits):
@@ -88,6 +95,9 @@ def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method):
         assert torch.equal(layer.key_rotated, eager_cache.layers[0].key_rotated)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # one graph for every step, flush included
     assert not torch._dynamo.utils.counters["graph_break"]
+    # The logits are the step's only output: the fused step's K/V do not outlive it (each output of a CUDA-graph replay
+    # is rebuilt on the host while the GPU waits).
+    assert graph_outputs == [1] and layer.fused_step is None
 
 
 def test_a_compiled_step_the_cache_cannot_run_is_an_error(tiny_llama):
