@@ -117,7 +117,7 @@ def portable(s, config, scale):
 def fused(s, config, scale, tuning=None):
     if tuning is None:
         return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
-    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, None, tuning)
+    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, None, tuning=tuning)
 
 
 MAX_REL_ERR = 2e-3  # fused vs the float32 reference, every benchmark shape (issue 7)

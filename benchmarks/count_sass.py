@@ -60,7 +60,7 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
         mock.patch.object(decode_attention, "_interpreting", lambda: True),
     ):
         decode_attention._decode_attention(
-            query, quantized, keys, values, mask, head_dim**-0.5, config, key_rotated, tuning
+            query, quantized, keys, values, mask, head_dim**-0.5, config, key_rotated, tuning=tuning
         )
     return recorded["split"]
 

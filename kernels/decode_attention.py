@@ -11,6 +11,11 @@
     key_padding_mask  None or bool [B, L + R] (True = attend)
     returns           [B, Hq, Tq, D]      query dtype
 
+With `length` (compiled decode: a one-element int64 device tensor, the tokens held, the new ones included), `quantized`
+and the residual tensors are the whole reserved storage and window instead: the kernel reads L = (length - 1) // R * R
+quantized tokens and length - L residual ones, decided on the device, and `key_padding_mask` is [B, W] over positions
+(W >= capacity + R: the residual slot j is position L + j), so nothing on the host depends on how much is held.
+
 Query i (0-based, of Tq) sees every quantized token and residual tokens 0 .. R - Tq + i (the queries are the last
 Tq residual tokens). Scores: `(q H . deq(u_t)) * n_t * scaling` for quantized tokens, `q . k_t * scaling` for
 residual ones. Nothing proportional to the context is materialised: the split kernel reads the packed codes.
@@ -252,7 +257,8 @@ def _quantized_part(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    full_hi = tl.minimum(block_hi, num_quantized // BLOCK_N)
+    # past the full blocks, within [block_lo, block_hi): a split may be empty (with a device length, those past it)
+    full_hi = tl.maximum(block_lo, tl.minimum(block_hi, num_quantized // BLOCK_N))
     for block in range(block_lo, full_hi):
         t0 = block * BLOCK_N
         acc, m_i, l_i = _quantized_block(
@@ -340,6 +346,7 @@ def _split_kernel(
     rv_ptr,
     mask_ptr,
     key_rotated_ptr,
+    length_ptr,
     part_o_ptr,
     part_ml_ptr,
     # sizes
@@ -403,12 +410,17 @@ def _split_kernel(
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
     PARTIAL_BLOCK: tl.constexpr,
+    DEVICE_LENGTH: tl.constexpr,
 ):
     ROWS_USED: tl.constexpr = GQA * TQ
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
     h = pid_bh % num_kv_heads
+    if DEVICE_LENGTH:  # the storage's capacity and the window R came in; the tokens held decide what is read
+        held = tl.load(length_ptr)
+        num_quantized = (held - 1) // num_residual * num_residual
+        num_residual = held - num_quantized
 
     o_m = tl.arange(0, BLOCK_M)
     m_m = o_m < ROWS_USED
@@ -660,8 +672,8 @@ def _strides(prefix: str, tensor: torch.Tensor, axes: str) -> dict[str, int]:
     return {f"stride_{prefix}{axis}": stride for axis, stride in zip(axes, tensor.stride(), strict=True) if axis != "_"}
 
 
-def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config) -> int:
-    """Check shapes/dtypes/devices; return the number of quantized tokens."""
+def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config, length) -> int:
+    """Check shapes/dtypes/devices; return the number of quantized tokens (with `length`, the storage's capacity)."""
     if query.dim() != 4:
         raise ValueError(f"decode_attention_triton: query must be [B, Hq, Tq, D], got {tuple(query.shape)}.")
     batch, q_heads, q_len, head_dim = query.shape
@@ -711,13 +723,25 @@ def _validate(query, quantized, residual_keys, residual_values, key_padding_mask
                     f"(strides ({groups}, 1), as the storage layout allocates them and its token views keep), got "
                     f"{getattr(quantized, name).stride()[2:]}; pass `.contiguous()` storage."
                 )
-    if key_padding_mask is not None and (
-        key_padding_mask.dtype != torch.bool or tuple(key_padding_mask.shape) != (batch, num_quantized + residual)
-    ):
+    if length is not None and (length.dtype != torch.int64 or length.numel() != 1 or length.device != query.device):
         raise ValueError(
-            f"decode_attention_triton: key_padding_mask must be bool [B, L + R] = {(batch, num_quantized + residual)}, "
-            f"got {key_padding_mask.dtype} {tuple(key_padding_mask.shape)}."
+            "decode_attention_triton: `length` must be a one-element int64 tensor on the query's device (the tokens "
+            f"held, this step's included), got {length.dtype} {tuple(length.shape)} on {length.device}."
         )
+    if key_padding_mask is not None:
+        slots = num_quantized + residual
+        # with `length`, over positions: the window's slots follow the tokens quantized so far, up to the capacity
+        width_ok = key_padding_mask.shape[-1] == slots if length is None else key_padding_mask.shape[-1] >= slots
+        expected = f"[B, L + R] = {(batch, slots)}" if length is None else f"[B, W >= capacity + R = {slots}]"
+        if key_padding_mask.dtype != torch.bool or key_padding_mask.dim() != 2 or not width_ok:
+            raise ValueError(
+                f"decode_attention_triton: key_padding_mask must be bool {expected}, got {key_padding_mask.dtype} "
+                f"{tuple(key_padding_mask.shape)}."
+            )
+        if key_padding_mask.shape[0] != batch:
+            raise ValueError(
+                f"decode_attention_triton: key_padding_mask has batch {key_padding_mask.shape[0]}, not {batch}."
+            )
     return num_quantized
 
 
@@ -730,11 +754,13 @@ def decode_attention_triton(
     scaling: float,
     config: OscarConfig,
     key_rotated: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D].
-    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as given to `quantize_kv_triton` (None for method="paper")."""
+    `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as given to `quantize_kv_triton` (None for method="paper").
+    `length`: None, or the tokens held as a device tensor, over the whole storage and window (module docstring)."""
     return _decode_attention(
-        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated
+        query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, length
     )
 
 
@@ -747,10 +773,11 @@ def _decode_attention(
     scaling: float,
     config: OscarConfig,
     key_rotated: torch.Tensor | None,
+    length: torch.Tensor | None = None,
     tuning: _Tuning | None = None,
 ) -> torch.Tensor:
     """`decode_attention_triton` with the launch choices given (the benchmark's sweep), else `_default_tuning`'s."""
-    num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config)
+    num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config, length)
     check_key_rotated(
         key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
     )
@@ -794,6 +821,7 @@ def _decode_attention(
             rv_ptr=residual_values,
             mask_ptr=mask,
             key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,  # unused if None
+            length_ptr=length if length is not None else mask,  # unused if None
             part_o_ptr=part_o,
             part_ml_ptr=part_ml,
             num_kv_heads=kv_heads,
@@ -827,7 +855,9 @@ def _decode_attention(
             KEY_ROTATION_PER_HEAD=key_rotated is not None,
             TOKEN_SCALING=config.token_scaling,
             HAS_MASK=key_padding_mask is not None,
-            PARTIAL_BLOCK=num_quantized % block_n != 0,
+            # with `length`, the tokens read are a multiple of the window R (`num_quantized` is the capacity)
+            PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
+            DEVICE_LENGTH=length is not None,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),

@@ -1,7 +1,7 @@
 """The Triton launchers as PyTorch custom ops, so that `torch.compile` traces a decode step without graph breaks.
 
     torch.ops.oscar.decode_attention(query, quantized, residual_keys, residual_values, key_padding_mask, scaling,
-                                     config, key_rotated) -> [B, Hq, Tq, D]
+                                     config, key_rotated, length) -> [B, Hq, Tq, D]
     torch.ops.oscar.flush_residual(residual_keys, residual_values, storage, length, config, padding_mask,
                                    key_rotated) -> None (writes storage)
 
@@ -54,17 +54,18 @@ def _decode_attention_op(
     scaling: float,
     config: str,
     key_rotated: torch.Tensor | None,
+    length: torch.Tensor | None,
 ) -> torch.Tensor:
     from . import decode_attention_triton
 
     stored = QuantizedKV(*quantized) if quantized else None
     return decode_attention_triton(
-        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config), key_rotated
+        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config), key_rotated, length
     )
 
 
 @_decode_attention_op.register_fake
-def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated):
+def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, length):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -99,12 +100,13 @@ def decode_attention(
     scaling: float,
     config: str,
     key_rotated: torch.Tensor | None = None,
+    length: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention_triton` through the `oscar::decode_attention` op (same contract; `config` from
     `config_key`)."""
     fields = [] if quantized is None else list(quantized)
     return torch.ops.oscar.decode_attention(
-        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config, key_rotated
+        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config, key_rotated, length
     )
 
 

@@ -274,13 +274,16 @@ class OscarLayer(CacheLayerMixin):
         return self.quantized_length + self.residual_length
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Decode steps of a cache that can run compiled get a mask of the reserved length: one shape for the whole
-        # generation (generate builds the mask outside the compiled forward); the kernel reads it in storage order.
+        # Decode steps of a cache that can run compiled get a mask over the reserved storage and the window: one shape
+        # for the whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's
+        # reads can reach (`_compiled_attention`).
         if self.compiled_decode and query_length == 1:
+            capacity = self._reserved_tokens if self._storage is None else self.layout.num_tokens(self._storage)
+            width = capacity + self.config.residual_length
             if torch.compiler.is_compiling():
-                return self.max_cache_len, 0
+                return width, 0
             if self.get_seq_length():
-                return max(self.max_cache_len, self.get_seq_length() + 1), 0
+                return max(width, self.get_seq_length() + 1), 0
         return self.get_seq_length() + query_length, 0
 
     def get_max_length(self) -> int:
@@ -481,23 +484,25 @@ class OscarLayer(CacheLayerMixin):
     def _compiled_attention(
         self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float
     ) -> torch.Tensor:
-        """The fused kernel over the whole reserved storage and residual window, the unused slots masked."""
-        window, total = self.config.residual_length, self._length  # `total` counts this step's token
-        quantized = (total - 1) // window * window
-        capacity = self.layout.num_tokens(self._storage)
-        slots = torch.arange(capacity + window, device=query.device)  # storage order: quantized, then residual
-        in_residual = slots >= capacity
-        valid = torch.where(in_residual, slots - capacity < total - quantized, slots < quantized)
-        if attention_mask is not None:  # [B or 1, 1, 1, max_cache_len] over positions: gather it in storage order
-            allowed = attention_mask[:, 0, -1]
-            if allowed.dtype != torch.bool:  # an additive float mask: 0 where attending
-                allowed = allowed == 0
-            position = torch.where(in_residual, quantized + slots - capacity, slots).clamp(max=allowed.shape[-1] - 1)
-            valid = valid & allowed.index_select(-1, position)
-        stored = self._storage if capacity else None
-        padding = valid.expand(query.shape[0], -1)
+        """The fused kernel handed the whole reserved storage and residual window and the device counter: it reads
+        the tokens held (this step's included) and nothing beyond them."""
+        padding = None
+        if attention_mask is not None:  # [B or 1, 1, 1, positions]: its last row, over positions as the kernel reads
+            padding = attention_mask[:, 0, -1]
+            if padding.dtype != torch.bool:  # an additive float mask: 0 where attending
+                padding = padding == 0
+            padding = padding.expand(query.shape[0], -1)
+        stored = self._storage if self.layout.num_tokens(self._storage) else None
         return kernel_ops.decode_attention(
-            query, stored, self.residual_keys, self.residual_values, padding, scaling, self._op_config, self.key_rotated
+            query,
+            stored,
+            self.residual_keys,
+            self.residual_values,
+            padding,
+            scaling,
+            self._op_config,
+            self.key_rotated,
+            self._length,
         )
 
     def quantized(self) -> QuantizedKV | None:

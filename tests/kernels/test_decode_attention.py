@@ -244,6 +244,46 @@ def test_merge_over_several_steps():
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
+@pytest.mark.parametrize(
+    ("case", "held_quantized", "held_residual"),
+    [
+        (replace(BASE, quantized=160, residual=32), 96, 5),  # a 32-token window: partial 64-token blocks
+        (replace(BASE, quantized=160, residual=32, left_pad=40), 96, 32),  # a full window, padding over positions
+        (replace(BASE, quantized=128, residual=64, batch=1), 0, 17),  # storage reserved, nothing quantized yet
+        (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 128, 7),
+        (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 64, 12),
+    ],
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+)
+def test_device_length_reads_only_what_is_held(case: Case, held_quantized: int, held_residual: int):
+    """Compiled decode's launch: the whole storage (`case.quantized` tokens of capacity) and window (`case.residual`
+    slots), the tokens held in a device tensor. Everything past them holds random codes and values (and the mask past
+    them attends), so reading any of it would change the output; the expectation is the reference over the held
+    tokens alone, the padding mask taken over positions."""
+    query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = make_inputs(case)
+    window = case.residual
+    assert held_quantized % window == 0 and 1 <= held_residual <= window  # how the cache holds tokens
+    length = torch.tensor(held_quantized + held_residual, device=DEVICE)
+    out = decode_attention_triton(
+        query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated, length
+    )
+    held = StorageLayout.of(config).rows(quantized, 0, held_quantized) if held_quantized else None
+    held_mask = None if mask is None else mask[:, : held_quantized + held_residual]
+    ref = decode_attention_reference(
+        query,
+        held,
+        residual_keys[:, :, :held_residual],
+        residual_values[:, :, :held_residual],
+        held_mask,
+        scaling,
+        config,
+        key_rotated,
+        compute_dtype=torch.float64,
+        out_dtype=torch.float64,
+    )
+    assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
 def test_quantized_none_equals_zero_tokens():
     query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
     empty = QuantizedKV(*(None if t is None else t[..., :0, :] if t.dim() == 4 else t[..., :0] for t in quantized))
@@ -266,6 +306,11 @@ def test_rejects_bad_inputs():
         decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, method="oscar"))
     with pytest.raises(ValueError, match="this config takes None"):
         decode_attention_triton(query, quantized, rk, rv, None, scaling, config, torch.ones(1, 2, dtype=torch.bool))
+    with pytest.raises(ValueError, match="`length` must be a one-element int64 tensor"):
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, config, None, torch.tensor([3, 4]))
+    with pytest.raises(ValueError, match=r"key_padding_mask must be bool \[B, W >= capacity \+ R"):
+        short = torch.ones(1, 32, dtype=torch.bool, device=DEVICE)  # covers the storage, not the window after it
+        decode_attention_triton(query, quantized, rk, rv, short, scaling, config, None, torch.tensor(33, device=DEVICE))
     groups_major = quantized.value_min.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
     with pytest.raises(ValueError, match=r"value_min must be contiguous over its last two dims"):
         decode_attention_triton(query, quantized._replace(value_min=groups_major), rk, rv, None, scaling, config)

@@ -60,7 +60,21 @@ def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_histor
     expected = decode_attention_triton(*args, config, key_rotated)
     assert torch.equal(ops.decode_attention(*args, ops.config_key(config), key_rotated), expected)
     fields = [] if stored is None else list(stored)
-    op_args = (query, fields, *args[2:], ops.config_key(config), key_rotated)
+    op_args = (query, fields, *args[2:], ops.config_key(config), key_rotated, None)
+    torch.library.opcheck(torch.ops.oscar.decode_attention.default, op_args)
+
+
+def test_decode_attention_op_with_a_device_length():
+    """Compiled decode's call: the whole storage and window, the tokens held on the device (8 of the 32 + 8 slots
+    past the 32 quantized tokens are the window's; `length` says 40)."""
+    config = OscarConfig(residual_length=32)
+    query, stored, keys, values, _ = _inputs(config, quantized_tokens=64, residual=32)
+    length = torch.tensor(40, device=DEVICE)
+    mask = torch.rand(1, 96, device=DEVICE) > 0.2
+    args = (query, stored, keys, values, mask, 0.125)
+    expected = decode_attention_triton(*args, config, None, length)
+    assert torch.equal(ops.decode_attention(*args, ops.config_key(config), None, length), expected)
+    op_args = (query, list(stored), *args[2:], ops.config_key(config), None, length)
     torch.library.opcheck(torch.ops.oscar.decode_attention.default, op_args)
 
 
