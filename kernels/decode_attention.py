@@ -216,9 +216,6 @@ def _quantized_part(
     The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
     fewer registers (counted with Triton 3.6 for sm_90, D=128, 4 warps, 128-token steps: 56 bytes of spills per thread
     instead of 272)."""
-    W: tl.constexpr = 32 // BITS
-    H: tl.constexpr = W // 2
-    ROWS: tl.constexpr = BLOCK_N // W
     DOT_DTYPE: tl.constexpr = ks_ptr.dtype.element_ty  # fp16 scales: fp16 operands; fp32 scales: tf32
 
     q = q.to(tl.float32)
@@ -234,6 +231,79 @@ def _quantized_part(
     b_q = (q / q_max).to(DOT_DTYPE)
     qk_scale = qk_scale * q_max
 
+    args = (
+        b_q, qk_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, block_lo, block_hi,
+        num_quantized, stride_kcr, stride_kcd, stride_ksg, stride_ksd, stride_kmg, stride_kmd, stride_knt, stride_vcr,
+        stride_vcd, stride_mt,
+    )  # fmt: skip
+    if HAS_MASK:
+        # Programs whose tokens are all unmasked (all but those over a left-padded prefix, and every one of a compiled
+        # step without padding) run the loop without the per-step mask gather: 10 % of its instructions.
+        last = tl.minimum(block_hi * BLOCK_N, num_quantized)
+        if _any_masked(mask_ptr, block_lo * BLOCK_N, last, stride_mt, 8 * BLOCK_N):
+            acc, m_i, l_i = _quantized_blocks(
+                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, True, PARTIAL_BLOCK
+            )
+        else:
+            acc, m_i, l_i = _quantized_blocks(
+                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
+            )
+    else:
+        acc, m_i, l_i = _quantized_blocks(
+            *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
+        )
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _any_masked(mask_ptr, start, end, stride_mt, CHUNK: tl.constexpr):
+    """Whether the key padding mask excludes any of tokens [start, end)."""
+    found = 0
+    for chunk in range(start, end, CHUNK):
+        o_t = chunk + tl.arange(0, CHUNK)
+        excluded = tl.load(mask_ptr + o_t * stride_mt, mask=o_t < end, other=1) == 0
+        found = tl.maximum(found, tl.max(excluded.to(tl.int32), 0))
+    return found != 0
+
+
+@triton.jit
+def _quantized_blocks(
+    b_q,
+    qk_scale,
+    kc_ptr,
+    ks_ptr,
+    km_ptr,
+    kn_ptr,
+    vc_ptr,
+    vs_ptr,
+    vm_ptr,
+    mask_ptr,
+    block_lo,
+    block_hi,
+    num_quantized,
+    stride_kcr,
+    stride_kcd,
+    stride_ksg,
+    stride_ksd,
+    stride_kmg,
+    stride_kmd,
+    stride_knt,
+    stride_vcr,
+    stride_vcd,
+    stride_mt,
+    HEAD_DIM: tl.constexpr,
+    BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    PARTIAL_BLOCK: tl.constexpr,
+):
+    """`_quantized_part`'s loop over blocks [block_lo, block_hi) from its scaled query operand: (acc, m, l)."""
+    W: tl.constexpr = 32 // BITS
+    H: tl.constexpr = W // 2
+    ROWS: tl.constexpr = BLOCK_N // W
     # offsets inside a block (loop-invariant); column c of a tile holds token (c // W) * W + (c % 2) * H + (c % W) // 2
     o_d = tl.arange(0, HEAD_DIM)[:, None]
     o_c = tl.arange(0, BLOCK_N)
