@@ -18,8 +18,8 @@ Compiled decode (`torch.compile`, CUDA graphs): where the fused path applies and
 (`generate` does it; `OscarCache.reserve` by hand), storage is allocated once at full size and a layer keeps its
 length in a device counter. A compiled single-token step writes the token at the residual slot and flushes a
 complete block from that counter alone (the flush kernel is launched every step and returns at once until the
-block is complete), and attends over the whole reserved storage with the unused part masked: shapes and addresses never
-change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
+block is complete), and the fused kernel, handed the whole reserved storage and the counter, attends over the tokens
+held: shapes and addresses never change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
 back from the counter. method="oscar" fixes each (row, KV head)'s key rotation at the end of the prefill, when its
 queries arrive, however short the prompt: a flush in a compiled step reads those flags.
 
