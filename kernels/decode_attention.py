@@ -659,6 +659,7 @@ class _Tuning:
 
     block_n: int  # quantized tokens per inner step (a multiple of 16)
     num_warps: int
+    block_m: int  # query rows of a program's tiles, at least (the rows a KV head reads, rounded up to a power of 2)
     programs_per_sm: int  # splits are sized to launch about this many programs per SM ...
     programs_per_sm_few_heads: int  # ... this many when B * Hkv < SMs / 4 (one wave: shorter merge, fewer partials)
     min_blocks_per_split: int = 4  # ... but no split gets fewer blocks than this ...
@@ -698,11 +699,12 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
     tokens over few KV heads."""
     if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
         if short_few_heads and head_dim == 128:
-            return _Tuning(block_n=128, num_warps=4, programs_per_sm=8, programs_per_sm_few_heads=2)
+            return _Tuning(block_n=128, num_warps=4, block_m=8, programs_per_sm=8, programs_per_sm_few_heads=2)
         warps = head_dim // 64
         return _Tuning(
             block_n=64,
             num_warps=warps,
+            block_m=8,
             programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
             programs_per_sm_few_heads=8 // warps,
             min_blocks_per_split=8 if head_dim == 128 else 4,
@@ -710,6 +712,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
         num_warps=8 if head_dim > 128 or rows > 32 else 4,
+        block_m=16,
         programs_per_sm=8,
         programs_per_sm_few_heads=2,
     )
@@ -918,7 +921,7 @@ def _decode_attention(
             LOG2_D=head_dim.bit_length() - 1,
             BITS=config.bits,
             GROUP=config.group_size,
-            BLOCK_M=max(16, triton.next_power_of_2(rows)),
+            BLOCK_M=max(tuning.block_m, triton.next_power_of_2(rows)),
             BLOCK_N=block_n,
             BLOCK_R=tuning.residual_block,
             ROTATION=config.rotation,

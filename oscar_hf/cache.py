@@ -19,9 +19,10 @@ Compiled decode (`torch.compile`, CUDA graphs): where the fused path applies and
 length in a device counter. A compiled single-token step writes the token at the residual slot and flushes a
 complete block from that counter alone (the flush kernel is launched every step and returns at once until the
 block is complete), and the fused kernel, handed the whole reserved storage and the counter, attends over the tokens
-held: shapes and addresses never change, there is no host synchronisation and no Python branch on a tensor value. Eager code then reads the lengths
-back from the counter. method="oscar" fixes each (row, KV head)'s key rotation at the end of the prefill, when its
-queries arrive, however short the prompt: a flush in a compiled step reads those flags.
+held: shapes and addresses never change, there is no host synchronisation and no Python branch on a tensor value.
+Eager code then reads the lengths back from the counter. method="oscar" fixes each (row, KV head)'s key rotation at
+the end of the prefill, when its queries arrive, however short the prompt: a flush in a compiled step reads those
+flags.
 
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
