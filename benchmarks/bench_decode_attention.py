@@ -304,10 +304,10 @@ _WHY_MISSED = (
     "at D=256, 154 -> 104 at D=64), but the register count still caps the warps per SM; a third fewer instructions "
     "(keys packed along channels, measured) did not make it faster; removing the two memory round trips each step "
     "waited on (value parameters read as 16-bit gathers, now pipelined with the codes) did (B=8 32K 226 -> 193 us on "
-    "the H200, 1.09x -> 1.28x SDPA). At 4K the fixed per-call costs (query rotation, "
-    "partial writes, the merge launch and its un-rotation) weigh most; a one-pass merge and splits sized to whole "
-    "waves brought it level with SDPA there. What would close it: see "
-    "benchmarks/NOTES_kernels.md."
+    "the H200, 1.09x -> 1.28x SDPA), and so did query tiles of 8 rows instead of 16 where a KV head reads at most 8 "
+    "(fewer instructions and no more registers: B=8 32K 191 -> 176 us). At 4K the fixed per-call costs (query "
+    "rotation, partial writes, the merge launch and its un-rotation) weigh most; a one-pass merge and splits sized to "
+    "whole waves brought it level with SDPA there. What would close it: see benchmarks/NOTES_kernels.md."
 )
 
 
