@@ -238,7 +238,8 @@ def _quantized_part(
     )  # fmt: skip
     if HAS_MASK:
         # Programs whose tokens are all unmasked (all but those over a left-padded prefix, and every one of a compiled
-        # step without padding) run the loop without the per-step mask gather: 10 % of its instructions.
+        # step without padding) run the loop without the per-step mask gather (Triton 3.6, D=128: 1300 instead of 1332
+        # instructions per step with 8-row query tiles, 1382 instead of 1462 with 16).
         last = tl.minimum(block_hi * BLOCK_N, num_quantized)
         if _any_masked(mask_ptr, block_lo * BLOCK_N, last, stride_mt, 8 * BLOCK_N):
             acc, m_i, l_i = _quantized_blocks(
