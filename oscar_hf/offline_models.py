@@ -192,13 +192,19 @@ def model_path(name: str) -> Path:
     partial = _partial(target, folder=True)
     model.save_pretrained(partial)
     tokenizer.save_pretrained(partial)
+    _publish_folder(partial, target)
+    return target
+
+
+def _publish_folder(partial: Path, target: Path) -> None:
+    """Move a complete `save_pretrained` folder to `target` (only a complete folder is ever seen as cached), unless a
+    parallel process finished the same conversion first: then ours is dropped."""
     try:
-        partial.rename(target)  # only a complete folder is ever seen as cached
+        partial.rename(target)
     except OSError:
         if not (target / "config.json").exists():
             raise
-        shutil.rmtree(partial)  # a parallel process finished the same conversion first
-    return target
+        shutil.rmtree(partial)
 
 
 def load_model(name: str, dtype: torch.dtype = torch.float32, **kwargs):

