@@ -172,52 +172,20 @@ def _quantized_block(
 
 
 @triton.jit
-def _quantized_part(
+def _query_operand(
     q,
     key_rotated,
-    kc_ptr,
-    ks_ptr,
-    km_ptr,
-    kn_ptr,
-    vc_ptr,
-    vs_ptr,
-    vm_ptr,
-    mask_ptr,
-    block_lo,
-    block_hi,
-    num_quantized,
     qk_scale,
-    stride_kcr,
-    stride_kcd,
-    stride_ksg,
-    stride_ksd,
-    stride_kmg,
-    stride_kmd,
-    stride_knt,
-    stride_vcr,
-    stride_vcd,
-    stride_mt,
+    DOT_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
-    BITS: tl.constexpr,
-    GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
     ROTATION: tl.constexpr,
     KEY_ROTATION_PER_HEAD: tl.constexpr,
-    TOKEN_SCALING: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    PARTIAL_BLOCK: tl.constexpr,
 ):
-    """Online softmax over quantized blocks [block_lo, block_hi); returns (acc, m, l), acc in the values' stored
-    (rotated, with ROTATION) domain: the merge kernel un-rotates the sum of the splits.
-    `key_rotated`: with KEY_ROTATION_PER_HEAD (method="oscar"), whether this head's keys are stored rotated.
-    PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
-    The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
-    fewer registers (counted with Triton 3.6 for sm_90, D=128, 4 warps, 128-token steps: 56 bytes of spills per thread
-    instead of 272)."""
-    DOT_DTYPE: tl.constexpr = ks_ptr.dtype.element_ty  # fp16 scales: fp16 operands; fp32 scales: tf32
-
+    """The query rows as the quantized blocks' first dot operand, and the score scale that goes with it: rotated into
+    the keys' stored domain, divided by their largest magnitude so that fp16 operands cannot overflow.
+    `key_rotated`: with KEY_ROTATION_PER_HEAD (method="oscar"), whether this head's keys are stored rotated."""
     q = q.to(tl.float32)
     if ROTATION:  # (q H) . (k H) = q . k: the query meets the keys in their stored domain
         # method="oscar" selects the query per head: one transform in the prologue. (With the masked last-block step
@@ -228,32 +196,7 @@ def _quantized_part(
         q = tl.where(key_rotated, q_rotated, q) if KEY_ROTATION_PER_HEAD else q_rotated
     q_max = tl.reduce(tl.reduce(tl.abs(q), 1, _maximum), 0, _maximum)
     q_max = tl.where(q_max > 0, q_max, 1.0)
-    b_q = (q / q_max).to(DOT_DTYPE)
-    qk_scale = qk_scale * q_max
-
-    args = (
-        b_q, qk_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, block_lo, block_hi,
-        num_quantized, stride_kcr, stride_kcd, stride_ksg, stride_ksd, stride_kmg, stride_kmd, stride_knt, stride_vcr,
-        stride_vcd, stride_mt,
-    )  # fmt: skip
-    if HAS_MASK:
-        # Programs whose tokens are all unmasked (all but those over a left-padded prefix, and every one of a compiled
-        # step without padding) run the loop without the per-step mask gather (Triton 3.6, D=128: 1300 instead of 1332
-        # instructions per step with 8-row query tiles, 1382 instead of 1462 with 16).
-        last = tl.minimum(block_hi * BLOCK_N, num_quantized)
-        if _any_masked(mask_ptr, block_lo * BLOCK_N, last, stride_mt, 8 * BLOCK_N):
-            acc, m_i, l_i = _quantized_blocks(
-                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, True, PARTIAL_BLOCK
-            )
-        else:
-            acc, m_i, l_i = _quantized_blocks(
-                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
-            )
-    else:
-        acc, m_i, l_i = _quantized_blocks(
-            *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
-        )
-    return acc, m_i, l_i
+    return (q / q_max).to(DOT_DTYPE), qk_scale * q_max
 
 
 @triton.jit
@@ -301,7 +244,13 @@ def _quantized_blocks(
     HAS_MASK: tl.constexpr,
     PARTIAL_BLOCK: tl.constexpr,
 ):
-    """`_quantized_part`'s loop over blocks [block_lo, block_hi) from its scaled query operand: (acc, m, l)."""
+    """Online softmax over quantized blocks [block_lo, block_hi) from the query operand `b_q` (`_query_operand`);
+    returns (acc, m, l), acc in the values' stored (rotated, with ROTATION) domain: the merge kernel un-rotates the sum
+    of the splits. HAS_MASK: whether a step applies the key padding mask.
+    PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
+    The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
+    fewer registers (counted with Triton 3.6 for sm_90, D=128, 4 warps, 128-token steps: 56 bytes of spills per thread
+    instead of 272)."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     ROWS: tl.constexpr = BLOCK_N // W
@@ -524,43 +473,33 @@ def _split_kernel(
         key_rotated = False
         if KEY_ROTATION_PER_HEAD:
             key_rotated = tl.load(key_rotated_ptr + b * stride_krb + h * stride_krh) != 0
-        acc, m_i, l_i = _quantized_part(
-            q,
-            key_rotated,
-            kc_ptr + b * stride_kcb + h * stride_kch,
-            ks_ptr + b * stride_ksb + h * stride_ksh,
-            km_ptr + b * stride_kmb + h * stride_kmh,
-            kn_ptr + b * stride_knb,
-            vc_ptr + b * stride_vcb + h * stride_vch,
-            vs_ptr + b * stride_vsb + h * stride_vsh,
-            vm_ptr + b * stride_vmb + h * stride_vmh,
-            mask_ptr + b * stride_mb,
-            block_lo,
-            block_hi,
-            num_quantized,
-            qk_scale,
-            stride_kcr,
-            stride_kcd,
-            stride_ksg,
-            stride_ksd,
-            stride_kmg,
-            stride_kmd,
-            stride_knt,
-            stride_vcr,
-            stride_vcd,
-            stride_mt,
-            HEAD_DIM,
-            LOG2_D,
-            BITS,
-            GROUP,
-            BLOCK_M,
-            BLOCK_N,
-            ROTATION,
+        b_q, q_scale = _query_operand(
+            q, key_rotated, qk_scale, ks_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM, LOG2_D, ROTATION,
             KEY_ROTATION_PER_HEAD,
-            TOKEN_SCALING,
-            HAS_MASK,
-            PARTIAL_BLOCK,
-        )
+        )  # fmt: skip
+        p_mask = mask_ptr + b * stride_mb
+        args = (
+            b_q, q_scale, kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + b * stride_ksb + h * stride_ksh,
+            km_ptr + b * stride_kmb + h * stride_kmh, kn_ptr + b * stride_knb, vc_ptr + b * stride_vcb + h * stride_vch,
+            vs_ptr + b * stride_vsb + h * stride_vsh, vm_ptr + b * stride_vmb + h * stride_vmh, p_mask, block_lo,
+            block_hi, num_quantized, stride_kcr, stride_kcd, stride_ksg, stride_ksd, stride_kmg, stride_kmd, stride_knt,
+            stride_vcr, stride_vcd, stride_mt,
+        )  # fmt: skip
+        masked = False
+        if HAS_MASK:
+            # Programs whose tokens are all unmasked (all but those over a left-padded prefix, and every one of a
+            # compiled step without padding) run the loop without the per-step mask gather (Triton 3.6, D=128: 1300
+            # instead of 1332 instructions per step with 8-row query tiles, 1382 instead of 1462 with 16).
+            last = tl.minimum(block_hi * BLOCK_N, num_quantized)
+            masked = _any_masked(p_mask, block_lo * BLOCK_N, last, stride_mt, 8 * BLOCK_N)
+        if masked:
+            acc, m_i, l_i = _quantized_blocks(
+                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, True, PARTIAL_BLOCK
+            )
+        else:
+            acc, m_i, l_i = _quantized_blocks(
+                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
+            )
 
     # partials: part_o [B * Hkv, S + 1, GQA * TQ, D], part_ml [B * Hkv, S + 1, GQA * TQ, 2] (m, l), fp32
     o_part = (pid_bh * (num_splits + 1) + pid_s) * ROWS_USED + o_m
