@@ -96,6 +96,20 @@ def disassemble(kernel) -> tuple[list[tuple[int, str]], dict[str, int], str]:
     return instructions, labels, re.search(r"REG:\d+.*", usage.stdout).group(0)
 
 
+def loop_report(kernel) -> tuple[list[str], collections.Counter, str]:
+    """The longest loop's instructions (a kernel's main loop), their opcode counts, and the resource usage line."""
+    instructions, labels, usage = disassemble(kernel)
+    loops = []  # (start, end) of every backward branch
+    for address, text in instructions:
+        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
+        if target and labels.get(target.group(1), address + 1) <= address:
+            loops.append((labels[target.group(1)], address))
+    start, end = max(loops, key=lambda loop: loop[1] - loop[0])
+    body = [text for address, text in instructions if start <= address <= end]
+    opcodes = collections.Counter(re.sub(r"^@!?U?P[T\d]+\s+", "", text).split()[0].split(".")[0] for text in body)
+    return body, opcodes, usage
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--block-n", type=int, help="tokens per step (default: the launch's)")
@@ -113,15 +127,7 @@ def main() -> None:
     args.block_n, args.warps = launch.block_n, launch.num_warps
 
     kernel = compile_split_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked)
-    instructions, labels, usage = disassemble(kernel)
-    loops = []  # (start, end) of every backward branch
-    for address, text in instructions:
-        target = re.search(r"BRA\s+`\((\.L_x_\d+)\)", text)
-        if target and labels.get(target.group(1), address + 1) <= address:
-            loops.append((labels[target.group(1)], address))
-    start, end = max(loops, key=lambda loop: loop[1] - loop[0])  # the full quantized blocks: the longest loop
-    body = [text for address, text in instructions if start <= address <= end]
-    opcodes = collections.Counter(re.sub(r"^@!?U?P[T\d]+\s+", "", text).split()[0].split(".")[0] for text in body)
+    body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)
     print(f"triton {triton.__version__}, sm_{args.arch}, {usage}, dynamic shared {kernel.metadata.shared} B")
     print(
