@@ -31,6 +31,7 @@ import argparse
 import collections
 import json
 import math
+import os
 import re
 import subprocess
 import tempfile
@@ -43,28 +44,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
 
 _LOG2E = 1.4426950408889634
-D = gl.constexpr(128)
-ROWS = gl.constexpr(8)  # query rows per KV head (N of the MMA)
-BLOCK = gl.constexpr(128)  # tokens per step
+HEAD_DIM, QUERY_ROWS, STEP = 128, 8, 128  # head dim, query rows per KV head (the MMA's N), tokens per step
+D, ROWS, BLOCK = gl.constexpr(HEAD_DIM), gl.constexpr(QUERY_ROWS), gl.constexpr(STEP)
 
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 
-# key words [8 word rows g, 128 channels d]: lane (g, i) holds d = e + 2 i + 8 r2 + 16 ks
+# key words of 16 channels [8 word rows g, 16 channels d]: lane (g, i) holds d = e + 2 i + 8 r2
 K_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 128]
-    )
+    gl.DistributedLinearLayout([[0, 1], [0, 8]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 16])
 )
-K_PAIRS = gl.constexpr(  # [8 g, 64 channel pairs c]
-    gl.DistributedLinearLayout([[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 64])
+K_PAIRS = gl.constexpr(  # [8 g, 8 channel pairs c]
+    gl.DistributedLinearLayout([[0, 4]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 8])
 )
 K_CODES = gl.constexpr(  # [g, c, r1, h, m2]; the token's m-tile mt = 4 h + m2
     gl.DistributedLinearLayout(
-        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
-         [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 64, 2, 2, 4],
+        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 8, 2, 2, 4],
     )
 )  # fmt: skip
 # value words of one 32-channel group [8 word rows R = 2 i + e, 32 channels]: lane (g, i) holds channel g + 8 r1 + 16 mt
@@ -107,12 +104,13 @@ def _expand_last(x, n: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg):
-    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
+def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, KS: gl.constexpr):
+    """Channels 16 KS .. 16 KS + 15 of the step's K tile, [128 logical tokens, 16] as the first MMA operand, dequantized
+    (fp16). The tile goes through the MMA 16 channels at a time so that few of its registers are live at once."""
     o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, K_WORDS))
+    o_d = 16 * KS + gl.arange(0, 16, layout=gl.SliceLayout(0, K_WORDS))
     w = gl.load(kc_ptr + (row0 + o_g[:, None]) * stride_kcr + o_d[None, :])
-    w_even, w_odd = gl.split(gl.reshape(w, [8, 64, 2]))
+    w_even, w_odd = gl.split(gl.reshape(w, [8, 8, 2]))
     w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
     lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r1 = 0) and j >= 8 (r1 = 1) of channels (2c, 2c + 1)
@@ -121,7 +119,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg):
     )  # fmt: skip
     # scale / min pairs (channels 2c, 2c + 1) of the lane's key group, as int32
     o_g2 = gl.arange(0, 8, layout=gl.SliceLayout(1, K_PAIRS))
-    o_c2 = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PAIRS))
+    o_c2 = 8 * KS + gl.arange(0, 8, layout=gl.SliceLayout(0, K_PAIRS))
     off = (group0 + o_g2[:, None] // 2) * stride_ksg + o_c2[None, :]
     s4, m4 = gl.inline_asm_elementwise(  # 4 s and m - 4 s
         "{ .reg .b32 c4, cm4; mov.b32 c4, 0x44004400; mov.b32 cm4, 0xC400C400; mul.rn.f16x2 $0, $2, c4;"
@@ -141,7 +139,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg):
         " mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
-    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
+    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, 16])  # [h, m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
@@ -190,9 +188,9 @@ def _split_kernel(
     vs_ptr += b * stride_vsb + h * stride_vsh
     vm_ptr += b * stride_vsb + h * stride_vsh
 
-    o_dq = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
+    o_dq = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
     o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, B_OP))
-    q = gl.load(qt_ptr + bh * D * ROWS + o_dq[:, None] * ROWS + o_rq[None, :])  # [D, rows] fp16
+    q_ptr = qt_ptr + bh * D * ROWS  # [D, rows] fp16
     qk_scale = gl.load(qk_scale_ptr + bh)
 
     o_m = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
@@ -217,8 +215,11 @@ def _split_kernel(
     block_hi = gl.minimum(block_lo + blocks_per_split, num_blocks)
     for block in range(block_lo, block_hi):
         t0 = block * BLOCK
-        k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, block * 8, block * 4, stride_kcr, stride_ksg)
-        s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
+        s = gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA)
+        for ks in gl.static_range(D // 16):
+            k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, block * 8, block * 4, stride_kcr, stride_ksg, ks)
+            q = gl.load(q_ptr + (16 * ks + o_dq[:, None]) * ROWS + o_rq[None, :])  # [16, rows] fp16 (L1)
+            s = mma_v2(k_op, q, s)
         norms = gl.load(kn_ptr + t0 + tok_m)
         s = s * (norms * qk_scale)[:, None]
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
@@ -262,17 +263,17 @@ def make_inputs(batch: int, kv_heads: int, context: int, rows: int, gen: torch.G
     def rand(*shape, lo=0.0, hi=1.0, dtype=torch.float16):
         return (torch.rand(*shape, generator=gen) * (hi - lo) + lo).to(dtype).to(device)
 
-    words = lambda: torch.randint(-(2**31), 2**31, (batch, kv_heads, context // 16, D), generator=gen, dtype=torch.int64).to(torch.int32).to(device)  # noqa: E731
+    words = lambda: torch.randint(-(2**31), 2**31, (batch, kv_heads, context // 16, HEAD_DIM), generator=gen, dtype=torch.int64).to(torch.int32).to(device)  # noqa: E731
     groups = context // 32
     return {
-        "q": torch.randn(batch, kv_heads, rows, D, generator=gen).to(device),
+        "q": torch.randn(batch, kv_heads, rows, HEAD_DIM, generator=gen).to(device),
         "key_codes": words(),
-        "key_scale": rand(batch, kv_heads, groups, D, lo=0.05, hi=0.5),
-        "key_min": rand(batch, kv_heads, groups, D, lo=-1.0, hi=0.0),
+        "key_scale": rand(batch, kv_heads, groups, HEAD_DIM, lo=0.05, hi=0.5),
+        "key_min": rand(batch, kv_heads, groups, HEAD_DIM, lo=-1.0, hi=0.0),
         "key_norms": rand(batch, 1, context, lo=0.5, hi=2.0, dtype=torch.float32),
         "value_codes": words(),
-        "value_scale": rand(batch, kv_heads, context, D // 32, lo=0.05, hi=0.5),
-        "value_min": rand(batch, kv_heads, context, D // 32, lo=-1.0, hi=0.0),
+        "value_scale": rand(batch, kv_heads, context, HEAD_DIM // 32, lo=0.05, hi=0.5),
+        "value_min": rand(batch, kv_heads, context, HEAD_DIM // 32, lo=-1.0, hi=0.0),
     }
 
 
@@ -282,7 +283,7 @@ def unpack(words: torch.Tensor) -> torch.Tensor:
 
 
 def reference(x: dict, scaling: float) -> torch.Tensor:
-    """float32 attention of the query rows over the dequantized tokens: [B, Hkv, rows, D] in the stored domain."""
+    """float32 attention of the query rows over the dequantized tokens: [B, Hkv, rows, HEAD_DIM] in the stored domain."""
     k = unpack(x["key_codes"]) * x["key_scale"].float().repeat_interleave(32, 2) + x["key_min"].float().repeat_interleave(32, 2)
     k = k * x["key_norms"].transpose(1, 2).unsqueeze(1)
     v = unpack(x["value_codes"]) * x["value_scale"].float().repeat_interleave(32, 3) + x["value_min"].float().repeat_interleave(32, 3)
@@ -290,35 +291,36 @@ def reference(x: dict, scaling: float) -> torch.Tensor:
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def prepare(x: dict, scaling: float, num_splits: int) -> dict:
+def prepare(x: dict, scaling: float, num_splits: int, maxnreg: int | None = None) -> dict:
     """The kernel's query operand (rotated domain as given, / max |q|, transposed, fp16), scales and outputs."""
     batch, kv_heads, rows, _ = x["q"].shape
-    num_blocks = x["value_scale"].shape[2] // BLOCK
+    num_blocks = x["value_scale"].shape[2] // STEP
     per_split = math.ceil(num_blocks / num_splits)
     num_splits = math.ceil(num_blocks / per_split)
     q = x["q"].float()
     q_max = q.abs().amax(dim=(2, 3)).clamp_min(1e-30)
-    qt = torch.zeros(batch * kv_heads, D, ROWS, dtype=torch.float16, device=q.device)
-    qt[:, :, :rows] = (q / q_max[..., None, None]).reshape(batch * kv_heads, rows, D).transpose(1, 2).half()
+    qt = torch.zeros(batch * kv_heads, HEAD_DIM, QUERY_ROWS, dtype=torch.float16, device=q.device)
+    qt[:, :, :rows] = (q / q_max[..., None, None]).reshape(batch * kv_heads, rows, HEAD_DIM).transpose(1, 2).half()
     kc, ks, km = x["key_codes"], x["key_scale"].view(torch.int32), x["key_min"].view(torch.int32)
     vc, vs, vm = x["value_codes"], x["value_scale"], x["value_min"]
     return {
         "grid": (batch * kv_heads, num_splits),
         "args": (
             qt, (q_max * scaling * _LOG2E).reshape(-1).contiguous(), kc, ks, km, x["key_norms"], vc, vs, vm,
-            torch.empty(batch * kv_heads, num_splits, ROWS, D, device=q.device),
-            torch.empty(batch * kv_heads, num_splits, 2, ROWS, device=q.device),
+            torch.empty(batch * kv_heads, num_splits, QUERY_ROWS, HEAD_DIM, device=q.device),
+            torch.empty(batch * kv_heads, num_splits, 2, QUERY_ROWS, device=q.device),
             num_blocks, per_split, num_splits,
             kc.stride(0), kc.stride(1), kc.stride(2), ks.stride(0), ks.stride(1), ks.stride(2), x["key_norms"].stride(0),
             vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1),
         ),
         "kv_heads": kv_heads,
+        "options": {"num_warps": 1} | ({"maxnreg": maxnreg} if maxnreg else {}),
     }  # fmt: skip
 
 
 def launch(prep: dict):
-    """Run the split kernel; returns (o [BH, S, rows, D], m, l [BH, S, rows]) (base 2)."""
-    _split_kernel[prep["grid"]](*prep["args"], HKV=prep["kv_heads"], num_warps=1)
+    """Run the split kernel; returns (o [BH, S, rows, HEAD_DIM], m, l [BH, S, rows]) (base 2)."""
+    _split_kernel[prep["grid"]](*prep["args"], HKV=prep["kv_heads"], **prep["options"])
     o, ml = prep["args"][9], prep["args"][10]
     return o, ml[:, :, 0], ml[:, :, 1]
 
@@ -327,7 +329,7 @@ def merge(o, m, l, batch, kv_heads, rows):
     m_all = m.amax(dim=1, keepdim=True)
     w = torch.exp2(m - m_all)
     out = (o * w[..., None]).sum(1) / (l * w).sum(1)[..., None]
-    return out[:, :rows].reshape(batch, kv_heads, rows, D)
+    return out[:, :rows].reshape(batch, kv_heads, rows, HEAD_DIM)
 
 
 def count() -> None:
@@ -340,7 +342,7 @@ def count() -> None:
     for n in ("num_blocks", "blocks_per_split", "num_splits", "stride_kcb", "stride_kch", "stride_kcr", "stride_ksb", "stride_ksh", "stride_ksg", "stride_knb", "stride_vcb", "stride_vch", "stride_vcr", "stride_vsb", "stride_vsh"):
         sig[n] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
-    kernel = triton.compile(GluonASTSource(_split_kernel, sig, {"HKV": 8}, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1})
+    kernel = triton.compile(GluonASTSource(_split_kernel, sig, {"HKV": 8}, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": int(os.environ["MAXNREG"])} if "MAXNREG" in os.environ else {})})
     loop, ops, usage = loop_report(kernel)
     print(usage)
     print(f"loop: {len(loop)} instructions per 128-token step = {len(loop) * 32 / (128 * 128 * 2):.2f} per K or V code")
@@ -352,7 +354,7 @@ def check(gen: torch.Generator) -> list[dict]:
     results = []
     for batch, kv_heads, context, rows, splits in [(2, 2, 4096, 4, 3), (1, 3, 1024, 8, 1), (2, 8, 8192, 4, 5), (1, 1, 32768, 1, 7)]:
         x = make_inputs(batch, kv_heads, context, rows, gen, "cuda")
-        scaling = D**-0.5
+        scaling = HEAD_DIM**-0.5
         out = merge(*launch(prepare(x, scaling, splits)), batch, kv_heads, rows)
         ref = reference(x, scaling)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -371,16 +373,17 @@ def timings(gen: torch.Generator, shapes, split_choices) -> list[dict]:
     rows = []
     for batch, context in shapes:
         st = make_sets(batch, context, config, 1, gen)[0]
-        scale = D**-0.5
+        scale = HEAD_DIM**-0.5
         row = {"batch": batch, "context": context}
         row["sdpa_bf16_us"] = min(timed(lambda: f(st["q"], st["k"], st["v"], scale), 1)["us_graph"] for f in (sdpa_gqa, sdpa_folded))
         row["fused_us"] = timed(lambda: fused(st, config, scale), 1)["us_graph"]
         qz = st["quantized"]
-        x = {"q": st["q"].view(batch, 8, 4, D).float(), "key_codes": qz.key_codes, "key_scale": qz.key_scale, "key_min": qz.key_min,
+        x = {"q": st["q"].view(batch, 8, 4, HEAD_DIM).float(), "key_codes": qz.key_codes, "key_scale": qz.key_scale, "key_min": qz.key_min,
              "key_norms": qz.key_norms, "value_codes": qz.value_codes, "value_scale": qz.value_scale, "value_min": qz.value_min}
         for splits in split_choices:
-            prep = prepare(x, scale, splits)
-            row[f"gluon_split_us_s{splits}"] = timed(lambda: launch(prep), 1)["us_graph"]
+            for maxnreg in (None, 168, 128):
+                prep = prepare(x, scale, splits, maxnreg)
+                row[f"gluon_split_us_s{splits}_r{maxnreg}"] = timed(lambda: launch(prep), 1)["us_graph"]
         best = min(v for k, v in row.items() if k.startswith("gluon_split"))
         row["gluon_vs_sdpa"] = row["sdpa_bf16_us"] / best
         row["fused_vs_sdpa"] = row["sdpa_bf16_us"] / row["fused_us"]
@@ -400,7 +403,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__}
     record["check"] = check(torch.Generator().manual_seed(0))
-    record["timings"] = timings(gen, [(8, 32768), (8, 131072), (1, 32768)], [8, 16, 32, 64])
+    record["timings"] = timings(gen, [(8, 32768), (8, 131072), (1, 32768)], [16, 24, 32, 64])
     name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     path = Path(args.out) / f"proto_decode_gluon_{name}.json"
     path.write_text(json.dumps(record, indent=1))
