@@ -51,17 +51,20 @@ MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 
-# key words of 16 channels [8 word rows g, 16 channels d]: lane (g, i) holds d = e + 2 i + 8 r2
+# key words [8 word rows g, 128 channels d]: lane (g, i) holds d = e + 2 i + 8 r2 + 16 ks
 K_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout([[0, 1], [0, 8]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 16])
+    gl.DistributedLinearLayout(
+        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 128]
+    )
 )
-K_PAIRS = gl.constexpr(  # [8 g, 8 channel pairs c]
-    gl.DistributedLinearLayout([[0, 4]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 8])
+K_PAIRS = gl.constexpr(  # [8 g, 64 channel pairs c]
+    gl.DistributedLinearLayout([[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 64])
 )
 K_CODES = gl.constexpr(  # [g, c, r1, h, m2]; the token's m-tile mt = 4 h + m2
     gl.DistributedLinearLayout(
-        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 8, 2, 2, 4],
+        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
+         [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 64, 2, 2, 4],
     )
 )  # fmt: skip
 # value words of one 32-channel group [8 word rows R = 2 i + e, 32 channels]: lane (g, i) holds channel g + 8 r1 + 16 mt
@@ -85,6 +88,32 @@ V_PARAMS = gl.constexpr(
     )
 )
 
+LANES = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))
+
+
+@gluon.jit
+def _prefetch_step(kc, ks, km, kn, vc, vs, vm, block):
+    """Ask L2 for a step's storage (seven contiguous regions, one per lane): `cp.async.bulk.prefetch` (sm_90)."""
+    lane = gl.arange(0, 32, layout=LANES)
+    t0 = block * BLOCK
+    zero = gl.zeros([32], gl.int64, layout=LANES)
+    addr = gl.where(lane == 0, (kc + t0 // 16 * D).to(gl.int64, bitcast=True) + zero, zero)  # rows of D words
+    addr = gl.where(lane == 1, (ks + t0 // 32 * (D // 2)).to(gl.int64, bitcast=True) + zero, addr)
+    addr = gl.where(lane == 2, (km + t0 // 32 * (D // 2)).to(gl.int64, bitcast=True) + zero, addr)
+    addr = gl.where(lane == 3, (kn + t0).to(gl.int64, bitcast=True) + zero, addr)
+    addr = gl.where(lane == 4, (vc + t0 // 16 * D).to(gl.int64, bitcast=True) + zero, addr)
+    addr = gl.where(lane == 5, (vs + t0 * 4).to(gl.int64, bitcast=True) + zero, addr)
+    addr = gl.where(lane == 6, (vm + t0 * 4).to(gl.int64, bitcast=True) + zero, addr)
+    size = gl.where(lane == 0, 8 * D * 4, 0)
+    size = gl.where((lane == 1) | (lane == 2) | (lane == 5) | (lane == 6), 4 * D * 2, size)
+    size = gl.where(lane == 3, BLOCK * 4, size)
+    size = gl.where(lane == 4, 8 * D * 4, size)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $2, 0; @p cp.async.bulk.prefetch.L2.global [$1], $2; mov.b32 $0, 0; }",
+        "=r,l,r", [addr, size], dtype=gl.int32, is_pure=False, pack=1,
+    )  # fmt: skip
+
+
 @gluon.jit
 def _stored_token(m):
     """Logical token index (MMA row of S^T, k of P^T) -> stored token within the 128-token step."""
@@ -104,13 +133,12 @@ def _expand_last(x, n: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, KS: gl.constexpr):
-    """Channels 16 KS .. 16 KS + 15 of the step's K tile, [128 logical tokens, 16] as the first MMA operand, dequantized
-    (fp16). The tile goes through the MMA 16 channels at a time so that few of its registers are live at once."""
+def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg):
+    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
     o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
-    o_d = 16 * KS + gl.arange(0, 16, layout=gl.SliceLayout(0, K_WORDS))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, K_WORDS))
     w = gl.load(kc_ptr + (row0 + o_g[:, None]) * stride_kcr + o_d[None, :])
-    w_even, w_odd = gl.split(gl.reshape(w, [8, 8, 2]))
+    w_even, w_odd = gl.split(gl.reshape(w, [8, 64, 2]))
     w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
     lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r1 = 0) and j >= 8 (r1 = 1) of channels (2c, 2c + 1)
@@ -119,7 +147,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, K
     )  # fmt: skip
     # scale / min pairs (channels 2c, 2c + 1) of the lane's key group, as int32
     o_g2 = gl.arange(0, 8, layout=gl.SliceLayout(1, K_PAIRS))
-    o_c2 = 8 * KS + gl.arange(0, 8, layout=gl.SliceLayout(0, K_PAIRS))
+    o_c2 = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PAIRS))
     off = (group0 + o_g2[:, None] // 2) * stride_ksg + o_c2[None, :]
     s4, m4 = gl.inline_asm_elementwise(  # 4 s and m - 4 s
         "{ .reg .b32 c4, cm4; mov.b32 c4, 0x44004400; mov.b32 cm4, 0xC400C400; mul.rn.f16x2 $0, $2, c4;"
@@ -139,7 +167,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, K
         " mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
-    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, 16])  # [h, m2, r1, g | c, e]
+    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
@@ -175,6 +203,7 @@ def _split_kernel(
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_knb,
     stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh,
     HKV: gl.constexpr,
+    PREFETCH: gl.constexpr,
 ):  # fmt: skip
     bh = gl.program_id(0)
     split = gl.program_id(1)
@@ -188,9 +217,9 @@ def _split_kernel(
     vs_ptr += b * stride_vsb + h * stride_vsh
     vm_ptr += b * stride_vsb + h * stride_vsh
 
-    o_dq = gl.arange(0, 16, layout=gl.SliceLayout(1, B_OP))
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
     o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, B_OP))
-    q_ptr = qt_ptr + bh * D * ROWS  # [D, rows] fp16
+    q = gl.load(qt_ptr + bh * D * ROWS + o_dq[:, None] * ROWS + o_rq[None, :])  # [D, rows] fp16
     qk_scale = gl.load(qk_scale_ptr + bh)
 
     o_m = gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA))
@@ -213,13 +242,15 @@ def _split_kernel(
 
     block_lo = split * blocks_per_split
     block_hi = gl.minimum(block_lo + blocks_per_split, num_blocks)
+    for block in range(block_lo, gl.minimum(block_lo + PREFETCH, block_hi)):
+        _prefetch_step(kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, block)
     for block in range(block_lo, block_hi):
         t0 = block * BLOCK
-        s = gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA)
-        for ks in gl.static_range(D // 16):
-            k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, block * 8, block * 4, stride_kcr, stride_ksg, ks)
-            q = gl.load(q_ptr + (16 * ks + o_dq[:, None]) * ROWS + o_rq[None, :])  # [16, rows] fp16 (L1)
-            s = mma_v2(k_op, q, s)
+        if PREFETCH > 0:
+            if block + PREFETCH < block_hi:
+                _prefetch_step(kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, block + PREFETCH)
+        k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, block * 8, block * 4, stride_kcr, stride_ksg)
+        s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))
         norms = gl.load(kn_ptr + t0 + tok_m)
         s = s * (norms * qk_scale)[:, None]
         m_new = gl.maximum(m_i, gl.max(s, axis=0))
@@ -291,7 +322,7 @@ def reference(x: dict, scaling: float) -> torch.Tensor:
     return torch.matmul(torch.softmax(scores, dim=-1), v)
 
 
-def prepare(x: dict, scaling: float, num_splits: int, maxnreg: int | None = None) -> dict:
+def prepare(x: dict, scaling: float, num_splits: int, maxnreg: int | None = None, prefetch: int = 0) -> dict:
     """The kernel's query operand (rotated domain as given, / max |q|, transposed, fp16), scales and outputs."""
     batch, kv_heads, rows, _ = x["q"].shape
     num_blocks = x["value_scale"].shape[2] // STEP
@@ -314,13 +345,14 @@ def prepare(x: dict, scaling: float, num_splits: int, maxnreg: int | None = None
             vc.stride(0), vc.stride(1), vc.stride(2), vs.stride(0), vs.stride(1),
         ),
         "kv_heads": kv_heads,
+        "prefetch": prefetch,
         "options": {"num_warps": 1} | ({"maxnreg": maxnreg} if maxnreg else {}),
     }  # fmt: skip
 
 
 def launch(prep: dict):
     """Run the split kernel; returns (o [BH, S, rows, HEAD_DIM], m, l [BH, S, rows]) (base 2)."""
-    _split_kernel[prep["grid"]](*prep["args"], HKV=prep["kv_heads"], **prep["options"])
+    _split_kernel[prep["grid"]](*prep["args"], HKV=prep["kv_heads"], PREFETCH=prep["prefetch"], **prep["options"])
     o, ml = prep["args"][9], prep["args"][10]
     return o, ml[:, :, 0], ml[:, :, 1]
 
@@ -342,7 +374,7 @@ def count() -> None:
     for n in ("num_blocks", "blocks_per_split", "num_splits", "stride_kcb", "stride_kch", "stride_kcr", "stride_ksb", "stride_ksh", "stride_ksg", "stride_knb", "stride_vcb", "stride_vch", "stride_vcr", "stride_vsb", "stride_vsh"):
         sig[n] = "i32"
     attrs = {(i,): [["tt.divisibility", 16]] for i in range(len(sig))}
-    kernel = triton.compile(GluonASTSource(_split_kernel, sig, {"HKV": 8}, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": int(os.environ["MAXNREG"])} if "MAXNREG" in os.environ else {})})
+    kernel = triton.compile(GluonASTSource(_split_kernel, sig, {"HKV": 8, "PREFETCH": int(os.environ.get("PREFETCH", 1))}, attrs), target=GPUTarget("cuda", 90, 32), options={"num_warps": 1, **({"maxnreg": int(os.environ["MAXNREG"])} if "MAXNREG" in os.environ else {})})
     loop, ops, usage = loop_report(kernel)
     print(usage)
     print(f"loop: {len(loop)} instructions per 128-token step = {len(loop) * 32 / (128 * 128 * 2):.2f} per K or V code")
@@ -355,7 +387,7 @@ def check(gen: torch.Generator) -> list[dict]:
     for batch, kv_heads, context, rows, splits in [(2, 2, 4096, 4, 3), (1, 3, 1024, 8, 1), (2, 8, 8192, 4, 5), (1, 1, 32768, 1, 7)]:
         x = make_inputs(batch, kv_heads, context, rows, gen, "cuda")
         scaling = HEAD_DIM**-0.5
-        out = merge(*launch(prepare(x, scaling, splits)), batch, kv_heads, rows)
+        out = merge(*launch(prepare(x, scaling, splits, prefetch=2)), batch, kv_heads, rows)
         ref = reference(x, scaling)
         err = ((out.double() - ref.double()).norm() / ref.double().norm()).item()
         results.append({"batch": batch, "kv_heads": kv_heads, "context": context, "rows": rows, "splits": splits, "rel_err": err})
@@ -381,9 +413,9 @@ def timings(gen: torch.Generator, shapes, split_choices) -> list[dict]:
         x = {"q": st["q"].view(batch, 8, 4, HEAD_DIM).float(), "key_codes": qz.key_codes, "key_scale": qz.key_scale, "key_min": qz.key_min,
              "key_norms": qz.key_norms, "value_codes": qz.value_codes, "value_scale": qz.value_scale, "value_min": qz.value_min}
         for splits in split_choices:
-            for maxnreg in (None, 168, 128):
-                prep = prepare(x, scale, splits, maxnreg)
-                row[f"gluon_split_us_s{splits}_r{maxnreg}"] = timed(lambda: launch(prep), 1)["us_graph"]
+            for prefetch in (0, 1, 2, 4):
+                prep = prepare(x, scale, splits, prefetch=prefetch)
+                row[f"gluon_split_us_s{splits}_pf{prefetch}"] = timed(lambda: launch(prep), 1)["us_graph"]
         best = min(v for k, v in row.items() if k.startswith("gluon_split"))
         row["gluon_vs_sdpa"] = row["sdpa_bf16_us"] / best
         row["fused_vs_sdpa"] = row["sdpa_bf16_us"] / row["fused_us"]
@@ -403,7 +435,7 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__}
     record["check"] = check(torch.Generator().manual_seed(0))
-    record["timings"] = timings(gen, [(8, 32768), (8, 131072), (1, 32768)], [16, 24, 32, 64])
+    record["timings"] = timings(gen, [(8, 32768), (8, 131072), (1, 32768)], [8, 16, 32, 64])
     name = re.sub(r"[^a-z0-9]+", "-", torch.cuda.get_device_name().lower()).strip("-")
     path = Path(args.out) / f"proto_decode_gluon_{name}.json"
     path.write_text(json.dumps(record, indent=1))
