@@ -428,9 +428,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--count", action="store_true", help="CPU: compile for sm_90 and count the loop")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--profile", action="store_true", help="GPU: launch the B=8 32K kernel 3 times (for ncu)")
+    parser.add_argument("--splits", type=int, default=16)
+    parser.add_argument("--maxnreg", type=int)
     args = parser.parse_args()
     if args.count:
         count()
+        return
+    if args.profile:
+        x = make_inputs(8, 8, 32768, 4, torch.Generator().manual_seed(0), "cuda")
+        prep = prepare(x, HEAD_DIM**-0.5, args.splits, args.maxnreg)
+        for _ in range(3):
+            launch(prep)
+        torch.cuda.synchronize()
         return
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {"device": torch.cuda.get_device_name(), "triton": triton.__version__, "torch": torch.__version__}
