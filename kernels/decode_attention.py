@@ -57,7 +57,13 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
+try:  # Gluon (Triton's layout-explicit dialect) reads the full blocks of the usual decode step, where available
+    from . import decode_attention_gluon as _gluon
+except ImportError:  # a Triton without `triton.experimental.gluon`: the Triton kernel reads every token
+    _gluon = None
+
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_GLUON_BLOCK = 128  # tokens per step of the Gluon kernel: it reads the quantized region's full blocks of this size
 _LOG2E = 1.4426950408889634
 # Triton's CPU interpreter (the CPU CI): it multiplies raw bf16 bit patterns in tl.dot (3.9), so dot operands are
 # upcast there, and it cannot run PTX, so codes are unpacked there with the integer ops the PTX below performs.
@@ -351,7 +357,9 @@ def _residual_part(
     return acc, m_i, l_i
 
 
-@triton.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_splits"])
+@triton.jit(
+    do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_splits", "first_slot", "num_parts"]
+)
 def _split_kernel(
     # pointers
     q_ptr,
@@ -369,12 +377,16 @@ def _split_kernel(
     length_ptr,
     part_o_ptr,
     part_ml_ptr,
+    q_op_ptr,
+    q_scale_ptr,
     # sizes
     num_kv_heads,
     num_quantized,
     num_residual,
     blocks_per_split,
     num_splits,
+    first_slot,
+    num_parts,
     qk_scale,
     # strides
     stride_qb,
@@ -431,7 +443,12 @@ def _split_kernel(
     HAS_MASK: tl.constexpr,
     PARTIAL_BLOCK: tl.constexpr,
     DEVICE_LENGTH: tl.constexpr,
+    GLUON_BLOCK: tl.constexpr,
 ):
+    """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) its residual
+    window; each writes partial slot first_slot + s of num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the
+    full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the quantized program reads only what follows them (a
+    partial block, or nothing) and writes the query operand and score scale that kernel reads."""
     ROWS_USED: tl.constexpr = GQA * TQ
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
@@ -469,6 +486,8 @@ def _split_kernel(
         )
     else:
         block_lo = pid_s * blocks_per_split
+        if GLUON_BLOCK:
+            block_lo += num_quantized // GLUON_BLOCK * (GLUON_BLOCK // BLOCK_N)
         block_hi = tl.minimum(block_lo + blocks_per_split, (num_quantized + BLOCK_N - 1) // BLOCK_N)
         key_rotated = False
         if KEY_ROTATION_PER_HEAD:
@@ -477,6 +496,9 @@ def _split_kernel(
             q, key_rotated, qk_scale, ks_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM, LOG2_D, ROTATION,
             KEY_ROTATION_PER_HEAD,
         )  # fmt: skip
+        if GLUON_BLOCK:  # [D, BLOCK_M] per KV head, as the Gluon kernel loads its second MMA operand
+            tl.store(q_op_ptr + pid_bh * HEAD_DIM * BLOCK_M + o_d[None, :] * BLOCK_M + o_m[:, None], b_q)
+            tl.store(q_scale_ptr + pid_bh, q_scale)
         p_mask = mask_ptr + b * stride_mb
         args = (
             b_q, q_scale, kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + b * stride_ksb + h * stride_ksh,
@@ -501,8 +523,8 @@ def _split_kernel(
                 *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
             )
 
-    # partials: part_o [B * Hkv, S + 1, GQA * TQ, D], part_ml [B * Hkv, S + 1, GQA * TQ, 2] (m, l), fp32
-    o_part = (pid_bh * (num_splits + 1) + pid_s) * ROWS_USED + o_m
+    # partials: part_o [B * Hkv, num_parts, GQA * TQ, D], part_ml [B * Hkv, num_parts, GQA * TQ, 2] (m, l), fp32
+    o_part = (pid_bh * num_parts + first_slot + pid_s) * ROWS_USED + o_m
     tl.store(part_o_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], acc, mask=m_m[:, None])
     tl.store(part_ml_ptr + o_part * 2, m_i, mask=m_m)
     tl.store(part_ml_ptr + o_part * 2 + 1, l_i, mask=m_m)
@@ -608,6 +630,7 @@ class _Tuning:
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
     merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step
+    gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -652,6 +675,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
             programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
             programs_per_sm_few_heads=8 // warps,
             min_blocks_per_split=8 if head_dim == 128 else 4,
+            gluon_programs_per_sm=8,
         )
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
@@ -676,6 +700,29 @@ def _num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning:
     else:
         per_sm, min_blocks = tuning.programs_per_sm, tuning.min_blocks_per_split
     return max(1, min(math.ceil(per_sm * _num_sms(device) / batch_heads), num_blocks // min_blocks))
+
+
+def _gluon_splits(query, quantized, config, rows: int, num_quantized: int, tuning: _Tuning) -> int:
+    """Programs per KV head of the Gluon kernel (kernels/decode_attention_gluon.py), 0 where it does not run and the
+    Triton kernel reads every quantized token. It is compiled for what the usual decode step has: a CUDA GPU of
+    compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16 scales, at most 8 query rows per
+    KV head, the storage's channels contiguous, and at least one full 128-token block to read. Splits are sized for
+    `tuning.gluon_programs_per_sm` one-warp programs per SM, at least two blocks each."""
+    full_blocks = num_quantized // _GLUON_BLOCK
+    if full_blocks == 0 or _gluon is None or tuning.gluon_programs_per_sm == 0 or query.device.type != "cuda":
+        return 0
+    codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)
+    if (
+        _interpreting()
+        or torch.cuda.get_device_capability(query.device) < (8, 0)
+        or (query.shape[3], config.bits, config.group_size, config.scale_torch_dtype) != (128, 2, 32, torch.float16)
+        or max(tuning.block_m, triton.next_power_of_2(rows)) != 8
+        or any(t.stride(-1) != 1 for t in codes_and_pairs)
+        or (quantized.key_norms is not None and quantized.key_norms.stride(-1) != 1)
+    ):
+        return 0
+    per_sm = tuning.gluon_programs_per_sm * _num_sms(query.device)
+    return min(math.ceil(per_sm / (query.shape[0] * quantized.key_codes.shape[1])), max(1, full_blocks // 2))
 
 
 def _few_heads(batch_heads: int, device: torch.device) -> bool:
@@ -810,15 +857,27 @@ def _decode_attention(
         tuning = _default_tuning(head_dim, rows, config.scale_torch_dtype, short_few_heads)
     block_n = tuning.block_n
     num_blocks = triton.cdiv(num_quantized, block_n)
-    num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning, few_heads)
-    blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
-    if num_splits:
-        num_splits = triton.cdiv(num_blocks, blocks_per_split)
+    gluon_splits = _gluon_splits(query, quantized, config, rows, num_quantized, tuning)
+    if gluon_splits:  # the Triton kernel's one quantized program reads what follows the Gluon kernel's full blocks
+        num_splits, blocks_per_split = 1, _GLUON_BLOCK // block_n
+        gluon_blocks_per_split = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_splits)
+        gluon_splits = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_blocks_per_split)
+    else:
+        num_splits = _num_splits(batch * kv_heads, num_blocks, query.device, tuning, few_heads)
+        blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
+        if num_splits:
+            num_splits = triton.cdiv(num_blocks, blocks_per_split)
+    num_parts = gluon_splits + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    part_o = torch.empty((batch * kv_heads, num_splits + 1, rows, head_dim), dtype=torch.float32, device=device)
-    part_ml = torch.empty((batch * kv_heads, num_splits + 1, rows, 2), dtype=torch.float32, device=device)
+    part_o = torch.empty((batch * kv_heads, num_parts, rows, head_dim), dtype=torch.float32, device=device)
+    part_ml = torch.empty((batch * kv_heads, num_parts, rows, 2), dtype=torch.float32, device=device)
+    block_m = max(tuning.block_m, triton.next_power_of_2(rows))
+    q_op = torch.empty(
+        (batch * kv_heads, head_dim, block_m) if gluon_splits else (0,), dtype=torch.float16, device=device
+    )
+    q_scale = torch.empty(batch * kv_heads if gluon_splits else 0, dtype=torch.float32, device=device)
     if quantized is None:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
         quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
     key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
@@ -841,11 +900,15 @@ def _decode_attention(
             length_ptr=length if length is not None else mask,  # unused if None
             part_o_ptr=part_o,
             part_ml_ptr=part_ml,
+            q_op_ptr=q_op,
+            q_scale_ptr=q_scale,
             num_kv_heads=kv_heads,
             num_quantized=num_quantized,
             num_residual=residual,
             blocks_per_split=blocks_per_split,
             num_splits=num_splits,
+            first_slot=gluon_splits,
+            num_parts=num_parts,
             qk_scale=scaling * _LOG2E,
             **_strides("q", query, "bhtd"),
             **_strides("kc", quantized.key_codes, "bhrd"),
@@ -865,7 +928,7 @@ def _decode_attention(
             LOG2_D=head_dim.bit_length() - 1,
             BITS=config.bits,
             GROUP=config.group_size,
-            BLOCK_M=max(tuning.block_m, triton.next_power_of_2(rows)),
+            BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_R=tuning.residual_block,
             ROTATION=config.rotation,
@@ -875,23 +938,30 @@ def _decode_attention(
             # with `length`, the tokens read are a multiple of the window R (`num_quantized` is the capacity)
             PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
             DEVICE_LENGTH=length is not None,
+            GLUON_BLOCK=_GLUON_BLOCK if gluon_splits else 0,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
         )
+        if gluon_splits:
+            _gluon.launch(
+                (batch * kv_heads, gluon_splits), q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml,
+                num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
+                key_padding_mask is not None,
+            )  # fmt: skip
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,
             part_ml,
             out,
             kv_heads,
-            num_splits + 1,
+            num_parts,
             **_strides("o", out, "bhtd"),
             GQA=gqa,
             TQ=q_len,
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
-            BLOCK_S=min(triton.next_power_of_2(max(num_splits, 1)), max(1, tuning.merge_tile // head_dim)),
+            BLOCK_S=min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim)),
             num_warps=4,
         )
     return out

@@ -19,6 +19,7 @@ from oscar_hf.kernels.decode_attention import (
     _decode_attention,
     _default_tuning,
     _few_heads,
+    _gluon_splits,
     _num_splits,
     _unpack_codes_t,
 )
@@ -252,6 +253,9 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=128, residual=64, batch=1), 0, 17),  # storage reserved, nothing quantized yet
         (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 128, 7),
         (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 64, 12),
+        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
+        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16), 384, 17),
+        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300), 416, 32),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
@@ -333,6 +337,41 @@ def test_decode_attention_large(case: Case):
     out = decode_attention_triton(*inputs)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
+GLUON = replace(BASE, head_dim=128, quantized=384, residual=9, batch=2, kv_heads=2, dtype=torch.float16)
+GLUON_CASES = [
+    GLUON,
+    # query rows 1 .. 8 per KV head (the MMA's N): GQA 1 / 2 / 8, speculative rows, a GQA of 3 (odd rows)
+    *(replace(GLUON, gqa=g) for g in (1, 2, 8)),
+    replace(GLUON, gqa=4, q_len=2, residual=5),
+    replace(GLUON, gqa=3, kv_heads=3, batch=1),
+    # a partial last block after the full ones (read by the Triton kernel), one block, many splits
+    replace(GLUON, quantized=256 + 32),
+    replace(GLUON, quantized=512 + 96, dtype=torch.bfloat16),
+    replace(GLUON, quantized=128, batch=1),
+    replace(GLUON, quantized=4096, batch=1, kv_heads=1),
+    # padding masking whole blocks and part of one; the method switches; capacity views; norms 100x apart
+    replace(GLUON, left_pad=200),
+    replace(GLUON, method="oscar", kv_heads=3, left_pad=70, quantized=640),
+    replace(GLUON, token_scaling=False),
+    replace(GLUON, rotation=False, token_scaling=False),
+    replace(GLUON, views=True, q_len=2, residual=4),
+    replace(GLUON, extreme_norms=True),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
+def test_gluon_full_blocks(case: Case):
+    """The Gluon kernel reads every full 128-token block of these (kernels/decode_attention_gluon.py; with a device
+    length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
+    inputs = make_inputs(case, seed=2)
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
+    tuning = _default_tuning(case.head_dim, case.gqa * case.q_len, config.scale_torch_dtype)
+    assert _gluon_splits(query, quantized, config, case.gqa * case.q_len, case.quantized, tuning) > 0
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
 
 
 def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv_heads: int = 8) -> Case:

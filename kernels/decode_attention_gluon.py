@@ -1,0 +1,324 @@
+"""The quantized tokens of a 2-bit decode step in Gluon: codes unpacked straight into tensor-core fragments.
+
+`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `gluon_splits` allows it
+(CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
+block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per program
+into the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
+residual window (and write the query operand this kernel reads), and whose merge kernel combines them all.
+
+Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
+per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
+layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane loads the storage words whose codes it
+holds in the MMA's fragments, so a code goes from the loaded word to an operand register with a shift, a `lop3` and
+(keys only) one `fma.f16x2`; nothing goes through shared memory.
+
+The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j. One
+warp per program, 128-token steps (8 word rows), up to 8 query rows per KV head (the MMA's N):
+
+- Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M). Lane (g, i) holds rows g + 8 r1 + 16 mt of every K
+  tile, which this kernel maps to the stored token 16 g + mt + 8 r1 (`_stored_token`): the whole word row g. For
+  channels d, d + 1 one `prmt` joins the low (high) 16-bit halves of the two words, so `p >> 2 mt` has the codes of
+  (token, d) and (token, d + 1) at bits 0 and 16; moved to mantissa bits 8-9 of an fp16 1.0 they read `1 + c / 4`
+  (exact), and k = s c + m = (4 s) (1 + c / 4) + (m - 4 s) is one `fma.f16x2` rounded once, as `c s + m` is. A
+  lane's tokens lie in one 32-token key group, so its scales are 16 pairs per step.
+- Values as O^T = V^T P^T (channels as M). The logical token order is the same (k = e + 2 i + 8 r2 + 16 kt is stored
+  token 16 (2 i + e) + kt + 8 r2), so lane (g, i) holds word rows 2 i and 2 i + 1: again whole words. Value
+  parameters are per token and 32-channel group: P^T is scaled per group (4 s), the codes stay `1 + c / 4`, and the
+  minima go in through a fifth MMA whose A rows are the groups' m - 4 s.
+- Online softmax (base 2) over the 8 query rows, the key padding mask per step where a program's range has padding.
+
+Gluon has no CPU interpreter: the CPU CI runs the Triton kernel; tests/kernels/test_decode_attention.py checks this
+one against the float32 reference on the GPU. Measured: benchmarks/NOTES_kernels.md.
+"""
+
+from __future__ import annotations
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+D = gl.constexpr(128)  # head dim
+ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
+BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
+
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
+B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
+
+# key words [8 word rows g, 128 channels d]: lane (g, i) holds d = e + 2 i + 8 r2 + 16 ks
+K_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 128]
+    )
+)
+K_PAIRS = gl.constexpr(  # [8 g, 64 channel pairs c]
+    gl.DistributedLinearLayout(
+        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 64]
+    )
+)
+K_CODES = gl.constexpr(  # [g, c, r1, h, m2]; the token's m-tile mt = 4 h + m2
+    gl.DistributedLinearLayout(
+        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
+         [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 64, 2, 2, 4],
+    )
+)  # fmt: skip
+# value words of one 32-channel group [8 word rows R = 2 i + e, 32 channels]: lane (g, i) holds channel g + 8 r1 + 16 mt
+V_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [], [], [8, 32])
+)
+V_PAIRS = gl.constexpr(  # [4 i, 32 channels]
+    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [], [], [4, 32])
+)
+V_CODES = gl.constexpr(  # [i, ch, r2, h, m2]; the token's k-tile kt = 4 h + m2
+    gl.DistributedLinearLayout(
+        [[0, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
+        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]], [], [], [4, 32, 2, 2, 4],
+    )
+)  # fmt: skip
+# value parameters [128 logical tokens k, 4 groups] as the P^T operand holds k (lanes over query rows: broadcast)
+V_PARAMS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0], [64, 0]],
+        [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
+        [],
+        [],
+        [128, 4],
+    )
+)
+
+
+@gluon.jit
+def _stored_token(m):
+    """Logical token index (MMA row of S^T, k of P^T) -> stored token within the 128-token step."""
+    return 16 * (m % 8) + m // 16 + 8 * ((m // 8) % 2)
+
+
+@gluon.jit
+def _column(x):
+    """[128] over logical tokens -> [128, 1] broadcastable over the P^T operand's rows."""
+    return gl.convert_layout(x, gl.SliceLayout(1, B_OP), assert_trivial=True)[:, None]
+
+
+@gluon.jit
+def _expand_last(x, n: gl.constexpr):
+    """x[..., None, ..., None] (n new trailing dims)."""
+    for _ in gl.static_range(n):
+        x = gl.expand_dims(x, x.type.shape.__len__())
+    return x
+
+
+@gluon.jit
+def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, stride_kmg):
+    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
+    o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, K_WORDS))
+    w = gl.load(kc_ptr + (row0 + o_g[:, None]) * stride_kcr + o_d[None, :])
+    w_even, w_odd = gl.split(gl.reshape(w, [8, 64, 2]))
+    w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
+    w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
+    lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r1 = 0) and j >= 8 (r1 = 1) of channels (2c, 2c + 1)
+        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
+        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    # scale / min pairs (channels 2c, 2c + 1) of the lane's key group, as int32
+    o_g2 = gl.arange(0, 8, layout=gl.SliceLayout(1, K_PAIRS))
+    o_c2 = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PAIRS))
+    group = group0 + o_g2[:, None] // 2
+    scale = gl.load(ks_ptr + group * stride_ksg + o_c2[None, :])
+    minimum = gl.load(km_ptr + group * stride_kmg + o_c2[None, :])
+    s4, m4 = gl.inline_asm_elementwise(  # 4 s and m - 4 s
+        "{ .reg .b32 c4, cm4; mov.b32 c4, 0x44004400; mov.b32 cm4, 0xC400C400; mul.rn.f16x2 $0, $2, c4;"
+        " fma.rn.f16x2 $1, $2, cm4, $3; }",
+        "=r,=r,r,r", [scale, minimum], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    p = gl.join(lo16, hi16)  # [g, c, r1]
+    # codes of m-tiles 0..3 sit below bit 8 (shift p << 8 right by 2 m2), of 4..7 above (shift p right by 2 m2)
+    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, K_CODES), assert_trivial=True)
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
+    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
+    s4 = _expand_last(gl.convert_layout(s4, pair_layout, assert_trivial=True), 3)
+    m4 = _expand_last(gl.convert_layout(m4, pair_layout, assert_trivial=True), 3)
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, 0x3C003C00, 0xea; fma.rn.f16x2 t, t, $4, $5;"
+        " mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+    )  # fmt: skip
+    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
+    return gl.convert_layout(k, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(vc_ptr, row0, ch0, stride_vcr):
+    """Codes of 32 channels from ch0, [32, 128 logical tokens] as the first MMA operand: fp16 1 + c / 4."""
+    o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, V_WORDS))
+    o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, V_WORDS))
+    w = gl.load(vc_ptr + (row0 + o_r[:, None]) * stride_vcr + ch0 + o_c[None, :])
+    w_even, w_odd = gl.split(gl.permute(gl.reshape(w, [4, 2, 32]), [0, 2, 1]))
+    w_even = gl.convert_layout(w_even, V_PAIRS, assert_trivial=True)
+    w_odd = gl.convert_layout(w_odd, V_PAIRS, assert_trivial=True)
+    lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
+        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
+        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    p = gl.join(lo16, hi16)  # [i, ch, r2]
+    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, V_CODES), assert_trivial=True)
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))))
+    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 t; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, 0x3C003C00, 0xea; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r", [gl.expand_dims(p, 4), shift], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+    )  # fmt: skip
+    v = gl.reshape(gl.permute(gl.join(lo, hi), [1, 3, 4, 2, 0, 5]), [32, BLOCK])  # [ch | h, m2, r2, i, e]
+    return gl.convert_layout(v, A_OP, assert_trivial=True)
+
+
+@gluon.jit
+def _step(
+    acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr,
+    mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+    TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
+):  # fmt: skip
+    """One 128-token step of the online softmax: scores, softmax update, P^T V with the value parameters folded."""
+    t0 = block * BLOCK
+    row0 = block * 8
+    k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, row0, block * 4, stride_kcr, stride_ksg, stride_kmg)
+    s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))  # S^T [logical tokens, rows]
+    tok_m = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)))
+    scale = gl.full([BLOCK], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA)) * q_scale
+    if TOKEN_SCALING:
+        scale = gl.load(kn_ptr + t0 + tok_m) * q_scale
+    s = s * scale[:, None]
+    if MASKED:
+        s = gl.where((gl.load(mask_ptr + (t0 + tok_m) * stride_mt) != 0)[:, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+    m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend to yet
+    p = gl.exp2(s - m_use[None, :])
+    alpha = gl.exp2(m_i - m_use)
+    l_i = l_i * alpha + gl.sum(p, axis=0)
+
+    p_op = gl.convert_layout(p.to(gl.float16), B_OP)  # P^T [logical tokens, rows]
+    # value parameters [128 k, 4 groups]: the scale folded into P^T per group (times 4: codes read 1 + c / 4) ...
+    o_k = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, V_PARAMS)))
+    o_grp = gl.arange(0, 4, layout=gl.SliceLayout(0, V_PARAMS))
+    vs = gl.load(vs_ptr + (t0 + o_k[:, None]) * 4 + o_grp[None, :]) * 4.0
+    s_even, s_odd = gl.split(gl.reshape(vs, [BLOCK, 2, 2]))  # groups 0, 2 and 1, 3
+    s0, s2 = gl.split(s_even)
+    s1, s3 = gl.split(s_odd)
+    # ... and the minima through the bias MMA: A rows 0-3 are the groups' m - 4 s over the logical tokens
+    o_gb = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
+    off_b = (t0 + _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(0, A_OP))))[None, :] * 4 + o_gb[:, None]
+    m_b = (o_gb < 4)[:, None]
+    vb = gl.load(vm_ptr + off_b, mask=m_b, other=0.0) - 4.0 * gl.load(vs_ptr + off_b, mask=m_b, other=0.0)
+    alpha_c = alpha[None, :]
+    bias = mma_v2(vb, p_op, bias * alpha_c)
+    acc0 = mma_v2(_value_operand(vc_ptr, row0, 0, stride_vcr), p_op * _column(s0), acc0 * alpha_c)
+    acc1 = mma_v2(_value_operand(vc_ptr, row0, 32, stride_vcr), p_op * _column(s1), acc1 * alpha_c)
+    acc2 = mma_v2(_value_operand(vc_ptr, row0, 64, stride_vcr), p_op * _column(s2), acc2 * alpha_c)
+    acc3 = mma_v2(_value_operand(vc_ptr, row0, 96, stride_vcr), p_op * _column(s3), acc3 * alpha_c)
+    return acc0, acc1, acc2, acc3, bias, m_new, l_i
+
+
+@gluon.jit
+def _any_masked(mask_ptr, start, end, stride_mt):
+    """Whether the key padding mask excludes any of tokens [start, end)."""
+    found = 0
+    for chunk in range(start, end, 1024):
+        o_t = chunk + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        excluded = gl.load(mask_ptr + o_t * stride_mt, mask=o_t < end, other=1) == 0
+        found = gl.maximum(found, gl.max(excluded.to(gl.int32), axis=0))
+    return found != 0
+
+
+@gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts"])
+def _gluon_split_kernel(
+    q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
+    part_o_ptr, part_ml_ptr,
+    num_kv_heads, num_quantized, num_residual, blocks_per_split, num_parts,
+    stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
+    stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
+    stride_mt,
+    ROWS_USED: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr,
+):  # fmt: skip
+    """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh and writes
+    partial slot s. `q_op_ptr` [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score
+    scale (base 2), as the Triton split kernel's `_query_operand` makes them. The key and value codes' channels and
+    the key scale/min pairs (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too."""
+    bh = gl.program_id(0).to(gl.int64)
+    split = gl.program_id(1)
+    b = bh // num_kv_heads
+    h = bh % num_kv_heads
+    if DEVICE_LENGTH:  # as the Triton kernel: the tokens held decide what is read
+        held = gl.load(length_ptr)
+        num_quantized = ((held - 1) // num_residual * num_residual).to(gl.int32)
+    kc_ptr += b * stride_kcb + h * stride_kch
+    ks_ptr += b * stride_ksb + h * stride_ksh
+    km_ptr += b * stride_kmb + h * stride_kmh
+    kn_ptr += b * stride_knb
+    vc_ptr += b * stride_vcb + h * stride_vch
+    vs_ptr += b * stride_vsb + h * stride_vsh
+    vm_ptr += b * stride_vmb + h * stride_vmh
+    mask_ptr += b * stride_mb
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
+    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, B_OP))
+    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[:, None] * ROWS + o_rq[None, :])  # [D, rows] fp16
+    q_scale = gl.load(q_scale_ptr + bh)
+
+    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
+    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
+    acc0 = gl.zeros([32, ROWS], gl.float32, layout=MMA)  # O^T of value group 0: [channels 0-31, rows]
+    acc1 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
+    acc2 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
+    acc3 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
+    bias = gl.zeros([16, ROWS], gl.float32, layout=MMA)  # rows 0-3: sum_t p_t (m - 4 s)_t per value group
+
+    block_lo = split * blocks_per_split
+    block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
+    if HAS_MASK and _any_masked(mask_ptr, block_lo * BLOCK, block_hi * BLOCK, stride_mt):
+        for block in range(block_lo, block_hi):
+            acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr,
+                vs_ptr, vm_ptr, mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+                TOKEN_SCALING, True,
+            )  # fmt: skip
+    else:
+        for block in range(block_lo, block_hi):
+            acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr,
+                vs_ptr, vm_ptr, mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+                TOKEN_SCALING, False,
+            )  # fmt: skip
+
+    # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32
+    o_g = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))[:, None]
+    o_c = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))[:, None]
+    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
+    slot = (bh * num_parts + split) * ROWS_USED
+    p_o = part_o_ptr + (slot + o_r[None, :]) * D + o_c
+    m_o = (o_r < ROWS_USED)[None, :]
+    gl.store(p_o, acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 32, acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 64, acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 96, acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=0)[None, :], mask=m_o)
+    p_ml = part_ml_ptr + (slot + o_r) * 2
+    gl.store(p_ml, m_i, mask=o_r < ROWS_USED)
+    gl.store(p_ml + 1, l_i, mask=o_r < ROWS_USED)
+
+
+def launch(
+    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask,
+) -> None:  # fmt: skip
+    """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
+    `key_norms` may be empty placeholders; `length` None or the device count)."""
+    kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
+    ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
+    _gluon_split_kernel[grid](
+        q_op, q_scale, kc, ks, km, key_norms, vc, vs, vm, mask, length if length is not None else mask, part_o, part_ml,
+        kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts,
+        *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
+        *vm.stride()[:2], *mask.stride(),
+        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, num_warps=1,
+    )  # fmt: skip
