@@ -61,6 +61,7 @@ class Case:
     extreme_norms: bool = False
     views: bool = False
     method: str = "paper"
+    row_major: bool = False  # storage as the cache allocates it (the reference quantizer's is channel-major)
 
     @property
     def id(self) -> str:
@@ -72,6 +73,7 @@ class Case:
                 (f"-pad{self.left_pad}", self.left_pad),
                 ("-extreme", self.extreme_norms),
                 ("-views", self.views),
+                ("-rowMajor", self.row_major),
                 ("-perHeadKeyRotation", self.method == "oscar"),
                 (f"-G{self.group_size}", self.group_size != 32),
                 ("-fp32scales", self.scale_dtype != "float16"),
@@ -168,6 +170,8 @@ def make_inputs(case: Case, seed: int = 0):
             keys[:, :, 3] *= 0.01
             keys[:, :, case.quantized // 2 + 1] *= 100.0
         quantized = quantize_kv(keys, values, config, key_rotated)
+        if case.row_major:
+            quantized = QuantizedKV(*(None if t is None else t.contiguous() for t in quantized))
         if case.views:
             quantized = QuantizedKV(*(None if t is None else _capacity_view(t, 2, 48) for t in quantized))
     residual_keys = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
@@ -254,8 +258,8 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 128, 7),
         (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 64, 12),
         # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
-        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16), 384, 17),
-        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300), 416, 32),
+        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 384, 17),
+        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 416, 32),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
@@ -339,7 +343,7 @@ def test_decode_attention_large(case: Case):
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
-GLUON = replace(BASE, head_dim=128, quantized=384, residual=9, batch=2, kv_heads=2, dtype=torch.float16)
+GLUON = replace(BASE, head_dim=128, quantized=384, residual=9, batch=2, kv_heads=2, dtype=torch.float16, row_major=True)
 GLUON_CASES = [
     GLUON,
     # query rows 1 .. 8 per KV head (the MMA's N): GQA 1 / 2 / 8, speculative rows, a GQA of 3 (odd rows)
@@ -409,6 +413,7 @@ def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv
         left_pad=rng.randint(1, quantized + residual - q_len) if rng.random() < 0.3 else 0,
         views=rng.random() < 0.3,
         method="oscar" if rng.random() < 0.2 else "paper",
+        row_major=rng.random() < 0.5,
     )
 
 
