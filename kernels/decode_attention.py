@@ -631,6 +631,7 @@ class _Tuning:
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
     merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
+    gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -949,7 +950,7 @@ def _decode_attention(
             _gluon.launch(
                 (batch * kv_heads, gluon_splits), q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml,
                 num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
-                key_padding_mask is not None,
+                key_padding_mask is not None, tuning.gluon_max_registers,
             )  # fmt: skip
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,

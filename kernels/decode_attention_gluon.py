@@ -26,8 +26,8 @@ warp per program, 128-token steps (8 word rows), up to 8 query rows per KV head 
   lane's tokens lie in one 32-token key group, so its scales are 16 pairs per step.
 - Values as O^T = V^T P^T (channels as M). The logical token order is the same (k = e + 2 i + 8 r2 + 16 kt is stored
   token 16 (2 i + e) + kt + 8 r2), so lane (g, i) holds word rows 2 i and 2 i + 1: again whole words. Value
-  parameters are per token and 32-channel group: P^T is scaled per group (4 s), the codes are c / 4, and the minima
-  go in through a fifth MMA whose A rows are the groups' minima.
+  parameters are per token and 32-channel group: P^T is scaled per group (s), the codes are c / 4 (the sums are
+  multiplied by 4 once, at the end), and the minima go in through a fifth MMA whose A rows are the groups' minima.
 - Online softmax (base 2) over the 8 query rows, the key padding mask per step where a program's range has padding.
 
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel; tests/kernels/test_decode_attention.py checks this
@@ -204,10 +204,11 @@ def _step(
     l_i = l_i * alpha + gl.sum(p, axis=0)
 
     p_op = gl.convert_layout(p.to(gl.float16), B_OP)  # P^T [logical tokens, rows]
-    # value parameters [128 k, 4 groups]: the scale folded into P^T per group (times 4: the codes read c / 4) ...
+    # value parameters [128 k, 4 groups]: the scale folded into P^T per group (the codes read c / 4: the sums are
+    # multiplied by 4 once, at the end) ...
     o_k = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, V_PARAMS)))
     o_grp = gl.arange(0, 4, layout=gl.SliceLayout(0, V_PARAMS))
-    vs = gl.load(vs_ptr + (t0 + o_k[:, None]) * 4 + o_grp[None, :]) * 4.0
+    vs = gl.load(vs_ptr + (t0 + o_k[:, None]) * 4 + o_grp[None, :])
     s_even, s_odd = gl.split(gl.reshape(vs, [BLOCK, 2, 2]))  # groups 0, 2 and 1, 3
     s0, s2 = gl.split(s_even)
     s1, s3 = gl.split(s_odd)
@@ -306,10 +307,10 @@ def _gluon_split_kernel(
     slot = (bh * num_parts + split) * ROWS_USED
     p_o = part_o_ptr + (slot + o_r[None, :]) * D + o_c
     m_o = (o_r < ROWS_USED)[None, :]
-    gl.store(p_o, acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 32, acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 64, acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 96, acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o, 4.0 * acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 32, 4.0 * acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 64, 4.0 * acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=0)[None, :], mask=m_o)
+    gl.store(p_o + 96, 4.0 * acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=0)[None, :], mask=m_o)
     p_ml = part_ml_ptr + (slot + o_r) * 2
     gl.store(p_ml, m_i, mask=o_r < ROWS_USED)
     gl.store(p_ml + 1, l_i, mask=o_r < ROWS_USED)
@@ -317,7 +318,7 @@ def _gluon_split_kernel(
 
 def launch(
     grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers,
 ) -> None:  # fmt: skip
     """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
     `key_norms` may be empty placeholders; `length` None or the device count)."""
@@ -329,4 +330,5 @@ def launch(
         *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
         *vm.stride()[:2], *mask.stride(),
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, num_warps=1,
+        **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
