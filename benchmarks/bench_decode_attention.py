@@ -297,17 +297,16 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Latency-bound, not memory bound: ~250 registers per thread allow about 8 warps per SM (12.5 % occupancy; ncu on "
-    "the H200: 0.44 instructions issued per cycle and scheduler), so each step's chain (copy wait, unpacking ~6.7 SASS "
-    "instructions per code with Triton 3.6, MMA, softmax, MMA) is exposed. Programs of fewer warps (one per 64 "
-    "channels) removed the cross-warp waits inside a step (B=8 32K on the H200: 256 -> 228 us at D=128, 797 -> 492 "
-    "at D=256, 154 -> 104 at D=64), but the register count still caps the warps per SM; a third fewer instructions "
-    "(keys packed along channels, measured) did not make it faster; removing the two memory round trips each step "
-    "waited on (value parameters read as 16-bit gathers, now pipelined with the codes) did (B=8 32K 226 -> 193 us on "
-    "the H200, 1.09x -> 1.28x SDPA), and so did query tiles of 8 rows instead of 16 where a KV head reads at most 8 "
-    "(fewer instructions and no more registers: B=8 32K 191 -> 176 us). At 4K the fixed per-call costs (query "
-    "rotation, partial writes, the merge launch and its un-rotation) weigh most; a one-pass merge and splits sized to "
-    "whole waves brought it level with SDPA there. What would close it: see benchmarks/NOTES_kernels.md."
+    "Latency-bound, not memory-bound. Where the Gluon kernel runs (D=128, 2 bits, fp16 scales, up to 8 query rows per "
+    "KV head: these shapes) its lanes unpack codes straight into tensor-core fragments: ~2.6 SASS instructions per "
+    "code (Triton 3.6, sm_90) against ~5 for the Triton kernel, nothing through shared memory but P; B=8 32K went "
+    "from 177 to 120 us on the H200 (1.39x -> 2.00x SDPA) and from 2.01x to 2.87x on the H100. It still holds ~255 "
+    "registers per thread, so 8 one-warp programs per SM, 2 warps per scheduler (ncu on the H200: 0.49 instructions "
+    "issued per cycle and scheduler; stalls on global loads and on dependent instructions), and the kernel takes about "
+    "the same time on both GPUs: the H200's faster memory only speeds up SDPA. At 4K and B=1 the fixed per-call chain "
+    "(the Triton kernel's query transform and residual window, then the Gluon kernel, then the merge) weighs most. "
+    "What would close it: see benchmarks/NOTES_kernels.md (fewer registers per thread, a cp.async pipeline for each "
+    "step's loads, the remaining shifts and shuffles)."
 )
 
 

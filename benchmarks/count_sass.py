@@ -1,13 +1,15 @@
 """Instructions per dequantized code of the fused decode kernel's inner loop, counted on the CPU (no GPU needed).
 
-    python benchmarks/count_sass.py [--block-n N] [--warps W] [--gqa 4] [--head-dim 128] [--arch 90]
+    python benchmarks/count_sass.py [--block-n N] [--warps W] [--gqa 4] [--head-dim 128] [--arch 90] [--gluon]
 
-Compiles `_split_kernel` for an NVIDIA target with this machine's Triton (its bundled ptxas) from the arguments the
+Compiles `_split_kernel` (with `--gluon`: the Gluon kernel that reads the full 128-token blocks at D=128, its launch
+forced as on a GPU) for an NVIDIA target with this machine's Triton (its bundled ptxas) from the arguments the
 launcher passes (so strides and alignments are specialized as on the GPU), disassembles it with the bundled nvdisasm
 and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks), with the launch's step and
 warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)` lane-instructions per K or
 V code, the registers and spills, which bound the programs per SM, and the loop's global loads that Triton did not
-pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead). The kernel is
+pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead; the Gluon kernel loads
+everything directly). The kernel is
 latency-bound (benchmarks/NOTES_kernels.md): fewer instructions help only with fewer registers or fewer waits, so
 time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
 """
@@ -29,6 +31,7 @@ from oscar_hf.kernels import decode_attention
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
+from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 from oscar_hf.config import OscarConfig
@@ -37,11 +40,13 @@ from oscar_hf.layout import StorageLayout
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, context: int = 32768) -> dict:
-    """The split kernel's keyword arguments as `decode_attention_triton` passes them for a bf16 model's decode step
-    (B=8, Hkv=8, residual window 64), built on CPU tensors of the storage layout: the same strides and alignments the
-    GPU launch specializes on (a stride of 1 becomes a constant, multiples of 16 are marked divisible), so the
-    compiled loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
+def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, gluon: bool = False) -> dict:
+    """The arguments `decode_attention_triton` passes a kernel for a bf16 model's decode step (B=8, Hkv=8, 32K
+    quantized tokens, residual window 64), by name: the Triton split kernel's, or with `gluon` the Gluon kernel's (its
+    launch forced, as on a GPU). Built on CPU tensors of the storage layout: the same strides and alignments the GPU
+    launch specializes on (a stride of 1 becomes a constant, multiples of 16 are marked divisible), so the compiled
+    loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
+    context = 32768
     batch, kv_heads, residual = 8, 8, 64
     config = OscarConfig(method="oscar" if per_head else "paper")
     query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
@@ -51,30 +56,38 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
     key_rotated = torch.ones(batch, kv_heads, dtype=torch.bool) if per_head else None
     recorded = {}
 
-    def recorder(name):
-        return mock.Mock(__getitem__=lambda self, grid: lambda *args, **kwargs: recorded.setdefault(name, kwargs))
+    def recorder(kernel):
+        def launch(*args, **kwargs):
+            recorded[kernel] = dict(zip(kernel.arg_names, args)) | kwargs
 
+        return mock.Mock(__getitem__=lambda self, grid: launch)
+
+    gluon_kernel = decode_attention._gluon._gluon_split_kernel
     with (
-        mock.patch.object(decode_attention, "_split_kernel", recorder("split")),
-        mock.patch.object(decode_attention, "_merge_kernel", recorder("merge")),
+        mock.patch.object(decode_attention, "_split_kernel", recorder(decode_attention._split_kernel)),
+        mock.patch.object(decode_attention, "_merge_kernel", recorder(decode_attention._merge_kernel)),
+        mock.patch.object(decode_attention._gluon, "_gluon_split_kernel", recorder(gluon_kernel)),
+        mock.patch.object(decode_attention, "_gluon_splits", lambda *args: 16 if gluon else 0),
         mock.patch.object(decode_attention, "_interpreting", lambda: True),
     ):
         decode_attention._decode_attention(
             query, quantized, keys, values, mask, head_dim**-0.5, config, key_rotated, tuning=tuning
         )
-    return recorded["split"]
+    kernel = gluon_kernel if gluon else decode_attention._split_kernel
+    return kernel, recorded[kernel]
 
 
-def compile_split_kernel(tuning, gqa: int, head_dim: int, arch: int, per_head: bool = False, masked: bool = False):
-    """`_split_kernel` compiled for sm_`arch` with the launch's arguments, specialized as Triton's launcher does."""
-    kernel = decode_attention._split_kernel
-    arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked)
+def compile_kernel(tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False):
+    """The split kernel (or with `gluon` the Gluon kernel) compiled for sm_`arch` with the launch's arguments,
+    specialized as Triton's launcher does."""
+    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
     bound, specialization, options = binder(**arguments)
     options, signature, constexprs, attrs = kernel._pack_args(backend, arguments, bound, specialization, options)
-    return triton.compile(ASTSource(kernel, signature, constexprs, attrs), target=target, options=options.__dict__)
+    source = (GluonASTSource if gluon else ASTSource)(kernel, signature, constexprs, attrs)
+    return triton.compile(source, target=target, options=options.__dict__)
 
 
 def disassemble(kernel) -> tuple[list[tuple[int, str]], dict[str, int], str]:
@@ -119,14 +132,17 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="sm_XX target")
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, one warp)")
     args = parser.parse_args()
     launch = decode_attention._default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(
         launch, block_n=args.block_n or launch.block_n, num_warps=args.warps or launch.num_warps
     )
     args.block_n, args.warps = launch.block_n, launch.num_warps
+    if args.gluon:
+        args.block_n, args.warps = decode_attention._GLUON_BLOCK, 1
 
-    kernel = compile_split_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked)
+    kernel = compile_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon)
     body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)
     print(f"triton {triton.__version__}, sm_{args.arch}, {usage}, dynamic shared {kernel.metadata.shared} B")
