@@ -23,8 +23,12 @@ residual ones. Nothing proportional to the context is materialised: the split ke
 Kernel 1, grid (B * Hkv, S + 1): program (bh, s < S) runs an online softmax over its range of quantized blocks for
 all g * Tq query rows of KV head bh (each K/V tile is loaded once and used by the g heads), starting from the
 rotated query; its accumulator stays in the values' rotated domain. Program (bh, S) does the same over the residual
-tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer [B * Hkv, S + 1, g * Tq, (D)].
-Kernel 2, grid (B * Hkv * g * Tq,), merges the S quantized partials by log-sum-exp, un-rotates their sum once
+tokens in the query dtype. Each writes (acc, m, l) in fp32 to a partial buffer [B * Hkv, parts, g * Tq, (D)].
+Where `_gluon_splits` allows (a CUDA GPU, D = 128, 2 bits, fp16 scales, g * Tq <= 8: the usual decode step), the
+Gluon kernel (kernels/decode_attention_gluon.py, grid (B * Hkv, S_g)) reads the full 128-token blocks into partials
+0 .. S_g - 1, launched after kernel 1, whose one quantized program per KV head then reads only what follows them (a
+partial block, or nothing) and writes the query operand the Gluon kernel reads.
+Kernel 2, grid (B * Hkv * g * Tq,), merges the quantized partials by log-sum-exp, un-rotates their sum once
 (o = o~ H, exact since H is linear: one transform per row instead of one per split program), and adds the residual
 partial.
 
@@ -36,7 +40,7 @@ padding mask are read in the same order; key parameters (per channel, per group 
 (per token, per group of G channels) are loaded once per group and broadcast in registers. Dot operands of the
 quantized part are fp16 (the default fp16 scales bound every dequantized value; the rotated query is divided by its
 max so it cannot overflow), tf32 with fp32 scales; the residual part uses the query dtype; accumulation is fp32.
-Measured on an H100 and what limits it: benchmarks/NOTES_kernels.md.
+Measured on H100 and H200 GPUs and what limits it: benchmarks/NOTES_kernels.md.
 """
 
 from __future__ import annotations
@@ -664,7 +668,9 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
 
     Query tiles on that path: 8 rows where a KV head reads at most 8 (16 before: Llama's GQA 4 fills 4 of them, and
     the query transform, scores, softmax and accumulator ran on all 16; H200 B=8 32K 176.4 vs 190.7 us, B=1 32K 28.3
-    vs 30.3)."""
+    vs 30.3). At D=128 the Gluon kernel reads the full 128-token blocks there (`_gluon_splits`), one wave of 8
+    one-warp programs per SM: B=8 32K 120 vs 178 us, B=8 128K 430 vs 742, B=1 32K 22.2 vs 28.6 (H200, same run);
+    12 programs per SM under a 168-register cap or 10 under 200 were slower (127 / 195 us at B=8 32K)."""
     if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
         if short_few_heads and head_dim == 128:
             return _Tuning(block_n=128, num_warps=4, block_m=8, programs_per_sm=8, programs_per_sm_few_heads=2)
