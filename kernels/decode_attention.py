@@ -726,7 +726,7 @@ def _gluon_splits(query, quantized, config, rows: int, num_quantized: int, tunin
         or torch.cuda.get_device_capability(query.device) < (8, 0)
         or (query.shape[3], config.bits, config.group_size, config.scale_torch_dtype) != (128, 2, 32, torch.float16)
         or max(tuning.block_m, triton.next_power_of_2(rows)) != 8
-        or any(t.stride(-1) != 1 for t in codes_and_pairs)
+        or any(t.stride(-1) != 1 or t.storage_offset() % 2 for t in codes_and_pairs)  # int32 views of fp16 pairs
         or (quantized.key_norms is not None and quantized.key_norms.stride(-1) != 1)
     ):
         return 0
