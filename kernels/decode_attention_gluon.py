@@ -285,6 +285,9 @@ def _gluon_split_kernel(
 
     block_lo = split * blocks_per_split
     block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
+    # Two copies of the loop, the step compiled with and without the mask (as the Triton kernel's `_any_masked`
+    # dispatch): moving the loop into a helper called twice with the arguments as a tuple makes Triton 3.6 (the GPU
+    # image's) fail an assertion while lowering the kernel without token scaling (3.9 compiles it).
     if HAS_MASK and _any_masked(mask_ptr, block_lo * BLOCK, block_hi * BLOCK, stride_mt):
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
