@@ -1,6 +1,6 @@
 """The quantized tokens of a 2-bit decode step in Gluon: codes unpacked straight into tensor-core fragments.
 
-`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `gluon_splits` allows it
+`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `_gluon_splits` allows it
 (CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
 block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per program
 into the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
@@ -9,8 +9,8 @@ residual window (and write the query operand this kernel reads), and whose merge
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
 layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane loads the storage words whose codes it
-holds in the MMA's fragments, so a code goes from the loaded word to an operand register with a shift, a `lop3` and
-(keys only) one `fma.f16x2`; nothing goes through shared memory.
+holds in the MMA's fragments, so a pair of codes goes from the loaded word to an operand register with a shift, a
+`lop3`, a `sub.f16x2` and (keys only) an `fma.f16x2`; nothing goes through shared memory.
 
 The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j. One
 warp per program, 128-token steps (8 word rows), up to 8 query rows per KV head (the MMA's N):
@@ -31,7 +31,8 @@ warp per program, 128-token steps (8 word rows), up to 8 query rows per KV head 
 - Online softmax (base 2) over the 8 query rows, the key padding mask per step where a program's range has padding.
 
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel; tests/kernels/test_decode_attention.py checks this
-one against the float32 reference on the GPU. Measured: benchmarks/NOTES_kernels.md.
+one against the float64 reference on the GPU, and benchmarks/fuzz_kernels.py on random cases. Measured:
+benchmarks/NOTES_kernels.md.
 """
 
 from __future__ import annotations
