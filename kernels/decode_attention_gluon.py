@@ -114,11 +114,8 @@ def _expand_last(x, n: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, stride_kmg, SHIFT_FREE: gl.constexpr):
-    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16). SHIFT_FREE (with token
-    scaling): the codes are read at their own bit position b instead of being shifted to one (a quarter fewer
-    instructions per code), the scale taken times 2^(10 - b) <= 1024; keys divided by their token norm are at most 1
-    in magnitude, so their scales are at most 2/3 and this stays far from fp16's range."""
+def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, stride_kmg):
+    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
     o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, K_WORDS))
     w = gl.load(kc_ptr + (row0 + o_g[:, None]) * stride_kcr + o_d[None, :])
@@ -135,40 +132,24 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, s
     group = group0 + o_g2[:, None] // 2
     scale = gl.load(ks_ptr + group * stride_ksg + o_c2[None, :])
     minimum = gl.load(km_ptr + group * stride_kmg + o_c2[None, :])
-    pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    scale = _expand_last(gl.convert_layout(scale, pair_layout, assert_trivial=True), 3)
-    minimum = _expand_last(gl.convert_layout(minimum, pair_layout, assert_trivial=True), 3)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
-    m2 = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
+    s4 = gl.inline_asm_elementwise(  # 4 s (exact)
+        "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
     p = gl.join(lo16, hi16)  # [g, c, r1]
-    if SHIFT_FREE:
-        # m-tile m2 (h = 0) at bits 2 m2 of p, 4 + m2 (h = 1) at bits 2 m2 of p >> 8; an fp16 1.0 with the code there
-        # reads 1 + c 2^(2 m2 - 10): less 1, times s 2^(10 - 2 m2) (an fp16 1024, 256, 64 or 16 per m2), plus m
-        p = gl.convert_layout(gl.join(p, p >> 8), gl.SliceLayout(4, K_CODES), assert_trivial=True)
-        factor = 0x64006400 - m2 * 0x08000800  # 2^(10 - 2 m2) as an fp16 pair: the exponent field 2 less per m2
-        scale = gl.inline_asm_elementwise(
-            "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [scale, factor], dtype=gl.int32, is_pure=True, pack=1
-        )
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $2, $3, one, 0xea; sub.rn.f16x2 t, t, one;"
-            " fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), 0x00030003 << (2 * m2), scale, minimum],
-            dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        # codes of m-tiles 0..3 sit below bit 8 (shift p << 8 right by 2 m2), of 4..7 above (shift p right by 2 m2);
-        # at mantissa bits 8-9 of an fp16 1.0 they read 1 + c / 4: less 1, times 4 s, plus m
-        p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, K_CODES), assert_trivial=True)
-        scale = gl.inline_asm_elementwise(  # 4 s (exact)
-            "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
-            " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), 2 * m2, scale, minimum], dtype=(gl.float16, gl.float16),
-            is_pure=True, pack=1,
-        )  # fmt: skip
+    # codes of m-tiles 0..3 sit below bit 8 (shift p << 8 right by 2 m2), of 4..7 above (shift p right by 2 m2)
+    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, K_CODES), assert_trivial=True)
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
+    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
+    s4 = _expand_last(gl.convert_layout(s4, pair_layout, assert_trivial=True), 3)
+    m4 = _expand_last(gl.convert_layout(minimum, pair_layout, assert_trivial=True), 3)
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
+        " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5;"
+        " mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+    )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
@@ -208,7 +189,7 @@ def _step(
     """One 128-token step of the online softmax: scores, softmax update, P^T V with the value parameters folded."""
     t0 = block * BLOCK
     row0 = block * 8
-    k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, row0, block * 4, stride_kcr, stride_ksg, stride_kmg, TOKEN_SCALING)
+    k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, row0, block * 4, stride_kcr, stride_ksg, stride_kmg)
     s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))  # S^T [logical tokens, rows]
     tok_m = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)))
     scale = gl.full([BLOCK], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA)) * q_scale
