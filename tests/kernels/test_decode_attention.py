@@ -14,7 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention, decode_attention_triton
 from oscar_hf.kernels.decode_attention import (
     _decode_attention,
     _default_tuning,
@@ -376,6 +376,70 @@ def test_gluon_full_blocks(case: Case):
     assert _gluon_splits(query, quantized, config, case.gqa * case.q_len, case.quantized, tuning) > 0
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
+
+
+def _gluon_partials_in_torch(
+    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers,
+) -> None:  # fmt: skip
+    """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) fills partial
+    slot s with (o, m, l) over full 128-token blocks [s * blocks_per_split, ...), o in the values' stored domain, m and
+    the scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
+    bh_count, splits = grid
+    if length is not None:
+        num_quantized = (int(length) - 1) // num_residual * num_residual
+    layout = StorageLayout(2, 32, token_scaling, torch.float16)
+    keys = layout.unpack_codes(quantized.key_codes).double() * quantized.key_scale.double().repeat_interleave(32, 2)
+    keys = keys + quantized.key_min.double().repeat_interleave(32, 2)
+    if token_scaling:
+        keys = keys * key_norms.double().transpose(1, 2).unsqueeze(1)
+    values = layout.unpack_codes(quantized.value_codes).double() * quantized.value_scale.double().repeat_interleave(
+        32, 3
+    )
+    values = values + quantized.value_min.double().repeat_interleave(32, 3)
+    kv_heads = quantized.key_codes.shape[1]
+    for bh in range(bh_count):
+        b, h = divmod(bh, kv_heads)
+        q = q_op[bh, :, :rows].double().T
+        for split in range(splits):
+            lo = split * blocks_per_split * 128
+            hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
+            scores = q @ keys[b, h, lo:hi].T * float(q_scale[bh])
+            if has_mask:
+                scores = scores.masked_fill(mask[b, lo:hi] == 0, float("-inf"))
+            m = scores.amax(-1) if hi > lo else torch.full((rows,), float("-inf"), dtype=torch.float64)
+            p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
+            part_o[bh, split] = (p @ values[b, h, lo:hi]).to(part_o.dtype)
+            part_ml[bh, split, :, 0], part_ml[bh, split, :, 1] = m, p.sum(-1)
+
+
+@pytest.mark.parametrize(
+    "case, held",
+    [
+        (replace(GLUON, quantized=256 + 32, batch=1), None),
+        (replace(GLUON, quantized=384, method="oscar", left_pad=150, q_len=2, residual=5), None),
+        (replace(GLUON, quantized=512, residual=64, left_pad=20), (256, 9)),
+    ],
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+)
+def test_gluon_partial_slots(case: Case, held, monkeypatch):
+    """The launch around the Gluon kernel, on any device (CPU: Triton's interpreter): a float64 stand-in for the
+    Gluon kernel fills the first partial slots from the query operand the Triton kernel writes, whose one quantized
+    program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
+    The step must match the reference; a wrong query operand, slot or block offset would not."""
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=3)
+    monkeypatch.setattr(decode_attention, "_gluon_splits", lambda *args: 2)
+    monkeypatch.setattr(decode_attention._gluon, "launch", _gluon_partials_in_torch)
+    length = None if held is None else torch.tensor(sum(held), device=DEVICE)
+    out = decode_attention_triton(query, quantized, rk, rv, mask, scaling, config, key_rotated, length)
+    if held is not None:  # the reference over the tokens held (`test_device_length_reads_only_what_is_held`)
+        quantized = StorageLayout.of(config).rows(quantized, 0, held[0])
+        rk, rv, mask = rk[:, :, : held[1]], rv[:, :, : held[1]], mask[:, : sum(held)]
+    ref = decode_attention_reference(
+        query, quantized, rk, rv, mask, scaling, config, key_rotated, compute_dtype=torch.float64,
+        out_dtype=torch.float64,
+    )  # fmt: skip
+    assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
 def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv_heads: int = 8) -> Case:
