@@ -407,7 +407,7 @@ def _gluon_partials_in_torch(
             scores = q @ keys[b, h, lo:hi].T * float(q_scale[bh])
             if has_mask:
                 scores = scores.masked_fill(mask[b, lo:hi] == 0, float("-inf"))
-            m = scores.amax(-1) if hi > lo else torch.full((rows,), float("-inf"), dtype=torch.float64)
+            m = scores.amax(-1) if hi > lo else torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
             p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
             part_o[bh, split] = (p @ values[b, h, lo:hi]).to(part_o.dtype)
             part_ml[bh, split, :, 0], part_ml[bh, split, :, 1] = m, p.sum(-1)
