@@ -61,10 +61,12 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
 from .quantize_pack import _add, _fwht_rows, _maximum, check_key_rotated
 
-try:  # Gluon (Triton's layout-explicit dialect) reads the full blocks of the usual decode step, where available
+# Gluon (Triton's layout-explicit dialect, still `experimental`, its API changing between releases) reads the full
+# blocks of the usual decode step with the Triton versions it was built and checked with: 3.6 on the GPUs, 3.9 compiled
+# on the CPU. With an older Triton the Triton kernel reads every token.
+_gluon = None
+if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
     from . import decode_attention_gluon as _gluon
-except ImportError:  # a Triton without `triton.experimental.gluon`: the Triton kernel reads every token
-    _gluon = None
 
 _MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _GLUON_BLOCK = 128  # tokens per step of the Gluon kernel: it reads the quantized region's full blocks of this size
