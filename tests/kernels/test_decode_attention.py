@@ -27,7 +27,7 @@ from oscar_hf.kernels.decode_attention import (
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
-from oscar_hf.reference import quantize_kv
+from oscar_hf.reference import dequantize_groups, quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -388,15 +388,15 @@ def _gluon_partials_in_torch(
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
-    layout = StorageLayout(2, 32, token_scaling, torch.float16)
-    keys = layout.unpack_codes(quantized.key_codes).double() * quantized.key_scale.double().repeat_interleave(32, 2)
-    keys = keys + quantized.key_min.double().repeat_interleave(32, 2)
-    if token_scaling:
-        keys = keys * key_norms.double().transpose(1, 2).unsqueeze(1)
-    values = layout.unpack_codes(quantized.value_codes).double() * quantized.value_scale.double().repeat_interleave(
-        32, 3
+    layout, f64 = StorageLayout(2, 32, token_scaling, torch.float16), torch.float64
+    keys = dequantize_groups(
+        layout.unpack_codes(quantized.key_codes), quantized.key_scale, quantized.key_min, 32, -2, f64
     )
-    values = values + quantized.value_min.double().repeat_interleave(32, 3)
+    if token_scaling:
+        keys = keys * key_norms.to(f64).unsqueeze(-1)
+    values = dequantize_groups(
+        layout.unpack_codes(quantized.value_codes), quantized.value_scale, quantized.value_min, 32, -1, f64
+    )
     kv_heads = quantized.key_codes.shape[1]
     for bh in range(bh_count):
         b, h = divmod(bh, kv_heads)
