@@ -114,6 +114,26 @@ def _expand_last(x, n: gl.constexpr):
 
 
 @gluon.jit
+def _halves(w_even, w_odd):
+    """Two words' low 16-bit halves joined, and their high halves: [..., 2] int32 (one `prmt` each)."""
+    lo16, hi16 = gl.inline_asm_elementwise(
+        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
+        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+    )  # fmt: skip
+    return gl.join(lo16, hi16)
+
+
+@gluon.jit
+def _code_shifts(p, CODES: gl.constexpr):
+    """The joined halves as [..., 2 h, 1] in the CODES layout and the shifts [1, ..., 4 m2] that bring the codes of
+    m-tile (or k-tile) 4 h + m2 to bits 8-9 of each half: those of tiles 0..3 sit below bit 8 (p << 8 shifted right
+    by 2 m2), those of 4..7 above (p shifted right by 2 m2)."""
+    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, CODES), assert_trivial=True)
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
+    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+
+
+@gluon.jit
 def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, stride_kmg):
     """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
     o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
@@ -122,10 +142,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, s
     w_even, w_odd = gl.split(gl.reshape(w, [8, 64, 2]))
     w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
-    lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r1 = 0) and j >= 8 (r1 = 1) of channels (2c, 2c + 1)
-        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
-        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
-    )  # fmt: skip
+    p = _halves(w_even, w_odd)  # [g, c, r1]: tokens j < 8 (r1 = 0), j >= 8 (r1 = 1) of channels (2c, 2c + 1)
     # scale / min pairs (channels 2c, 2c + 1) of the lane's key group, as int32
     o_g2 = gl.arange(0, 8, layout=gl.SliceLayout(1, K_PAIRS))
     o_c2 = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PAIRS))
@@ -136,11 +153,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, s
         "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
         is_pure=True, pack=1,
     )  # fmt: skip
-    p = gl.join(lo16, hi16)  # [g, c, r1]
-    # codes of m-tiles 0..3 sit below bit 8 (shift p << 8 right by 2 m2), of 4..7 above (shift p right by 2 m2)
-    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, K_CODES), assert_trivial=True)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
-    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    p, shift = _code_shifts(p, K_CODES)
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
     s4 = _expand_last(gl.convert_layout(s4, pair_layout, assert_trivial=True), 3)
     m4 = _expand_last(gl.convert_layout(minimum, pair_layout, assert_trivial=True), 3)
@@ -148,7 +161,7 @@ def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, s
         "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
         " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5;"
         " mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r,r", [gl.expand_dims(p, 4), shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r,r,r", [p, shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
@@ -163,18 +176,12 @@ def _value_operand(vc_ptr, row0, ch0, stride_vcr):
     w_even, w_odd = gl.split(gl.permute(gl.reshape(w, [4, 2, 32]), [0, 2, 1]))
     w_even = gl.convert_layout(w_even, V_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, V_PAIRS, assert_trivial=True)
-    lo16, hi16 = gl.inline_asm_elementwise(  # tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
-        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
-        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
-    )  # fmt: skip
-    p = gl.join(lo16, hi16)  # [i, ch, r2]
-    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, V_CODES), assert_trivial=True)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))))
-    shift = gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    p = _halves(w_even, w_odd)  # [i, ch, r2]: tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
+    p, shift = _code_shifts(p, V_CODES)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
         " sub.rn.f16x2 t, t, one; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r", [gl.expand_dims(p, 4), shift], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r", [p, shift], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     v = gl.reshape(gl.permute(gl.join(lo, hi), [1, 3, 4, 2, 0, 5]), [32, BLOCK])  # [ch | h, m2, r2, i, e]
     return gl.convert_layout(v, A_OP, assert_trivial=True)
