@@ -40,7 +40,11 @@ from __future__ import annotations
 import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+# Gluon names that changed after Triton 3.6 (the GPU image's): the cp.async copy and the CTA barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
 D = gl.constexpr(128)  # head dim
 ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
@@ -93,6 +97,38 @@ V_PARAMS = gl.constexpr(
 )
 
 
+# key scale/min pairs [4 groups j, 2 rows r, 64 pairs c] of word row 2 j + r (its slice over r: the [4, 64] loaded)
+K_PAIRS_BY_GROUP = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0]], [], [],
+        [4, 2, 64],
+    )
+)  # fmt: skip
+K_GROUP_PAIRS = gl.constexpr(gl.SliceLayout(1, K_PAIRS_BY_GROUP))
+# the bias MMA's A operand [16, 128 k] as [4 r, 4 groups j, 128 k] (row 4 r + j); its slice over r: the [4, 128] loaded
+BIAS_BY_GROUP = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 0, 1], [2, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
+        [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [1, 0, 0]], [], [], [4, 4, 128],
+    )
+)  # fmt: skip
+
+# Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25 KB per program (8 per
+# SM fit). The swizzles make the fragment loads above conflict-free: key words are read in 8-byte pairs by lanes over
+# 8 word rows and 4 pairs (8-word chunks XOR the row), value words one by one over 4 row pairs and 8 channels (4-word
+# chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
+K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
+V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
+K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
+V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 128 logical tokens, 4 groups]
+NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # [stage, 128 logical tokens]
+# the copies' layouts: 16 bytes per lane and copy where the source is contiguous (8 for value parameters, 4 for norms)
+WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))  # [8, D]
+K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))  # [4, 64]
+V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0]))  # [128, 4]
+NORMS_COPY = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # [128]
+
+
 @gluon.jit
 def _stored_token(m):
     """Logical token index (MMA row of S^T, k of P^T) -> stored token within the 128-token step."""
@@ -124,56 +160,106 @@ def _halves(w_even, w_odd):
 
 
 @gluon.jit
+def _tile_m2(CODES: gl.constexpr):
+    """m2 = 0..3 as [1, 1, 1, 1, 4] in the CODES layout: the codes of m-tile (or k-tile) 4 h + m2 sit at bits 2 m2 of
+    the joined halves' byte h."""
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
+    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
+
+
+@gluon.jit
 def _code_shifts(p, CODES: gl.constexpr):
     """The joined halves as [..., 2 h, 1] in the CODES layout and the shifts [1, ..., 4 m2] that bring the codes of
     m-tile (or k-tile) 4 h + m2 to bits 8-9 of each half: those of tiles 0..3 sit below bit 8 (p << 8 shifted right
     by 2 m2), those of 4..7 above (p shifted right by 2 m2)."""
     p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, CODES), assert_trivial=True)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
-    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2 * 2, 0), 0), 0), 0)
+    return gl.expand_dims(p, 4), 2 * _tile_m2(CODES)
 
 
 @gluon.jit
-def _key_operand(kc_ptr, ks_ptr, km_ptr, row0, group0, stride_kcr, stride_ksg, stride_kmg):
-    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16)."""
-    o_g = gl.arange(0, 8, layout=gl.SliceLayout(1, K_WORDS))
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, K_WORDS))
-    w = gl.load(kc_ptr + (row0 + o_g[:, None]) * stride_kcr + o_d[None, :])
-    w_even, w_odd = gl.split(gl.reshape(w, [8, 64, 2]))
+def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
+    """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async, no registers
+    held while they travel: the step that reads them waits for them)."""
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
+    kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
+    stage = block % 2
+    o_r = block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, WORDS_COPY))
+    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, WORDS_COPY))
+    _async_load(kw_s.index(stage), kc_ptr + o_r[:, None] * stride_kcr + o_d[None, :])
+    _async_load(vw_s.index(stage), vc_ptr + o_r[:, None] * stride_vcr + o_d[None, :])
+    o_grp = block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
+    o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
+    _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
+    _async_load(km_s.index(stage), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
+    # value parameters and key norms in logical token order (the order the MMA fragments hold them in)
+    o_k = block * BLOCK + _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, V_PARAMS_COPY)))
+    o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, V_PARAMS_COPY))
+    _async_load(vs_s.index(stage), vs_ptr + o_k[:, None] * 4 + o_vg[None, :])
+    _async_load(vm_s.index(stage), vm_ptr + o_k[:, None] * 4 + o_vg[None, :])
+    if TOKEN_SCALING:
+        o_n = block * BLOCK + _stored_token(gl.arange(0, BLOCK, layout=NORMS_COPY))
+        _async_load(kn_s.index(stage), kn_ptr + o_n)
+
+
+@gluon.jit
+def _key_operand(words, scale, minimum, SHIFT_FREE: gl.constexpr):
+    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16), from its words
+    [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32). SHIFT_FREE (with token
+    scaling): the codes are read at their own bit position b instead of being shifted to one (a quarter fewer
+    instructions per code), the scale taken times 2^(10 - b) <= 1024; keys divided by their token norm are at most 1
+    in magnitude, so their scales are at most 2/3 and this stays far from fp16's range."""
+    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))
     w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
     p = _halves(w_even, w_odd)  # [g, c, r1]: tokens j < 8 (r1 = 0), j >= 8 (r1 = 1) of channels (2c, 2c + 1)
-    # scale / min pairs (channels 2c, 2c + 1) of the lane's key group, as int32
-    o_g2 = gl.arange(0, 8, layout=gl.SliceLayout(1, K_PAIRS))
-    o_c2 = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PAIRS))
-    group = group0 + o_g2[:, None] // 2
-    scale = gl.load(ks_ptr + group * stride_ksg + o_c2[None, :])
-    minimum = gl.load(km_ptr + group * stride_kmg + o_c2[None, :])
-    s4 = gl.inline_asm_elementwise(  # 4 s (exact)
-        "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
-        is_pure=True, pack=1,
-    )  # fmt: skip
-    p, shift = _code_shifts(p, K_CODES)
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    s4 = _expand_last(gl.convert_layout(s4, pair_layout, assert_trivial=True), 3)
-    m4 = _expand_last(gl.convert_layout(minimum, pair_layout, assert_trivial=True), 3)
-    lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
-        " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5;"
-        " mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r,r", [p, shift, s4, m4], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
-    )  # fmt: skip
+    minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
+    if SHIFT_FREE:
+        # m-tile m2 (h = 0) at bits 2 m2 of p, 4 + m2 (h = 1) at bits 2 m2 of p >> 8; an fp16 1.0 with the code there
+        # reads 1 + c 2^(2 m2 - 10): less 1, times s 2^(10 - 2 m2) (an fp16 1024, 256, 64 or 16 per m2), plus m
+        p = gl.expand_dims(gl.convert_layout(gl.join(p, p >> 8), gl.SliceLayout(4, K_CODES), assert_trivial=True), 4)
+        m2 = _tile_m2(K_CODES)
+        scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
+        factor = 0x64006400 - m2 * 0x08000800  # 2^(10 - 2 m2) as an fp16 pair: the exponent field 2 less per m2
+        scale = gl.inline_asm_elementwise(
+            "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [scale, factor], dtype=gl.int32, is_pure=True, pack=1
+        )
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $2, $3, one, 0xea; sub.rn.f16x2 t, t, one;"
+            " fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [p, 0x00030003 << (2 * m2), scale, minimum], dtype=(gl.float16, gl.float16),
+            is_pure=True, pack=1,
+        )  # fmt: skip
+    else:
+        # at mantissa bits 8-9 of an fp16 1.0 the codes read 1 + c / 4: less 1, times 4 s, plus m
+        scale = gl.inline_asm_elementwise(  # 4 s (exact)
+            "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
+            is_pure=True, pack=1,
+        )  # fmt: skip
+        scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
+        p, shift = _code_shifts(p, K_CODES)
+        lo, hi = gl.inline_asm_elementwise(
+            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
+            " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
+            "=h,=h,r,r,r,r", [p, shift, scale, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
 @gluon.jit
-def _value_operand(vc_ptr, row0, ch0, stride_vcr):
-    """Codes of 32 channels from ch0, [32, 128 logical tokens] as the first MMA operand: fp16 c / 4."""
-    o_r = gl.arange(0, 8, layout=gl.SliceLayout(1, V_WORDS))
-    o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, V_WORDS))
-    w = gl.load(vc_ptr + (row0 + o_r[:, None]) * stride_vcr + ch0 + o_c[None, :])
-    w_even, w_odd = gl.split(gl.permute(gl.reshape(w, [4, 2, 32]), [0, 2, 1]))
+def _by_word_row(x):
+    """Key parameters [4 groups, 64 pairs] (loaded in K_GROUP_PAIRS' slice) -> [8 word rows, 64 pairs] (K_PAIRS): word
+    rows 2 j, 2 j + 1 (tokens 32 j .. 32 j + 31) belong to group j; the lanes of both rows read the same words."""
+    x, _ = gl.broadcast(gl.expand_dims(x, 1), gl.zeros([4, 2, 64], gl.int32, layout=K_PAIRS_BY_GROUP))
+    return gl.convert_layout(gl.reshape(x, [8, 64]), K_PAIRS, assert_trivial=True)
+
+
+@gluon.jit
+def _value_operand(words):
+    """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> [32, 128 logical tokens] as the first MMA
+    operand: fp16 c / 4."""
+    w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))
     w_even = gl.convert_layout(w_even, V_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, V_PAIRS, assert_trivial=True)
     p = _halves(w_even, w_odd)  # [i, ch, r2]: tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
@@ -189,21 +275,31 @@ def _value_operand(vc_ptr, row0, ch0, stride_vcr):
 
 @gluon.jit
 def _step(
-    acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr,
-    mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+    acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
     TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
-    """One 128-token step of the online softmax: scores, softmax update, P^T V with the value parameters folded."""
+    """One 128-token step of the online softmax: scores, softmax update, P^T V with the value parameters folded. Its
+    data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy first."""
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
+    stage = block % 2
+    async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
+    _barrier()  # ... for every lane, and every lane is done reading the other stage
+    if block + 1 < block_hi:
+        _copy_block(smem, src, block + 1, TOKEN_SCALING)
+    async_copy.commit_group()
+
     t0 = block * BLOCK
-    row0 = block * 8
-    k_op = _key_operand(kc_ptr, ks_ptr, km_ptr, row0, block * 4, stride_kcr, stride_ksg, stride_kmg)
+    k_op = _key_operand(
+        kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS),
+        km_s.index(stage).load(K_GROUP_PAIRS), TOKEN_SCALING,
+    )  # fmt: skip
     s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))  # S^T [logical tokens, rows]
-    tok_m = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)))
     scale = gl.full([BLOCK], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA)) * q_scale
     if TOKEN_SCALING:
-        scale = gl.load(kn_ptr + t0 + tok_m) * q_scale
+        scale = kn_s.index(stage).load(gl.SliceLayout(1, MMA)) * q_scale
     s = s * scale[:, None]
     if MASKED:
+        tok_m = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)))
         s = gl.where((gl.load(mask_ptr + (t0 + tok_m) * stride_mt) != 0)[:, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=0))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend to yet
@@ -214,16 +310,14 @@ def _step(
     p_op = gl.convert_layout(p.to(gl.float16), B_OP)  # P^T [logical tokens, rows]
     # value parameters [128 k, 4 groups]: the scale folded into P^T per group (the codes read c / 4: the sums are
     # multiplied by 4 once, at the end) ...
-    o_k = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, V_PARAMS)))
-    o_grp = gl.arange(0, 4, layout=gl.SliceLayout(0, V_PARAMS))
-    vs = gl.load(vs_ptr + (t0 + o_k[:, None]) * 4 + o_grp[None, :])
-    s_even, s_odd = gl.split(gl.reshape(vs, [BLOCK, 2, 2]))  # groups 0, 2 and 1, 3
+    s_even, s_odd = gl.split(gl.reshape(vs_s.index(stage).load(V_PARAMS), [BLOCK, 2, 2]))  # groups 0, 2 and 1, 3
     s0, s2 = gl.split(s_even)
     s1, s3 = gl.split(s_odd)
-    # ... and the minima through the bias MMA: A rows 0-3 are the groups' minima over the logical tokens
-    o_gb = gl.arange(0, 16, layout=gl.SliceLayout(1, A_OP))
-    off_b = (t0 + _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(0, A_OP))))[None, :] * 4 + o_gb[:, None]
-    vb = gl.load(vm_ptr + off_b, mask=(o_gb < 4)[:, None], other=0.0)
+    # ... and the minima through the bias MMA: A rows 4 r + j are group j's minima over the logical tokens (rows 0-3
+    # are read at the end, the copies in rows 4-15 cost nothing: the operand's registers repeat)
+    vb = gl.expand_dims(vm_s.index(stage).permute([1, 0]).load(gl.SliceLayout(0, BIAS_BY_GROUP)), 0)
+    vb, _ = gl.broadcast(vb, gl.zeros([4, 4, BLOCK], gl.float16, layout=BIAS_BY_GROUP))
+    vb = gl.convert_layout(gl.reshape(vb, [16, BLOCK]), A_OP, assert_trivial=True)
     # Each step's products are summed from zero and added to the running sums in fp32: chaining the MMAs onto the
     # running accumulator (mma(a, b, acc * alpha)) rounds every tensor-core accumulation of the long sum, and the
     # value sums (codes times scales) and their minima's sum cancel where the output is small; measured on an H200
@@ -232,10 +326,11 @@ def _step(
     alpha_c = alpha[None, :]
     zero = gl.zeros([32, ROWS], gl.float32, layout=MMA)
     bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([16, ROWS], gl.float32, layout=MMA))
-    acc0 = acc0 * alpha_c + mma_v2(_value_operand(vc_ptr, row0, 0, stride_vcr), p_op * _column(s0), zero)
-    acc1 = acc1 * alpha_c + mma_v2(_value_operand(vc_ptr, row0, 32, stride_vcr), p_op * _column(s1), zero)
-    acc2 = acc2 * alpha_c + mma_v2(_value_operand(vc_ptr, row0, 64, stride_vcr), p_op * _column(s2), zero)
-    acc3 = acc3 * alpha_c + mma_v2(_value_operand(vc_ptr, row0, 96, stride_vcr), p_op * _column(s3), zero)
+    v_s = vw_s.index(stage)
+    acc0 = acc0 * alpha_c + mma_v2(_value_operand(v_s.slice(0, 32, dim=1).load(V_WORDS)), p_op * _column(s0), zero)
+    acc1 = acc1 * alpha_c + mma_v2(_value_operand(v_s.slice(32, 32, dim=1).load(V_WORDS)), p_op * _column(s1), zero)
+    acc2 = acc2 * alpha_c + mma_v2(_value_operand(v_s.slice(64, 32, dim=1).load(V_WORDS)), p_op * _column(s2), zero)
+    acc3 = acc3 * alpha_c + mma_v2(_value_operand(v_s.slice(96, 32, dim=1).load(V_WORDS)), p_op * _column(s3), zero)
     return acc0, acc1, acc2, acc3, bias, m_new, l_i
 
 
@@ -294,21 +389,32 @@ def _gluon_split_kernel(
 
     block_lo = split * blocks_per_split
     block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
+    smem = (
+        gl.allocate_shared_memory(gl.int32, [2, 8, D], K_WORDS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 8, D], V_WORDS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.float16, [2, BLOCK, 4], V_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.float16, [2, BLOCK, 4], V_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.float32, [2, BLOCK if TOKEN_SCALING else 1], NORMS_SMEM),
+    )
+    src = (kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr)
+    if block_lo < block_hi:
+        _copy_block(smem, src, block_lo, TOKEN_SCALING)
+    async_copy.commit_group()
     # Two copies of the loop, the step compiled with and without the mask (as the Triton kernel's `_any_masked`
     # dispatch): moving the loop into a helper called twice with the arguments as a tuple makes Triton 3.6 (the GPU
     # image's) fail an assertion while lowering the kernel without token scaling (3.9 compiles it).
     if HAS_MASK and _any_masked(mask_ptr, block_lo * BLOCK, block_hi * BLOCK, stride_mt):
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
-                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr,
-                vs_ptr, vm_ptr, mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
                 TOKEN_SCALING, True,
             )  # fmt: skip
     else:
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
-                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr,
-                vs_ptr, vm_ptr, mask_ptr, block, stride_kcr, stride_ksg, stride_kmg, stride_vcr, stride_mt,
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
                 TOKEN_SCALING, False,
             )  # fmt: skip
 
