@@ -685,6 +685,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
             programs_per_sm_few_heads=8 // warps,
             min_blocks_per_split=8 if head_dim == 128 else 4,
             gluon_programs_per_sm=8,
+            gluon_max_registers=128,
         )
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
@@ -878,7 +879,8 @@ def _decode_attention(
         blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
         if num_splits:
             num_splits = triton.cdiv(num_blocks, blocks_per_split)
-    num_parts = gluon_splits + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
+    gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
+    num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -918,7 +920,7 @@ def _decode_attention(
             num_residual=residual,
             blocks_per_split=blocks_per_split,
             num_splits=num_splits,
-            first_slot=gluon_splits,
+            first_slot=gluon_parts,
             num_parts=num_parts,
             qk_scale=scaling * _LOG2E,
             **_strides("q", query, "bhtd"),

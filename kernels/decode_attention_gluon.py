@@ -49,67 +49,72 @@ _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 D = gl.constexpr(128)  # head dim
 ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
 BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
+HALF = gl.constexpr(64)  # tokens per warp and step
+WARPS = 2  # per program: one partial each
 
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 1], instr_shape=[16, 8]))
+# Two warps per program, one per byte h of each 16-bit half of the words: warp h's tokens are those stored at
+# positions 4 h .. 4 h + 3 and 8 + 4 h .. 8 + 4 h + 3 of each word; its own online softmax over them (a batched MMA:
+# the batch is the warp), its own partial.
+MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 
-# key words [8 word rows g, 128 channels d]: lane (g, i) holds d = e + 2 i + 8 r2 + 16 ks
+# key words [8 word rows g, 128 channels d]: lane (g, i) of both warps holds d = e + 2 i + 8 r2 + 16 ks
 K_WORDS = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [], [], [8, 128]
+        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[0, 0]], [], [8, 128]
     )
 )
 K_PAIRS = gl.constexpr(  # [8 g, 64 channel pairs c]
     gl.DistributedLinearLayout(
-        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [], [], [8, 64]
+        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[0, 0]], [], [8, 64]
     )
 )
-K_CODES = gl.constexpr(  # [g, c, r1, h, m2]; the token's m-tile mt = 4 h + m2
+K_CODES = gl.constexpr(  # [g, c, r1, h, m2]: the warp's byte h, the token's m-tile m2
     gl.DistributedLinearLayout(
         [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
-         [0, 0, 0, 0, 2], [0, 0, 0, 1, 0]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [], [], [8, 64, 2, 2, 4],
+         [0, 0, 0, 0, 2]],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [[0, 0, 0, 1, 0]], [],
+        [8, 64, 2, 2, 4],
     )
 )  # fmt: skip
 # value words of one 32-channel group [8 word rows R = 2 i + e, 32 channels]: lane (g, i) holds channel g + 8 r1 + 16 mt
 V_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout([[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [], [], [8, 32])
+    gl.DistributedLinearLayout(
+        [[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 0]], [], [8, 32]
+    )
 )
 V_PAIRS = gl.constexpr(  # [4 i, 32 channels]
-    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [], [], [4, 32])
+    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [[0, 0]], [], [4, 32])
 )
-V_CODES = gl.constexpr(  # [i, ch, r2, h, m2]; the token's k-tile kt = 4 h + m2
+V_CODES = gl.constexpr(  # [i, ch, r2, h, m2]: the warp's byte h, the token's k-tile m2
     gl.DistributedLinearLayout(
-        [[0, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 0, 0, 1, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
-        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]], [], [], [4, 32, 2, 2, 4],
+        [[0, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
+        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]], [[0, 0, 0, 1, 0]], [],
+        [4, 32, 2, 2, 4],
     )
 )  # fmt: skip
-# value parameters [128 logical tokens k, 4 groups] as the P^T operand holds k (lanes over query rows: broadcast)
+# value parameters [2 h, 64 logical tokens x, 4 groups] as the P^T operand holds x (lanes over query rows: broadcast)
 V_PARAMS = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 1], [0, 2], [1, 0], [8, 0], [16, 0], [32, 0], [64, 0]],
-        [[2, 0], [4, 0], [0, 0], [0, 0], [0, 0]],
-        [],
-        [],
-        [128, 4],
+        [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
+        [[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], [[1, 0, 0]], [], [2, HALF, 4],
     )
-)
-
-
+)  # fmt: skip
 # key scale/min pairs [4 groups j, 2 rows r, 64 pairs c] of word row 2 j + r (its slice over r: the [4, 64] loaded)
 K_PAIRS_BY_GROUP = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0]], [], [],
-        [4, 2, 64],
+        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0]],
+        [[0, 0, 0]], [], [4, 2, 64],
     )
 )  # fmt: skip
 K_GROUP_PAIRS = gl.constexpr(gl.SliceLayout(1, K_PAIRS_BY_GROUP))
-# the bias MMA's A operand [16, 128 k] as [4 r, 4 groups j, 128 k] (row 4 r + j); its slice over r: the [4, 128] loaded
+# the bias MMA's A operand [2 h, 16, 64 x] as [h, 4 r, 4 groups j, x] (row 4 r + j); its slice over r: the [h, 4, 64]
+# loaded
 BIAS_BY_GROUP = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 0, 1], [2, 0, 0], [0, 0, 8], [0, 0, 16], [0, 0, 32], [0, 0, 64]],
-        [[0, 0, 2], [0, 0, 4], [0, 1, 0], [0, 2, 0], [1, 0, 0]], [], [], [4, 4, 128],
+        [[0, 0, 0, 1], [0, 2, 0, 0], [0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 0, 32]],
+        [[0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0]], [[1, 0, 0, 0]], [], [2, 4, 4, HALF],
     )
 )  # fmt: skip
 
@@ -120,25 +125,35 @@ BIAS_BY_GROUP = gl.constexpr(
 K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
 V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
 K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
-V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 128 logical tokens, 4 groups]
-NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [0]))  # [stage, 128 logical tokens]
-# the copies' layouts: 16 bytes per lane and copy where the source is contiguous (8 for value parameters, 4 for norms)
-WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [1, 1], [1, 0]))  # [8, D]
-K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [1, 1], [1, 0]))  # [4, 64]
-V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [32, 1], [1, 1], [1, 0]))  # [128, 4]
-NORMS_COPY = gl.constexpr(gl.BlockedLayout([1], [32], [1], [0]))  # [128]
+V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # [stage, 2 h, 64 x, 4 groups]
+NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 2 h, 64 x]
+# the copies' layouts over both warps: 16 bytes per lane and copy where the source is contiguous (8 for value
+# parameters, 4 for norms)
+WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [2, 1], [1, 0]))  # [8, D]
+K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [2, 1], [1, 0]))  # [4, 64]
+V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [2, 1, 1], [2, 1, 0]))  # [2, 64, 4]
+NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # [2, 64]
 
 
 @gluon.jit
-def _stored_token(m):
-    """Logical token index (MMA row of S^T, k of P^T) -> stored token within the 128-token step."""
-    return 16 * (m % 8) + m // 16 + 8 * ((m // 8) % 2)
+def _stored_token(h, x):
+    """Warp h's logical token x (MMA row of S^T, k of P^T) -> stored token within the 128-token step: position
+    4 h + x // 16 (+ 8 for (x // 8) % 2) of word row x % 8."""
+    return 16 * (x % 8) + 8 * ((x // 8) % 2) + 4 * h + x // 16
+
+
+@gluon.jit
+def _tokens(layout: gl.constexpr):
+    """The stored tokens (within the step) of [2 h, 64 x] in `layout`."""
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(1, layout))
+    o_x = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    return _stored_token(o_h[:, None], o_x[None, :])
 
 
 @gluon.jit
 def _column(x):
-    """[128] over logical tokens -> [128, 1] broadcastable over the P^T operand's rows."""
-    return gl.convert_layout(x, gl.SliceLayout(1, B_OP), assert_trivial=True)[:, None]
+    """[2 h, 64 x] -> [2, 64, 1] broadcastable over the P^T operand's rows."""
+    return gl.convert_layout(x, gl.SliceLayout(2, B_OP), assert_trivial=True)[:, :, None]
 
 
 @gluon.jit
@@ -160,26 +175,22 @@ def _halves(w_even, w_odd):
 
 
 @gluon.jit
-def _tile_m2(CODES: gl.constexpr):
-    """m2 = 0..3 as [1, 1, 1, 1, 4] in the CODES layout: the codes of m-tile (or k-tile) 4 h + m2 sit at bits 2 m2 of
-    the joined halves' byte h."""
+def _warp_bytes(p, CODES: gl.constexpr, FIRST_BYTE_AT: gl.constexpr):
+    """The joined halves [..., 2] as [..., 2, 2 h, 1] in the CODES layout, shifted so that byte h of each half (the
+    warp's tokens) starts at bit FIRST_BYTE_AT, and m2 = 0..3 as [1, ..., 4]: the codes of m-tile (or k-tile) m2 sit
+    at bits FIRST_BYTE_AT + 2 m2 of each half."""
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, CODES)))))
+    h = gl.expand_dims(gl.expand_dims(gl.expand_dims(o_h, 0), 0), 0)
+    p = gl.expand_dims(gl.convert_layout(p, gl.SliceLayout(3, gl.SliceLayout(4, CODES)), assert_trivial=True), 3)
+    p = (p << FIRST_BYTE_AT) >> (8 * h)
     o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
-    return gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
-
-
-@gluon.jit
-def _code_shifts(p, CODES: gl.constexpr):
-    """The joined halves as [..., 2 h, 1] in the CODES layout and the shifts [1, ..., 4 m2] that bring the codes of
-    m-tile (or k-tile) 4 h + m2 to bits 8-9 of each half: those of tiles 0..3 sit below bit 8 (p << 8 shifted right
-    by 2 m2), those of 4..7 above (p shifted right by 2 m2)."""
-    p = gl.convert_layout(gl.join(p << 8, p), gl.SliceLayout(4, CODES), assert_trivial=True)
-    return gl.expand_dims(p, 4), 2 * _tile_m2(CODES)
+    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
 
 
 @gluon.jit
 def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
-    """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async, no registers
-    held while they travel: the step that reads them waits for them)."""
+    """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
+    no registers held while they travel: the step that reads them waits for them)."""
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
     stage = block % 2
@@ -191,20 +202,19 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
     _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
     _async_load(km_s.index(stage), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
-    # value parameters and key norms in logical token order (the order the MMA fragments hold them in)
-    o_k = block * BLOCK + _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, V_PARAMS_COPY)))
-    o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, V_PARAMS_COPY))
-    _async_load(vs_s.index(stage), vs_ptr + o_k[:, None] * 4 + o_vg[None, :])
-    _async_load(vm_s.index(stage), vm_ptr + o_k[:, None] * 4 + o_vg[None, :])
+    # value parameters and key norms in each warp's logical token order (the order its MMA fragments hold them in)
+    o_k = block * BLOCK + _tokens(gl.SliceLayout(2, V_PARAMS_COPY))
+    o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_PARAMS_COPY)))
+    _async_load(vs_s.index(stage), vs_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
+    _async_load(vm_s.index(stage), vm_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
     if TOKEN_SCALING:
-        o_n = block * BLOCK + _stored_token(gl.arange(0, BLOCK, layout=NORMS_COPY))
-        _async_load(kn_s.index(stage), kn_ptr + o_n)
+        _async_load(kn_s.index(stage), kn_ptr + block * BLOCK + _tokens(NORMS_COPY))
 
 
 @gluon.jit
 def _key_operand(words, scale, minimum, SHIFT_FREE: gl.constexpr):
-    """The step's K tile [128 logical tokens, D] as the first MMA operand, dequantized (fp16), from its words
-    [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32). SHIFT_FREE (with token
+    """The warp's K tile [2 h, 64 logical tokens, D] as the first MMA operand, dequantized (fp16), from the step's
+    words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32). SHIFT_FREE (with token
     scaling): the codes are read at their own bit position b instead of being shifted to one (a quarter fewer
     instructions per code), the scale taken times 2^(10 - b) <= 1024; keys divided by their token norm are at most 1
     in magnitude, so their scales are at most 2/3 and this stays far from fp16's range."""
@@ -215,10 +225,9 @@ def _key_operand(words, scale, minimum, SHIFT_FREE: gl.constexpr):
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
     minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
     if SHIFT_FREE:
-        # m-tile m2 (h = 0) at bits 2 m2 of p, 4 + m2 (h = 1) at bits 2 m2 of p >> 8; an fp16 1.0 with the code there
-        # reads 1 + c 2^(2 m2 - 10): less 1, times s 2^(10 - 2 m2) (an fp16 1024, 256, 64 or 16 per m2), plus m
-        p = gl.expand_dims(gl.convert_layout(gl.join(p, p >> 8), gl.SliceLayout(4, K_CODES), assert_trivial=True), 4)
-        m2 = _tile_m2(K_CODES)
+        # an fp16 1.0 with the code at bit 2 m2 reads 1 + c 2^(2 m2 - 10): less 1, times s 2^(10 - 2 m2) (an fp16
+        # 1024, 256, 64 or 16 per m2), plus m
+        p, m2 = _warp_bytes(p, K_CODES, 0)
         scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
         factor = 0x64006400 - m2 * 0x08000800  # 2^(10 - 2 m2) as an fp16 pair: the exponent field 2 less per m2
         scale = gl.inline_asm_elementwise(
@@ -231,19 +240,19 @@ def _key_operand(words, scale, minimum, SHIFT_FREE: gl.constexpr):
             is_pure=True, pack=1,
         )  # fmt: skip
     else:
-        # at mantissa bits 8-9 of an fp16 1.0 the codes read 1 + c / 4: less 1, times 4 s, plus m
+        # the codes shifted to mantissa bits 8-9 of an fp16 1.0 read 1 + c / 4: less 1, times 4 s, plus m
+        p, m2 = _warp_bytes(p, K_CODES, 8)
         scale = gl.inline_asm_elementwise(  # 4 s (exact)
             "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
             is_pure=True, pack=1,
         )  # fmt: skip
         scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
-        p, shift = _code_shifts(p, K_CODES)
         lo, hi = gl.inline_asm_elementwise(
             "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
             " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [p, shift, scale, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+            "=h,=h,r,r,r,r", [p, 2 * m2, scale, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
         )  # fmt: skip
-    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [BLOCK, D])  # [h, m2, r1, g | c, e]
+    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [2, HALF, D])  # [h | m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
@@ -257,19 +266,21 @@ def _by_word_row(x):
 
 @gluon.jit
 def _value_operand(words):
-    """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> [32, 128 logical tokens] as the first MMA
-    operand: fp16 c / 4."""
+    """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
+    first MMA operand: fp16 c / 4. The code at bit 8 + 2 m2 of an fp16 1.0 reads 1 + c 2^(2 m2 - 10); times
+    f = 2^(8 - 2 m2), less f, is c / 4 (one `fma.f16x2`, exact)."""
     w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))
     w_even = gl.convert_layout(w_even, V_PAIRS, assert_trivial=True)
     w_odd = gl.convert_layout(w_odd, V_PAIRS, assert_trivial=True)
     p = _halves(w_even, w_odd)  # [i, ch, r2]: tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
-    p, shift = _code_shifts(p, V_CODES)
+    p, m2 = _warp_bytes(p, V_CODES, 0)
+    f = 0x5C005C00 - m2 * 0x08000800  # 2^(8 - 2 m2) as an fp16 pair
     lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
-        " sub.rn.f16x2 t, t, one; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r", [p, shift], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "{ .reg .b32 t, nf; lop3.b32 t, $2, $3, 0x3C003C00, 0xea; xor.b32 nf, $4, 0x80008000;"
+        " fma.rn.f16x2 t, t, $4, nf; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r", [p, 0x00030003 << (2 * m2), f], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
-    v = gl.reshape(gl.permute(gl.join(lo, hi), [1, 3, 4, 2, 0, 5]), [32, BLOCK])  # [ch | h, m2, r2, i, e]
+    v = gl.reshape(gl.permute(gl.join(lo, hi), [3, 1, 4, 2, 0, 5]), [2, 32, HALF])  # [h | ch | m2, r2, i, e]
     return gl.convert_layout(v, A_OP, assert_trivial=True)
 
 
@@ -278,54 +289,54 @@ def _step(
     acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
     TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
-    """One 128-token step of the online softmax: scores, softmax update, P^T V with the value parameters folded. Its
-    data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy first."""
+    """One 128-token step of both warps' online softmax: scores, softmax update, P^T V with the value parameters
+    folded. Its data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy
+    first."""
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     stage = block % 2
     async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
-    _barrier()  # ... for every lane, and every lane is done reading the other stage
+    _barrier()  # ... for every thread, and every thread is done reading the other stage
     if block + 1 < block_hi:
         _copy_block(smem, src, block + 1, TOKEN_SCALING)
     async_copy.commit_group()
 
-    t0 = block * BLOCK
     k_op = _key_operand(
         kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS),
         km_s.index(stage).load(K_GROUP_PAIRS), TOKEN_SCALING,
     )  # fmt: skip
-    s = mma_v2(k_op, q, gl.zeros([BLOCK, ROWS], gl.float32, layout=MMA))  # S^T [logical tokens, rows]
-    scale = gl.full([BLOCK], 1.0, gl.float32, layout=gl.SliceLayout(1, MMA)) * q_scale
+    s = mma_v2(k_op, q, gl.zeros([2, HALF, ROWS], gl.float32, layout=MMA))  # S^T [h, logical tokens, rows]
+    scale = gl.full([2, HALF], 1.0, gl.float32, layout=gl.SliceLayout(2, MMA)) * q_scale
     if TOKEN_SCALING:
-        scale = kn_s.index(stage).load(gl.SliceLayout(1, MMA)) * q_scale
-    s = s * scale[:, None]
+        scale = kn_s.index(stage).load(gl.SliceLayout(2, MMA)) * q_scale
+    s = s * scale[:, :, None]
     if MASKED:
-        tok_m = _stored_token(gl.arange(0, BLOCK, layout=gl.SliceLayout(1, MMA)))
-        s = gl.where((gl.load(mask_ptr + (t0 + tok_m) * stride_mt) != 0)[:, None], s, float("-inf"))
-    m_new = gl.maximum(m_i, gl.max(s, axis=0))
+        tok = block * BLOCK + _tokens(gl.SliceLayout(2, MMA))
+        s = gl.where((gl.load(mask_ptr + tok * stride_mt) != 0)[:, :, None], s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend to yet
-    p = gl.exp2(s - m_use[None, :])
+    p = gl.exp2(s - m_use[:, None, :])
     alpha = gl.exp2(m_i - m_use)
-    l_i = l_i * alpha + gl.sum(p, axis=0)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
 
-    p_op = gl.convert_layout(p.to(gl.float16), B_OP)  # P^T [logical tokens, rows]
-    # value parameters [128 k, 4 groups]: the scale folded into P^T per group (the codes read c / 4: the sums are
+    p_op = gl.convert_layout(p.to(gl.float16), B_OP)  # P^T [h, logical tokens, rows]
+    # value parameters [h, 64 x, 4 groups]: the scale folded into P^T per group (the codes read c / 4: the sums are
     # multiplied by 4 once, at the end) ...
-    s_even, s_odd = gl.split(gl.reshape(vs_s.index(stage).load(V_PARAMS), [BLOCK, 2, 2]))  # groups 0, 2 and 1, 3
+    s_even, s_odd = gl.split(gl.reshape(vs_s.index(stage).load(V_PARAMS), [2, HALF, 2, 2]))  # groups 0, 2 and 1, 3
     s0, s2 = gl.split(s_even)
     s1, s3 = gl.split(s_odd)
     # ... and the minima through the bias MMA: A rows 4 r + j are group j's minima over the logical tokens (rows 0-3
     # are read at the end, the copies in rows 4-15 cost nothing: the operand's registers repeat)
-    vb = gl.expand_dims(vm_s.index(stage).permute([1, 0]).load(gl.SliceLayout(0, BIAS_BY_GROUP)), 0)
-    vb, _ = gl.broadcast(vb, gl.zeros([4, 4, BLOCK], gl.float16, layout=BIAS_BY_GROUP))
-    vb = gl.convert_layout(gl.reshape(vb, [16, BLOCK]), A_OP, assert_trivial=True)
+    vb = gl.expand_dims(vm_s.index(stage).permute([0, 2, 1]).load(gl.SliceLayout(1, BIAS_BY_GROUP)), 1)
+    vb, _ = gl.broadcast(vb, gl.zeros([2, 4, 4, HALF], gl.float16, layout=BIAS_BY_GROUP))
+    vb = gl.convert_layout(gl.reshape(vb, [2, 16, HALF]), A_OP, assert_trivial=True)
     # Each step's products are summed from zero and added to the running sums in fp32: chaining the MMAs onto the
     # running accumulator (mma(a, b, acc * alpha)) rounds every tensor-core accumulation of the long sum, and the
     # value sums (codes times scales) and their minima's sum cancel where the output is small; measured on an H200
     # the relative error then grew with the steps per program (B=1 128K: 8.2e-3 at 32 steps, 2.7e-3 at 8; the Triton
     # kernel 1.7e-3).
-    alpha_c = alpha[None, :]
-    zero = gl.zeros([32, ROWS], gl.float32, layout=MMA)
-    bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([16, ROWS], gl.float32, layout=MMA))
+    alpha_c = alpha[:, None, :]
+    zero = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
+    bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([2, 16, ROWS], gl.float32, layout=MMA))
     v_s = vw_s.index(stage)
     acc0 = acc0 * alpha_c + mma_v2(_value_operand(v_s.slice(0, 32, dim=1).load(V_WORDS)), p_op * _column(s0), zero)
     acc1 = acc1 * alpha_c + mma_v2(_value_operand(v_s.slice(32, 32, dim=1).load(V_WORDS)), p_op * _column(s1), zero)
@@ -339,7 +350,7 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     """Whether the key padding mask excludes any of tokens [start, end)."""
     found = 0
     for chunk in range(start, end, 1024):
-        o_t = chunk + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [1], [0]))
+        o_t = chunk + gl.arange(0, 1024, layout=gl.BlockedLayout([4], [32], [2], [0]))
         excluded = gl.load(mask_ptr + o_t * stride_mt, mask=o_t < end, other=1) == 0
         found = gl.maximum(found, gl.max(excluded.to(gl.int32), axis=0))
     return found != 0
@@ -355,10 +366,11 @@ def _gluon_split_kernel(
     stride_mt,
     ROWS_USED: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr,
 ):  # fmt: skip
-    """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh and writes
-    partial slot s. `q_op_ptr` [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score
-    scale (base 2), as the Triton split kernel's `_query_operand` makes them. The key and value codes' channels and
-    the key scale/min pairs (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too."""
+    """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
+    over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
+    [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score scale (base 2), as the
+    Triton split kernel's `_query_operand` makes them. The key and value codes' channels and the key scale/min pairs
+    (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too."""
     bh = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     b = bh // num_kv_heads
@@ -374,18 +386,19 @@ def _gluon_split_kernel(
     vs_ptr += b * stride_vsb + h * stride_vsh
     vm_ptr += b * stride_vmb + h * stride_vmh
     mask_ptr += b * stride_mb
-    o_dq = gl.arange(0, D, layout=gl.SliceLayout(1, B_OP))
-    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, B_OP))
-    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[:, None] * ROWS + o_rq[None, :])  # [D, rows] fp16
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[None, :, None] * ROWS + o_rq[None, None, :])  # [1, D, rows] fp16
+    q, _ = gl.broadcast(q, gl.zeros([2, D, ROWS], gl.float16, layout=B_OP))  # both warps
     q_scale = gl.load(q_scale_ptr + bh)
 
-    m_i = gl.full([ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(0, MMA))
-    l_i = gl.zeros([ROWS], gl.float32, layout=gl.SliceLayout(0, MMA))
-    acc0 = gl.zeros([32, ROWS], gl.float32, layout=MMA)  # O^T of value group 0: [channels 0-31, rows]
-    acc1 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
-    acc2 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
-    acc3 = gl.zeros([32, ROWS], gl.float32, layout=MMA)
-    bias = gl.zeros([16, ROWS], gl.float32, layout=MMA)  # rows 0-3: sum_t p_t m_t per value group
+    m_i = gl.full([2, ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
+    l_i = gl.zeros([2, ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
+    acc0 = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)  # O^T of value group 0: [h, channels 0-31, rows]
+    acc1 = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
+    acc2 = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
+    acc3 = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
+    bias = gl.zeros([2, 16, ROWS], gl.float32, layout=MMA)  # rows 0-3: sum_t p_t m_t per value group
 
     block_lo = split * blocks_per_split
     block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
@@ -394,9 +407,9 @@ def _gluon_split_kernel(
         gl.allocate_shared_memory(gl.int32, [2, 8, D], V_WORDS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
-        gl.allocate_shared_memory(gl.float16, [2, BLOCK, 4], V_PARAMS_SMEM),
-        gl.allocate_shared_memory(gl.float16, [2, BLOCK, 4], V_PARAMS_SMEM),
-        gl.allocate_shared_memory(gl.float32, [2, BLOCK if TOKEN_SCALING else 1], NORMS_SMEM),
+        gl.allocate_shared_memory(gl.float16, [2, 2, HALF, 4], V_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.float16, [2, 2, HALF, 4], V_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.float32, [2, 2, HALF if TOKEN_SCALING else 1], NORMS_SMEM),
     )
     src = (kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr)
     if block_lo < block_hi:
@@ -418,20 +431,24 @@ def _gluon_split_kernel(
                 TOKEN_SCALING, False,
             )  # fmt: skip
 
-    # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32
-    o_g = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))[:, None]
-    o_c = gl.arange(0, 32, layout=gl.SliceLayout(1, MMA))[:, None]
-    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, MMA))
-    slot = (bh * num_parts + split) * ROWS_USED
-    p_o = part_o_ptr + (slot + o_r[None, :]) * D + o_c
-    m_o = (o_r < ROWS_USED)[None, :]
-    gl.store(p_o, 4.0 * acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 32, 4.0 * acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 64, 4.0 * acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=0)[None, :], mask=m_o)
-    gl.store(p_o + 96, 4.0 * acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=0)[None, :], mask=m_o)
-    p_ml = part_ml_ptr + (slot + o_r) * 2
-    gl.store(p_ml, m_i, mask=o_r < ROWS_USED)
-    gl.store(p_ml + 1, l_i, mask=o_r < ROWS_USED)
+    # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32; warp h
+    # writes slot 2 split + h
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
+    o_g = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+    o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]
+    slot = (bh * num_parts + 2 * split + o_h) * ROWS_USED
+    p_o = part_o_ptr + (slot + o_r) * D + o_c
+    m_o = o_r < ROWS_USED
+    gl.store(p_o, 4.0 * acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 32, 4.0 * acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 64, 4.0 * acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 96, 4.0 * acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    o_hs = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))[:, None]
+    o_rs = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, :]
+    p_ml = part_ml_ptr + ((bh * num_parts + 2 * split + o_hs) * ROWS_USED + o_rs) * 2
+    gl.store(p_ml, m_i, mask=o_rs < ROWS_USED)
+    gl.store(p_ml + 1, l_i, mask=o_rs < ROWS_USED)
 
 
 def launch(
@@ -447,6 +464,7 @@ def launch(
         kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts,
         *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
         *vm.stride()[:2], *mask.stride(),
-        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, num_warps=1,
+        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None,
+        num_warps=WARPS,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
