@@ -450,11 +450,15 @@ def _split_kernel(
     PARTIAL_BLOCK: tl.constexpr,
     DEVICE_LENGTH: tl.constexpr,
     GLUON_BLOCK: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) its residual
     window; each writes partial slot first_slot + s of num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the
     full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the quantized program reads only what follows them (a
-    partial block, or nothing) and writes the query operand and score scale that kernel reads."""
+    partial block, or nothing) and writes the query operand and score scale that kernel reads. LAUNCH_DEPENDENTS: that
+    kernel is a programmatic dependent, launched as this one starts (it waits for this one's output)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     ROWS_USED: tl.constexpr = GQA * TQ
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
@@ -557,7 +561,10 @@ def _merge_kernel(
     LOG2_D: tl.constexpr,
     ROTATION: tl.constexpr,
     BLOCK_S: tl.constexpr,
+    WAIT_FOR_PARTIALS: tl.constexpr,
 ):
+    if WAIT_FOR_PARTIALS:  # launched as a programmatic dependent of the kernel that writes the partials
+        tl.extra.cuda.gdc_wait()
     ROWS_USED: tl.constexpr = GQA * TQ
     pid = tl.program_id(0).to(tl.int64)  # (b * Hkv + h) * GQA * TQ + row
     bh = pid // ROWS_USED
@@ -638,6 +645,9 @@ class _Tuning:
     merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
     gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
+    # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
+    # kernel before them runs, and wait for it where they read its output)
+    gluon_pdl: bool = True
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -684,8 +694,7 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
             programs_per_sm={64: 32, 128: 12, 256: 8}[head_dim],
             programs_per_sm_few_heads=8 // warps,
             min_blocks_per_split=8 if head_dim == 128 else 4,
-            gluon_programs_per_sm=8,
-            gluon_max_registers=128,
+            gluon_programs_per_sm=4,
         )
     return _Tuning(
         block_n=32 if scale_dtype == torch.float32 or head_dim > 128 else 64,
@@ -880,6 +889,8 @@ def _decode_attention(
         if num_splits:
             num_splits = triton.cdiv(num_blocks, blocks_per_split)
     gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
+    pdl = gluon_splits > 0 and tuning.gluon_pdl and query.device.type == "cuda"
+    pdl = pdl and torch.cuda.get_device_capability(query.device) >= (9, 0)
     num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
@@ -952,6 +963,7 @@ def _decode_attention(
             PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
             DEVICE_LENGTH=length is not None,
             GLUON_BLOCK=_GLUON_BLOCK if gluon_splits else 0,
+            LAUNCH_DEPENDENTS=pdl,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
@@ -960,7 +972,7 @@ def _decode_attention(
             _gluon.launch(
                 (batch * kv_heads, gluon_splits), q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml,
                 num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
-                key_padding_mask is not None, tuning.gluon_max_registers,
+                key_padding_mask is not None, tuning.gluon_max_registers, pdl,
             )  # fmt: skip
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,
@@ -975,6 +987,8 @@ def _decode_attention(
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
             BLOCK_S=min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim)),
+            WAIT_FOR_PARTIALS=pdl,
             num_warps=4,
+            launch_pdl=pdl,
         )
     return out

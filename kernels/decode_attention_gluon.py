@@ -188,6 +188,12 @@ def _warp_bytes(p, CODES: gl.constexpr, FIRST_BYTE_AT: gl.constexpr):
 
 
 @gluon.jit
+def _grid_dependency(instruction: gl.constexpr):
+    """`griddepcontrol.launch_dependents` or `.wait` (programmatic dependent launch, sm_90)."""
+    gl.inline_asm_elementwise(instruction + " // $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
     """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
     no registers held while they travel: the step that reads them waits for them)."""
@@ -365,12 +371,18 @@ def _gluon_split_kernel(
     stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
     stride_mt,
     ROWS_USED: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
     over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
     [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score scale (base 2), as the
     Triton split kernel's `_query_operand` makes them. The key and value codes' channels and the key scale/min pairs
-    (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too."""
+    (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too. PDL (launched as a
+    programmatic dependent of the Triton split kernel, which writes the query operand): the programs start while that
+    kernel runs and copy their first block (the cache was written before it started) before they wait for it; the
+    merge kernel is launched the same way, at once."""
+    if PDL:
+        _grid_dependency("griddepcontrol.launch_dependents;")
     bh = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     b = bh // num_kv_heads
@@ -386,12 +398,6 @@ def _gluon_split_kernel(
     vs_ptr += b * stride_vsb + h * stride_vsh
     vm_ptr += b * stride_vmb + h * stride_vmh
     mask_ptr += b * stride_mb
-    o_dq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
-    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
-    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[None, :, None] * ROWS + o_rq[None, None, :])  # [1, D, rows] fp16
-    q, _ = gl.broadcast(q, gl.zeros([2, D, ROWS], gl.float16, layout=B_OP))  # both warps
-    q_scale = gl.load(q_scale_ptr + bh)
-
     m_i = gl.full([2, ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
     l_i = gl.zeros([2, ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
     acc0 = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)  # O^T of value group 0: [h, channels 0-31, rows]
@@ -415,6 +421,13 @@ def _gluon_split_kernel(
     if block_lo < block_hi:
         _copy_block(smem, src, block_lo, TOKEN_SCALING)
     async_copy.commit_group()
+    if PDL:
+        _grid_dependency("griddepcontrol.wait;")
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[None, :, None] * ROWS + o_rq[None, None, :])  # [1, D, rows] fp16
+    q, _ = gl.broadcast(q, gl.zeros([2, D, ROWS], gl.float16, layout=B_OP))  # both warps
+    q_scale = gl.load(q_scale_ptr + bh)
     # Two copies of the loop, the step compiled with and without the mask (as the Triton kernel's `_any_masked`
     # dispatch): moving the loop into a helper called twice with the arguments as a tuple makes Triton 3.6 (the GPU
     # image's) fail an assertion while lowering the kernel without token scaling (3.9 compiles it).
@@ -453,7 +466,7 @@ def _gluon_split_kernel(
 
 def launch(
     grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, pdl,
 ) -> None:  # fmt: skip
     """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
     `key_norms` may be empty placeholders; `length` None or the device count)."""
@@ -464,7 +477,7 @@ def launch(
         kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts,
         *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
         *vm.stride()[:2], *mask.stride(),
-        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None,
-        num_warps=WARPS,
+        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
+        num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
     )  # fmt: skip
