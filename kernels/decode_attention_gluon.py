@@ -84,9 +84,6 @@ V_WORDS = gl.constexpr(
         [[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 0]], [], [8, 32]
     )
 )
-V_PAIRS = gl.constexpr(  # [4 i, 32 channels]
-    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [[0, 0]], [], [4, 32])
-)
 V_CODES = gl.constexpr(  # [i, ch, r2, h, m2]: the warp's byte h, the token's k-tile m2
     gl.DistributedLinearLayout(
         [[0, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
@@ -165,26 +162,29 @@ def _expand_last(x, n: gl.constexpr):
 
 
 @gluon.jit
-def _halves(w_even, w_odd):
-    """Two words' low 16-bit halves joined, and their high halves: [..., 2] int32 (one `prmt` each)."""
-    lo16, hi16 = gl.inline_asm_elementwise(
-        "prmt.b32 $0, $2, $3, 0x5410; prmt.b32 $1, $2, $3, 0x7632;", "=r,=r,r,r", [w_even, w_odd],
-        dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
+def _warp_codes(w_even, w_odd, CODES: gl.constexpr):
+    """Word pairs [a, b] (two words of the same 16 tokens) -> each warp's codes as [a, b, 2 r, 2 h, 1] int32 in the
+    CODES layout, and m2 = 0..3 as [1, 1, 1, 1, 4]. One `prmt` per half r joins byte h of half r of both words (the
+    warp's 4 tokens there: the code of m-tile (k-tile) m2 at bits 2 m2) into bits 0-7 of a 16-bit half each."""
+    pairs: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, CODES))  # [a, b, h]
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, pairs)))
+    select = 0x5410 + 0x0101 * o_h[None, None, :]  # half 0: bytes h of both words; half 1: + 0x2222
+    w_even = gl.convert_layout(w_even, gl.SliceLayout(2, pairs), assert_trivial=True)[:, :, None]
+    w_odd = gl.convert_layout(w_odd, gl.SliceLayout(2, pairs), assert_trivial=True)[:, :, None]
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 s; prmt.b32 $0, $2, $3, $4; add.u32 s, $4, 0x2222; prmt.b32 $1, $2, $3, s; }", "=r,=r,r,r,r",
+        [w_even, w_odd, select], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
     )  # fmt: skip
-    return gl.join(lo16, hi16)
+    p = gl.convert_layout(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), gl.SliceLayout(4, CODES), assert_trivial=True)
+    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
+    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
 
 
 @gluon.jit
-def _warp_bytes(p, CODES: gl.constexpr, FIRST_BYTE_AT: gl.constexpr):
-    """The joined halves [..., 2] as [..., 2, 2 h, 1] in the CODES layout, shifted so that byte h of each half (the
-    warp's tokens) starts at bit FIRST_BYTE_AT, and m2 = 0..3 as [1, ..., 4]: the codes of m-tile (or k-tile) m2 sit
-    at bits FIRST_BYTE_AT + 2 m2 of each half."""
-    o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(4, CODES)))))
-    h = gl.expand_dims(gl.expand_dims(gl.expand_dims(o_h, 0), 0), 0)
-    p = gl.expand_dims(gl.convert_layout(p, gl.SliceLayout(3, gl.SliceLayout(4, CODES)), assert_trivial=True), 3)
-    p = (p << FIRST_BYTE_AT) >> (8 * h)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
-    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
+def _code_bits(m2):
+    """The mask of the codes at bits 2 m2 of both halves, and E = 2^(8 - 2 m2) as an fp16 pair: with the code there,
+    E's mantissa bits read E + c / 4 (exact), so that less E is c / 4."""
+    return 0x00030003 << (2 * m2), 0x5C005C00 - m2 * 0x08000800
 
 
 @gluon.jit
@@ -218,46 +218,25 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(words, scale, minimum, SHIFT_FREE: gl.constexpr):
+def _key_operand(words, scale, minimum):
     """The warp's K tile [2 h, 64 logical tokens, D] as the first MMA operand, dequantized (fp16), from the step's
-    words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32). SHIFT_FREE (with token
-    scaling): the codes are read at their own bit position b instead of being shifted to one (a quarter fewer
-    instructions per code), the scale taken times 2^(10 - b) <= 1024; keys divided by their token norm are at most 1
-    in magnitude, so their scales are at most 2/3 and this stays far from fp16's range."""
-    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))
-    w_even = gl.convert_layout(w_even, K_PAIRS, assert_trivial=True)
-    w_odd = gl.convert_layout(w_odd, K_PAIRS, assert_trivial=True)
-    p = _halves(w_even, w_odd)  # [g, c, r1]: tokens j < 8 (r1 = 0), j >= 8 (r1 = 1) of channels (2c, 2c + 1)
+    words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32): c / 4 (`_code_bits`)
+    times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
+    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2c, 2c + 1 of word row g
+    p, m2 = _warp_codes(w_even, w_odd, K_CODES)  # [g, c, r1, h, m2]: tokens 16 g + 8 r1 + 4 h + m2
+    mask, base = _code_bits(m2)
+    s4 = gl.inline_asm_elementwise(  # 4 s (exact)
+        "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
+    s4 = _expand_last(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3)
     minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
-    if SHIFT_FREE:
-        # an fp16 1.0 with the code at bit 2 m2 reads 1 + c 2^(2 m2 - 10): less 1, times s 2^(10 - 2 m2) (an fp16
-        # 1024, 256, 64 or 16 per m2), plus m
-        p, m2 = _warp_bytes(p, K_CODES, 0)
-        scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
-        factor = 0x64006400 - m2 * 0x08000800  # 2^(10 - 2 m2) as an fp16 pair: the exponent field 2 less per m2
-        scale = gl.inline_asm_elementwise(
-            "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", [scale, factor], dtype=gl.int32, is_pure=True, pack=1
-        )
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; lop3.b32 t, $2, $3, one, 0xea; sub.rn.f16x2 t, t, one;"
-            " fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [p, 0x00030003 << (2 * m2), scale, minimum], dtype=(gl.float16, gl.float16),
-            is_pure=True, pack=1,
-        )  # fmt: skip
-    else:
-        # the codes shifted to mantissa bits 8-9 of an fp16 1.0 read 1 + c / 4: less 1, times 4 s, plus m
-        p, m2 = _warp_bytes(p, K_CODES, 8)
-        scale = gl.inline_asm_elementwise(  # 4 s (exact)
-            "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
-            is_pure=True, pack=1,
-        )  # fmt: skip
-        scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
-        lo, hi = gl.inline_asm_elementwise(
-            "{ .reg .b32 t, one; mov.b32 one, 0x3C003C00; shr.b32 t, $2, $3; lop3.b32 t, t, 0x03000300, one, 0xea;"
-            " sub.rn.f16x2 t, t, one; fma.rn.f16x2 t, t, $4, $5; mov.b32 {$0, $1}, t; }",
-            "=h,=h,r,r,r,r", [p, 2 * m2, scale, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
-        )  # fmt: skip
+    lo, hi = gl.inline_asm_elementwise(
+        "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
+        " mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r,r,r", [p, mask, base, s4, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+    )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [2, HALF, D])  # [h | m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
@@ -273,18 +252,13 @@ def _by_word_row(x):
 @gluon.jit
 def _value_operand(words):
     """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
-    first MMA operand: fp16 c / 4. The code at bit 8 + 2 m2 of an fp16 1.0 reads 1 + c 2^(2 m2 - 10); times
-    f = 2^(8 - 2 m2), less f, is c / 4 (one `fma.f16x2`, exact)."""
-    w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))
-    w_even = gl.convert_layout(w_even, V_PAIRS, assert_trivial=True)
-    w_odd = gl.convert_layout(w_odd, V_PAIRS, assert_trivial=True)
-    p = _halves(w_even, w_odd)  # [i, ch, r2]: tokens j < 8 (r2 = 0), j >= 8 (r2 = 1) of word rows 2i, 2i + 1
-    p, m2 = _warp_bytes(p, V_CODES, 0)
-    f = 0x5C005C00 - m2 * 0x08000800  # 2^(8 - 2 m2) as an fp16 pair
+    first MMA operand: fp16 c / 4 (`_code_bits`)."""
+    w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))  # word rows 2 i, 2 i + 1
+    p, m2 = _warp_codes(w_even, w_odd, V_CODES)  # [i, ch, r2, h, m2]: tokens 16 (2 i + e) + 8 r2 + 4 h + m2
+    mask, base = _code_bits(m2)
     lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, nf; lop3.b32 t, $2, $3, 0x3C003C00, 0xea; xor.b32 nf, $4, 0x80008000;"
-        " fma.rn.f16x2 t, t, $4, nf; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r", [p, 0x00030003 << (2 * m2), f], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
+        "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     v = gl.reshape(gl.permute(gl.join(lo, hi), [3, 1, 4, 2, 0, 5]), [2, 32, HALF])  # [h | ch | m2, r2, i, e]
     return gl.convert_layout(v, A_OP, assert_trivial=True)
@@ -307,9 +281,8 @@ def _step(
     async_copy.commit_group()
 
     k_op = _key_operand(
-        kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS),
-        km_s.index(stage).load(K_GROUP_PAIRS), TOKEN_SCALING,
-    )  # fmt: skip
+        kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS), km_s.index(stage).load(K_GROUP_PAIRS)
+    )
     s = mma_v2(k_op, q, gl.zeros([2, HALF, ROWS], gl.float32, layout=MMA))  # S^T [h, logical tokens, rows]
     scale = gl.full([2, HALF], 1.0, gl.float32, layout=gl.SliceLayout(2, MMA)) * q_scale
     if TOKEN_SCALING:
