@@ -680,9 +680,11 @@ def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_fe
 
     Query tiles on that path: 8 rows where a KV head reads at most 8 (16 before: Llama's GQA 4 fills 4 of them, and
     the query transform, scores, softmax and accumulator ran on all 16; H200 B=8 32K 176.4 vs 190.7 us, B=1 32K 28.3
-    vs 30.3). At D=128 the Gluon kernel reads the full 128-token blocks there (`_gluon_splits`), one wave of 8
-    one-warp programs per SM: B=8 32K 120 vs 178 us, B=8 128K 430 vs 742, B=1 32K 22.2 vs 28.6 (H200, same run);
-    12 programs per SM under a 168-register cap or 10 under 200 were slower (127 / 195 us at B=8 32K)."""
+    vs 30.3). At D=128 the Gluon kernel reads the full 128-token blocks there (`_gluon_splits`), one wave of 4
+    two-warp programs per SM (H200, e16f497, same run, B=8 32K / 128K / B=1 32K / 128K / B=32 32K, us: 84.7 / 319.2
+    / 18.5 / 47.6 / 325.7; 8 per SM in two waves 85.9 / 321.2 / 24.4 / 52.9 / 324.5; 3 per SM 108.2 / 394.7 / 22.0 /
+    57.6 / 584.3; 5 under a 200-register cap 116.9 / 427.5 / 19.4 / 63.7 / 342.4; without programmatic dependent
+    launch 86.5 / 322.4 / 20.6 / 50.4 / 324.0; the Triton kernel alone 178.5 / 742.7 / 28.4 / - / 676.6 at e66e27f)."""
     if rows <= 16 and scale_dtype != torch.float32 and head_dim in DECODE_HEAD_DIMS:
         if short_few_heads and head_dim == 128:
             return _Tuning(block_n=128, num_warps=4, block_m=8, programs_per_sm=8, programs_per_sm_few_heads=2)
@@ -726,9 +728,10 @@ def _gluon_splits(query, quantized, config, rows: int, num_quantized: int, tunin
     Triton kernel reads every quantized token. It is compiled for what the usual decode step has: a CUDA GPU of
     compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16 scales, at most 8 query rows per
     KV head, the storage's channels contiguous, and at least one full 128-token block to read. Splits are sized so
-    that all programs run in one wave of `tuning.gluon_programs_per_sm` one-warp programs per SM (its registers
-    allow 8 per SM), at least two blocks each: with a second, partly filled wave the whole second wave's time adds
-    (H200, B=8 128K: 675 us with 17 splits per KV head, 1088 programs for 1056 places, against 434 us with 16)."""
+    that all programs run in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~230 registers
+    allow 4 per SM), at least two blocks each: with a second, partly filled wave the whole second wave's time adds
+    (one-warp programs, H200, B=8 128K: 675 us with 17 splits per KV head, 1088 programs for 1056 places, against 434
+    us with 16)."""
     full_blocks = num_quantized // _GLUON_BLOCK
     if full_blocks == 0 or _gluon is None or tuning.gluon_programs_per_sm == 0 or query.device.type != "cuda":
         return 0

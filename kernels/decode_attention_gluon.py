@@ -2,37 +2,43 @@
 
 `decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `_gluon_splits` allows it
 (CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
-block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per program
-into the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
+block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
+the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
 residual window (and write the query operand this kernel reads), and whose merge kernel combines them all.
 
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
-layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane loads the storage words whose codes it
-holds in the MMA's fragments, so a pair of codes goes from the loaded word to an operand register with a shift, a
-`lop3`, a `sub.f16x2` and (keys only) an `fma.f16x2`; nothing goes through shared memory.
+layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
+holds in the MMA's fragments, so a pair of codes becomes an operand register with a `lop3` and a `sub.f16x2` (keys:
+and an `fma.f16x2`), about 2.5 instructions per code in all (`benchmarks/count_sass.py --gluon`).
 
-The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j. One
-warp per program, 128-token steps (8 word rows), up to 8 query rows per KV head (the MMA's N):
+The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j.
+Programs of two warps step over 128-token blocks (8 word rows); up to 8 query rows per KV head are the MMA's N.
 
-- Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M). Lane (g, i) holds rows g + 8 r1 + 16 mt of every K
-  tile, which this kernel maps to the stored token 16 g + mt + 8 r1 (`_stored_token`): the whole word row g. For
-  channels d, d + 1 one `prmt` joins the low (high) 16-bit halves of the two words, so `p >> 2 mt` has the codes of
-  (token, d) and (token, d + 1) at bits 0 and 16; moved to mantissa bits 8-9 of an fp16 1.0 they read `1 + c / 4`,
-  one `sub.f16x2` makes that c / 4 (both exact) and k = (c / 4) (4 s) + m is one `fma.f16x2` rounded once, as the
-  Triton kernel's `c s + m`. (Folding the 1 into the minimum, (1 + c / 4) 4 s + (m - 4 s), saves the subtraction but
-  rounds m - 4 s to fp16, an error of up to 2^-11 (|m| + 4 s) per group and channel: relative output errors of
-  1.8e-3 for keys and 2.2e-3 for values at 32K tokens in a float64 simulation, against 1.5e-4 and 5.7e-4 exact.) A
-  lane's tokens lie in one 32-token key group, so its scales are 16 pairs per step.
-- Values as O^T = V^T P^T (channels as M). The logical token order is the same (k = e + 2 i + 8 r2 + 16 kt is stored
-  token 16 (2 i + e) + kt + 8 r2), so lane (g, i) holds word rows 2 i and 2 i + 1: again whole words. Value
-  parameters are per token and 32-channel group: P^T is scaled per group (s), the codes are c / 4 (the sums are
-  multiplied by 4 once, at the end), and the minima go in through a fifth MMA whose A rows are the groups' minima.
-- Online softmax (base 2) over the 8 query rows, the key padding mask per step where a program's range has padding.
+- Loads: each block's words and parameters are copied into shared memory one step ahead (cp.async, two stages,
+  25 KB per program; no registers held while they travel), in swizzles that make the fragment loads conflict-free.
+- Warps: warp h takes byte h of each 16-bit half of a word, the tokens stored at positions 4 h .. 4 h + 3 and
+  8 + 4 h .. 8 + 4 h + 3 of each word row (`_stored_token`): its own online softmax over them, as a batched MMA whose
+  batch is the warp, and its own partial. Both warps read every word; one `prmt` per half joins byte h of the two
+  words of a pair (`_warp_codes`), so that the code of the warp's m-tile m2 lies at bits 2 m2 of both 16-bit halves.
+- Codes to fp16 (`_code_bits`): with the code at bits 2 m2 of the mantissa of E = 2^(8 - 2 m2), the `lop3`
+  (p & mask) | E reads E + c / 4 exactly, and less E it is c / 4. Keys: k = (c / 4) (4 s) + m, one `fma.f16x2`
+  rounded once, as the Triton kernel's `c s + m`. (Folding E into the minimum, (E + c / 4) 4 s + (m - 4 E s), saves
+  the subtraction but rounds m - 4 E s to fp16: relative output errors of ~2e-3 at 32K tokens in a float64 simulation
+  of the 1.0-based variant, against 1.5e-4 exact.) A lane's tokens lie in one 32-token key group.
+- Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M): lane (g, i) holds rows g + 8 r1 of m-tile m2, the
+  stored token 16 g + 8 r1 + 4 h + m2, so a lane reads whole word rows.
+- Values as O^T = V^T P^T (channels as M), tokens in the same logical order (k = e + 2 i + 8 r2 + 16 m2: stored token
+  16 (2 i + e) + 8 r2 + 4 h + m2, word rows 2 i, 2 i + 1). Value parameters are per token and 32-channel group: P^T
+  is scaled per group (s), the codes are c / 4 (the sums are multiplied by 4 once, at the end), and the minima go in
+  through a fifth MMA whose A rows are the groups' minima.
+- Online softmax (base 2) over the query rows, the key padding mask per step where a program's range has padding.
+- Hopper: launched as a programmatic dependent of the Triton split kernel (PDL): the programs start and copy their
+  first block while that kernel runs, then wait for the query operand it writes.
 
-Gluon has no CPU interpreter: the CPU CI runs the Triton kernel; tests/kernels/test_decode_attention.py checks this
-one against the float64 reference on the GPU, and benchmarks/fuzz_kernels.py on random cases. Measured:
-benchmarks/NOTES_kernels.md.
+Gluon has no CPU interpreter: the CPU CI runs the Triton kernel and the launch around this one (a float64 stand-in);
+tests/kernels/test_decode_attention.py checks this one against the float64 reference on the GPU, and
+benchmarks/fuzz_kernels.py on random cases. Measured: benchmarks/NOTES_kernels.md.
 """
 
 from __future__ import annotations
