@@ -297,16 +297,15 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Latency-bound, not memory-bound. Where the Gluon kernel runs (D=128, 2 bits, fp16 scales, up to 8 query rows per "
-    "KV head: these shapes) its lanes unpack codes straight into tensor-core fragments: ~2.6 SASS instructions per "
-    "code (Triton 3.6, sm_90) against ~5 for the Triton kernel, nothing through shared memory but P; B=8 32K went "
-    "from 177 to 120 us on the H200 (1.39x -> 2.00x SDPA) and from 2.01x to 2.87x on the H100. It still holds ~255 "
-    "registers per thread, so 8 one-warp programs per SM, 2 warps per scheduler (ncu on the H200: 0.49 instructions "
-    "issued per cycle and scheduler; stalls on global loads and on dependent instructions), and the kernel takes about "
-    "the same time on both GPUs: the H200's faster memory only speeds up SDPA. At 4K and B=1 the fixed per-call chain "
-    "(the Triton kernel's query transform and residual window, then the Gluon kernel, then the merge) weighs most. "
-    "What would close it: see benchmarks/NOTES_kernels.md (fewer registers per thread, a cp.async pipeline for each "
-    "step's loads, the remaining shifts and shuffles)."
+    "Missed by little, on the H200 only. The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 "
+    "scales, up to 8 query rows per KV head) takes about the same time on the H100 and the H200 (B=8 32K: 82.0 and "
+    "81.8 us at ed94320), so it is bound by its instructions and their latency, not by memory: ~2.5 SASS instructions "
+    "per code (Triton 3.6, sm_90), ~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose "
+    "memory is ~1.4x faster, that is 3.0-3.1x SDPA and 58.5-61 % of the copy bandwidth at B >= 8 (the H100: 4.3-4.6x, "
+    "83-88 %). B=8 32K, the shortest of those shapes, also pays most for the fixed part of a call (the Triton kernel's "
+    "query transform and residual window run before the Gluon kernel can read its query operand, ~5 us) and for its "
+    "split (512 programs for 528 places). What would close it: benchmarks/NOTES_kernels.md (the query transform in "
+    "the Gluon kernel, an even split of all blocks over all places, fewer registers for more warps per SM)."
 )
 
 

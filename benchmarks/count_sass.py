@@ -8,10 +8,9 @@ launcher passes (so strides and alignments are specialized as on the GPU), disas
 and reads the quantized tokens' main loop (the longest loop of the kernel: full blocks), with the launch's step and
 warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)` lane-instructions per K or
 V code, the registers and spills, which bound the programs per SM, and the loop's global loads that Triton did not
-pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead; the Gluon kernel loads
-everything directly). The kernel is
-latency-bound (benchmarks/NOTES_kernels.md): fewer instructions help only with fewer registers or fewer waits, so
-time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
+pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead, as all of the Gluon
+kernel's do). The kernels are bound by their instructions and latency (benchmarks/NOTES_kernels.md): fewer
+instructions help only with no more registers or waits, so time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
 """
 
 from __future__ import annotations
@@ -132,7 +131,7 @@ def main() -> None:
     parser.add_argument("--arch", type=int, default=90, help="sm_XX target")
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
-    parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, one warp)")
+    parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
     args = parser.parse_args()
     launch = decode_attention._default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(
@@ -140,7 +139,7 @@ def main() -> None:
     )
     args.block_n, args.warps = launch.block_n, launch.num_warps
     if args.gluon:
-        args.block_n, args.warps = decode_attention._GLUON_BLOCK, 1
+        args.block_n, args.warps = decode_attention._GLUON_BLOCK, decode_attention._gluon.WARPS
 
     kernel = compile_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon)
     body, opcodes, usage = loop_report(kernel)
