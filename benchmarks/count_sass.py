@@ -10,7 +10,8 @@ warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * 
 V code, the registers and spills, which bound the programs per SM, and the loop's global loads that Triton did not
 pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead, as all of the Gluon
 kernel's do). The kernels are bound by their instructions and latency (benchmarks/NOTES_kernels.md): fewer
-instructions help only with no more registers or waits, so time the winner on a GPU. Counts depend on the Triton version (the GPU image may run another).
+instructions help only with no more registers or waits, so time the winner on a GPU. Counts depend on the Triton
+version (the GPU image may run another).
 """
 
 from __future__ import annotations
