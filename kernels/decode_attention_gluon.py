@@ -122,9 +122,10 @@ BIAS_BY_GROUP = gl.constexpr(
 )  # fmt: skip
 
 # Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
-# per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words are read in 8-byte pairs by lanes over
-# 8 word rows and 4 pairs (8-word chunks XOR the row), value words one by one over 4 row pairs and 8 channels (4-word
-# chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
+# per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
+# are read in 8-byte pairs by lanes over 8 word rows and 4 pairs (8-word chunks XOR the row), value words one by one
+# over 4 row pairs and 8 channels (4-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks
+# XOR the group).
 K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
 V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
 K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
