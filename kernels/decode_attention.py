@@ -893,9 +893,13 @@ def _decode_attention(
             num_splits = triton.cdiv(num_blocks, blocks_per_split)
     gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
     # programmatic dependent launch (griddepcontrol) needs compute capability 9.0 (and a GPU: the CPU tests force
-    # `_gluon_splits` to run the launch around a stand-in for the Gluon kernel)
-    on_hopper = query.device.type == "cuda" and torch.cuda.get_device_capability(query.device) >= (9, 0)
-    pdl = bool(gluon_splits) and tuning.gluon_pdl and on_hopper
+    # `_gluon_splits` to run the launch around a stand-in for the Gluon kernel); asked only where the Gluon kernel runs
+    pdl = (
+        gluon_splits > 0
+        and tuning.gluon_pdl
+        and query.device.type == "cuda"
+        and torch.cuda.get_device_capability(query.device) >= (9, 0)
+    )
     num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
