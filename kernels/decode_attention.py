@@ -572,6 +572,10 @@ def _merge_kernel(
     o_d = tl.arange(0, HEAD_DIM)
     p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
     num_splits = num_parts - 1  # the quantized partials; the last one is the residual program's
+    # the residual program's partial (in the values' original domain), loaded first: its loads travel with the loop's
+    m_r = tl.load(p_ml + num_splits * ROWS_USED * 2)
+    l_r = tl.load(p_ml + num_splits * ROWS_USED * 2 + 1)
+    o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
 
     # One pass over the quantized partials: slot i of the tile keeps its own running (m, l, acc) over partials i,
     # i + BLOCK_S, ..., so each step loads m, l and o together (one round trip to memory; BLOCK_S covers all partials
@@ -593,10 +597,6 @@ def _merge_kernel(
         l_s = l_s * alpha + part_l * beta
         acc = acc * alpha[:, None] + part_o * beta[:, None]
         m_s = m_new
-    # the residual program's partial, in the values' original domain
-    m_r = tl.load(p_ml + num_splits * ROWS_USED * 2)
-    l_r = tl.load(p_ml + num_splits * ROWS_USED * 2 + 1)
-    o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
 
     m_all = tl.maximum(tl.reduce(m_s, 0, _maximum), m_r)
     m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
@@ -642,7 +642,8 @@ class _Tuning:
     num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
-    merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step
+    merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step ...
+    merge_tile_per_warp: int = 4096  # ... over one warp per this many (its latency after the partials is the tail)
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
     gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
     # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
@@ -983,6 +984,7 @@ def _decode_attention(
                 num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
                 key_padding_mask is not None, tuning.gluon_max_registers, pdl,
             )  # fmt: skip
+        merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,
             part_ml,
@@ -995,9 +997,9 @@ def _decode_attention(
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
-            BLOCK_S=min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim)),
+            BLOCK_S=merge_slots,
             WAIT_FOR_PARTIALS=pdl,
-            num_warps=4,
+            num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
             launch_pdl=pdl,
         )
     return out
