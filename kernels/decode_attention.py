@@ -577,13 +577,13 @@ def _merge_kernel(
     l_r = tl.load(p_ml + num_splits * ROWS_USED * 2 + 1)
     o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
 
-    # One pass over the quantized partials: slot i of the tile keeps its own running (m, l, acc) over partials i,
-    # i + BLOCK_S, ..., so each step loads m, l and o together (one round trip to memory; BLOCK_S covers all partials
-    # up to `_Tuning.merge_tile`) and rescales elementwise; the slots are combined once at the end. Empty partials
-    # (m = -inf, l = 0) add nothing.
-    m_s = tl.full([BLOCK_S], float("-inf"), tl.float32)
-    l_s = tl.full([BLOCK_S], 0.0, tl.float32)
-    acc = tl.full([BLOCK_S, HEAD_DIM], 0.0, tl.float32)
+    # Online over tiles of BLOCK_S quantized partials: each step loads a tile's m, l and o together (one round trip to
+    # memory; BLOCK_S covers all partials up to `_Tuning.merge_tile`), weighs it against the running maximum (the
+    # residual's to start with) and adds its weighted sum to one running [D] row, in the values' stored domain.
+    # Empty partials (m = -inf, l = 0) add nothing.
+    m_i = m_r
+    l_q = tl.full([], 0.0, tl.float32)
+    acc_q = tl.full([HEAD_DIM], 0.0, tl.float32)
     for start in range(0, num_splits, BLOCK_S):
         o_s = start + tl.arange(0, BLOCK_S)
         valid = o_s < num_splits
@@ -591,21 +591,17 @@ def _merge_kernel(
         part_l = tl.load(p_ml + o_s * ROWS_USED * 2 + 1, mask=valid, other=0.0)
         p_o = part_o_ptr + ((bh * num_parts + o_s) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :]
         part_o = tl.load(p_o, mask=valid[:, None], other=0.0)
-        m_new = tl.maximum(m_s, part_m)
+        m_new = tl.maximum(m_i, tl.reduce(part_m, 0, _maximum))
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha, beta = tl.exp2(m_s - m_use), tl.exp2(part_m - m_use)
-        l_s = l_s * alpha + part_l * beta
-        acc = acc * alpha[:, None] + part_o * beta[:, None]
-        m_s = m_new
+        alpha, beta = tl.exp2(m_i - m_use), tl.exp2(part_m - m_use)
+        l_q = l_q * alpha + tl.reduce(part_l * beta, 0, _add)
+        acc_q = acc_q * alpha + tl.reduce(part_o * beta[:, None], 0, _add)
+        m_i = m_new
 
-    m_all = tl.maximum(tl.reduce(m_s, 0, _maximum), m_r)
-    m_use = tl.where(m_all == float("-inf"), 0.0, m_all)
-    weight = tl.exp2(m_s - m_use)
-    acc_q = tl.reduce(acc * weight[:, None], 0, _add)  # [D], rotated with ROTATION
     if ROTATION:
         acc_q = tl.reshape(_fwht_rows(tl.reshape(acc_q, (1, HEAD_DIM)), 1, HEAD_DIM, LOG2_D), (HEAD_DIM,))
-    weight_r = tl.exp2(m_r - m_use)
-    l_all = tl.reduce(l_s * weight, 0, _add) + l_r * weight_r
+    weight_r = tl.exp2(m_r - tl.where(m_i == float("-inf"), 0.0, m_i))
+    l_all = l_q + l_r * weight_r
     out = (acc_q + o_r * weight_r) / tl.where(l_all > 0, l_all, 1.0)
 
     b = bh // num_kv_heads
