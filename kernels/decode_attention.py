@@ -638,8 +638,12 @@ class _Tuning:
     num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
     residual_block: int = 32  # residual tokens per step of the program that reads the residual window
-    merge_tile: int = 8192  # partial-output elements ([partials, D], fp32) the merge kernel reads per step ...
-    merge_tile_per_warp: int = 4096  # ... over one warp per this many (its latency after the partials is the tail)
+    # The merge kernel reads partial outputs ([partials, D], fp32) in tiles of up to `merge_tile` elements, over one
+    # warp per `merge_tile_per_warp`. Its latency after the last partial is the decode's tail: H200, 8b1efdd, B=8 32K
+    # (17 partials, one 32-slot tile, one warp) / B=1 32K (133 partials, 128-slot tiles, four warps), us: 78.3 / 17.8,
+    # against 80.2 / 21.0 with four times the warps, and 81.9 / 23.2 with a running state per slot (3d4d3de)
+    merge_tile: int = 16384
+    merge_tile_per_warp: int = 4096
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
     gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
     # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
