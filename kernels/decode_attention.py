@@ -898,6 +898,7 @@ def _decode_attention(
         blocks_per_split = triton.cdiv(num_blocks, num_splits) if num_splits else 0
         if num_splits:
             num_splits = triton.cdiv(num_blocks, blocks_per_split)
+    gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
     # programmatic dependent launch (griddepcontrol) needs compute capability 9.0 (and a GPU: the CPU tests force
     # `_gluon_splits` to run the launch around a stand-in for the Gluon kernel); asked only where the Gluon kernel runs
     pdl = (
@@ -906,7 +907,7 @@ def _decode_attention(
         and query.device.type == "cuda"
         and torch.cuda.get_device_capability(query.device) >= (9, 0)
     )
-    num_parts = gluon_splits + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
+    num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -946,7 +947,7 @@ def _decode_attention(
             num_residual=residual,
             blocks_per_split=blocks_per_split,
             num_splits=num_splits,
-            first_slot=gluon_splits,
+            first_slot=gluon_parts,
             num_parts=num_parts,
             qk_scale=scaling * _LOG2E,
             **_strides("q", query, "bhtd"),

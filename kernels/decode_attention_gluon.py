@@ -2,8 +2,8 @@
 
 `decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `_gluon_splits` allows it
 (CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
-block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per program
-into the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
+block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
+the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
 residual window (and write the query operand this kernel reads), and whose merge kernel combines them all.
 
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
@@ -19,9 +19,8 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
   25 KB per program; no registers held while they travel), in swizzles that make the fragment loads conflict-free.
 - Warps: warp h takes byte h of each 16-bit half of a word, the tokens stored at positions 4 h .. 4 h + 3 and
   8 + 4 h .. 8 + 4 h + 3 of each word row (`_stored_token`): its own online softmax over them, as a batched MMA whose
-  batch is the warp, the two combined at the end. Both warps read every word; one `prmt` per half joins byte h of the
-  two words of a pair (`_warp_codes`), so that the code of the warp's m-tile m2 lies at bits 2 m2 of both 16-bit
-  halves.
+  batch is the warp, and its own partial. Both warps read every word; one `prmt` per half joins byte h of the two
+  words of a pair (`_warp_codes`), so that the code of the warp's m-tile m2 lies at bits 2 m2 of both 16-bit halves.
 - Codes to fp16 (`_code_bits`): with the code at bits 2 m2 of the mantissa of E = 2^(8 - 2 m2), the `lop3`
   (p & mask) | E reads E + c / 4 exactly, and less E it is c / 4. Keys: k = (c / 4) (4 s) + m, one `fma.f16x2`
   rounded once, as the Triton kernel's `c s + m`. (Folding E into the minimum, (E + c / 4) 4 s + (m - 4 E s), saves
@@ -57,11 +56,11 @@ D = gl.constexpr(128)  # head dim
 ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
 BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
 HALF = gl.constexpr(64)  # tokens per warp and step
-WARPS = 2  # per program
+WARPS = 2  # per program: one partial each
 
 # Two warps per program, one per byte h of each 16-bit half of the words: warp h's tokens are those stored at
 # positions 4 h .. 4 h + 3 and 8 + 4 h .. 8 + 4 h + 3 of each word; its own online softmax over them (a batched MMA:
-# the batch is the warp), combined at the end.
+# the batch is the warp), its own partial.
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
@@ -343,15 +342,6 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
-@gluon.jit
-def _warps_combined(acc, bias, group: gl.constexpr, weight):
-    """Value group `group`'s output sums O^T [32 channels, rows] of both warps: each warp's c / 4 sums times 4 plus
-    its minima's sums (`bias` row `group`), weighted by `weight` [2 h, 1, rows] and added."""
-    o_g = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
-    o = 4.0 * acc + gl.sum(gl.where(o_g == group, bias, 0.0), axis=1)[:, None, :]
-    return gl.sum(o * weight, axis=0)
-
-
 @gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts"])
 def _gluon_split_kernel(
     q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
@@ -364,7 +354,7 @@ def _gluon_split_kernel(
     PDL: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
-    over its half of every block, and writes their combination as partial slot s. `q_op_ptr`
+    over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
     [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score scale (base 2), as the
     Triton split kernel's `_query_operand` makes them. The key and value codes' channels and the key scale/min pairs
     (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too. PDL (launched as a
@@ -434,24 +424,24 @@ def _gluon_split_kernel(
                 TOKEN_SCALING, False,
             )  # fmt: skip
 
-    # The warps' softmax states combined (the reductions over the warp axis go through shared memory): one partial per
-    # program, as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32, slot
-    # `split` (a partial per warp, the merge read twice as many: 133 per KV head at B=1 32K on an H200)
-    m_all = gl.max(m_i, axis=0)
-    weight = gl.exp2(m_i - gl.where(m_all == float("-inf"), 0.0, m_all)[None, :])  # [2 h, rows]
-    l_all = gl.sum(l_i * weight, axis=0)
-    weight = gl.expand_dims(weight, 1)
-    o_c = gl.arange(0, 32, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))[:, None]
-    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))[None, :]
-    p_o = part_o_ptr + ((bh * num_parts + split) * ROWS_USED + o_r) * D + o_c
-    gl.store(p_o, _warps_combined(acc0, bias, 0, weight), mask=o_r < ROWS_USED)
-    gl.store(p_o + 32, _warps_combined(acc1, bias, 1, weight), mask=o_r < ROWS_USED)
-    gl.store(p_o + 64, _warps_combined(acc2, bias, 2, weight), mask=o_r < ROWS_USED)
-    gl.store(p_o + 96, _warps_combined(acc3, bias, 3, weight), mask=o_r < ROWS_USED)
-    o_rs = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    p_ml = part_ml_ptr + ((bh * num_parts + split) * ROWS_USED + o_rs) * 2
-    gl.store(p_ml, m_all, mask=o_rs < ROWS_USED)
-    gl.store(p_ml + 1, l_all, mask=o_rs < ROWS_USED)
+    # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32; warp h
+    # writes slot 2 split + h
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
+    o_g = gl.arange(0, 16, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+    o_c = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]
+    slot = (bh * num_parts + 2 * split + o_h) * ROWS_USED
+    p_o = part_o_ptr + (slot + o_r) * D + o_c
+    m_o = o_r < ROWS_USED
+    gl.store(p_o, 4.0 * acc0 + gl.sum(gl.where(o_g == 0, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 32, 4.0 * acc1 + gl.sum(gl.where(o_g == 1, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 64, 4.0 * acc2 + gl.sum(gl.where(o_g == 2, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    gl.store(p_o + 96, 4.0 * acc3 + gl.sum(gl.where(o_g == 3, bias, 0.0), axis=1)[:, None, :], mask=m_o)
+    o_hs = gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(1, MMA)))[:, None]
+    o_rs = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, :]
+    p_ml = part_ml_ptr + ((bh * num_parts + 2 * split + o_hs) * ROWS_USED + o_rs) * 2
+    gl.store(p_ml, m_i, mask=o_rs < ROWS_USED)
+    gl.store(p_ml + 1, l_i, mask=o_rs < ROWS_USED)
 
 
 def launch(

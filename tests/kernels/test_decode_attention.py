@@ -6,6 +6,7 @@ Small shapes run everywhere (CPU CI: Triton's interpreter); `gpu`-marked ones ne
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from dataclasses import dataclass, replace
@@ -383,8 +384,9 @@ def _gluon_partials_in_torch(
     blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, pdl,
 ) -> None:  # fmt: skip
     """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
-    full 128-token blocks [s * blocks_per_split, ...) and fills partial slot s with (o, m, l): o in the values' stored
-    domain, m and the scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
+    full 128-token blocks [s * blocks_per_split, ...), its warp w over the tokens at positions 4 w .. 4 w + 3 of each
+    8 (stored order), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and the
+    scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
@@ -401,18 +403,20 @@ def _gluon_partials_in_torch(
     for bh in range(bh_count):
         b, h = divmod(bh, kv_heads)
         q = q_op[bh, :, :rows].double().T
-        for split in range(splits):
+        for split, warp in itertools.product(range(splits), range(decode_attention._gluon.WARPS)):
             lo = split * blocks_per_split * 128
             hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
             tokens = torch.arange(lo, hi, device=q.device)
+            tokens = tokens[tokens % 8 // 4 == warp]
             scores = q @ keys[b, h, tokens].T * float(q_scale[bh])
             if has_mask:
                 scores = scores.masked_fill(mask[b, tokens] == 0, float("-inf"))
             empty = torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
             m = scores.amax(-1) if len(tokens) else empty
             p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
-            part_o[bh, split] = (p @ values[b, h, tokens]).to(part_o.dtype)
-            part_ml[bh, split, :, 0], part_ml[bh, split, :, 1] = m, p.sum(-1)
+            slot = split * decode_attention._gluon.WARPS + warp
+            part_o[bh, slot] = (p @ values[b, h, tokens]).to(part_o.dtype)
+            part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = m, p.sum(-1)
 
 
 @pytest.mark.parametrize(
