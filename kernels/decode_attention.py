@@ -450,18 +450,13 @@ def _split_kernel(
     PARTIAL_BLOCK: tl.constexpr,
     DEVICE_LENGTH: tl.constexpr,
     GLUON_BLOCK: tl.constexpr,
-    WAIT_FOR_INPUTS: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) its residual
     window; each writes partial slot first_slot + s of num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the
     full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the quantized program reads only what follows them (a
-    partial block, or nothing) and writes the query operand and score scale that kernel reads. WAIT_FOR_INPUTS: this
-    kernel is a programmatic dependent of the stream's kernel before it (its programs start while that one ends and
-    read nothing before it has completed). LAUNCH_DEPENDENTS: the Gluon kernel is this one's programmatic dependent,
-    launched once this one's programs have waited (it copies cache blocks before it waits for this one's output)."""
-    if WAIT_FOR_INPUTS:
-        tl.extra.cuda.gdc_wait()
+    partial block, or nothing) and writes the query operand and score scale that kernel reads. LAUNCH_DEPENDENTS: that
+    kernel is a programmatic dependent, launched as this one starts (it waits for this one's output)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     ROWS_USED: tl.constexpr = GQA * TQ
@@ -654,7 +649,6 @@ class _Tuning:
     # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
     # kernel before them runs, and wait for it where they read its output)
     gluon_pdl: bool = True
-    split_pdl: bool = True  # with `gluon_pdl`, the split kernel too (its launch overlaps the previous kernel's end)
 
 
 # Up to this many quantized tokens with few KV heads (`_few_heads`), D=128 keeps the 4-warp programs of 128-token
@@ -979,12 +973,10 @@ def _decode_attention(
             PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
             DEVICE_LENGTH=length is not None,
             GLUON_BLOCK=_GLUON_BLOCK if gluon_splits else 0,
-            WAIT_FOR_INPUTS=pdl and tuning.split_pdl,
             LAUNCH_DEPENDENTS=pdl,
             num_warps=tuning.num_warps,
             num_stages=tuning.num_stages,
             **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
-            launch_pdl=pdl and tuning.split_pdl,
         )
         if gluon_splits:
             _gluon.launch(
