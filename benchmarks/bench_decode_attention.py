@@ -298,14 +298,16 @@ def git_commit() -> str | None:
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
     "Missed by little, on the H200 only. The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 "
-    "scales, up to 8 query rows per KV head) takes about the same time on the H100 and the H200 (B=8 32K: 82.0 and "
-    "81.8 us at ed94320), so it is bound by its instructions and their latency, not by memory: ~2.5 SASS instructions "
+    "scales, up to 8 query rows per KV head) takes about the same time on the H100 and the H200 (B=8 32K: 80.8 and "
+    "81.2 us at c36b4ae), so it is bound by its instructions and their latency, not by memory: ~2.5 SASS instructions "
     "per code (Triton 3.6, sm_90), ~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose "
-    "memory is ~1.4x faster, that is 3.0-3.1x SDPA and 58.5-61 % of the copy bandwidth at B >= 8 (the H100: 4.3-4.6x, "
-    "83-88 %). B=8 32K, the shortest of those shapes, also pays most for the fixed part of a call (the Triton kernel's "
-    "query transform and residual window run before the Gluon kernel can read its query operand, ~5 us) and for its "
-    "split (512 programs for 528 places). What would close it: benchmarks/NOTES_kernels.md (the query transform in "
-    "the Gluon kernel, an even split of all blocks over all places, fewer registers for more warps per SM)."
+    "memory is ~1.4x faster, that is 3.0-3.1x SDPA and 59-62 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, "
+    "84-88 %). B=8 32K, the shortest of those shapes, pays most for the fixed part of a call: a CUDA-profiler timeline "
+    "(H200, d2857de) has the merge ending ~4 us after the Gluon kernel, ~1 us of it waiting for that kernel to "
+    "complete; a faster merge (c36b4ae) took ~2 us off, and the call then measured 78.3 us (one input set, a sweep), "
+    "80.0-80.2 us (two sets, three A/B runs) and 81.2 us in the H200 record's full run: 59-61 % of the copy bandwidth. "
+    "What would close it: fewer instructions per code in the Gluon kernel's loop (its ALU pipe is the busiest), or "
+    "fewer registers for more warps per SM (benchmarks/NOTES_kernels.md)."
 )
 
 
