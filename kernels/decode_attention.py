@@ -641,7 +641,7 @@ class _Tuning:
     # The merge kernel reads partial outputs ([partials, D], fp32) in tiles of up to `merge_tile` elements, over one
     # warp per `merge_tile_per_warp`. Its latency after the last partial is the decode's tail: H200, 8b1efdd, B=8 32K
     # (17 partials, one 32-slot tile, one warp) / B=1 32K (133 partials, 128-slot tiles, four warps), us: 78.3 / 17.8,
-    # against 80.2 / 21.0 with four times the warps, and 81.9 / 23.2 with a running state per slot (3d4d3de)
+    # against 80.2 with four warps / 21.0 with two, and 81.9 / 23.2 with a running state per slot (3d4d3de)
     merge_tile: int = 16384
     merge_tile_per_warp: int = 4096
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
