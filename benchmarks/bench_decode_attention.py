@@ -303,9 +303,10 @@ _WHY_MISSED = (
     "per code (Triton 3.6, sm_90), ~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose "
     "memory is ~1.4x faster, that is 3.0-3.1x SDPA and 59-62 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, "
     "84-88 %). B=8 32K, the shortest of those shapes, pays most for the fixed part of a call: a CUDA-profiler timeline "
-    "(H200, d2857de) has the merge ending ~4 us after the Gluon kernel, ~1 us of it waiting for that kernel to "
-    "complete; a faster merge (c36b4ae) took ~2 us off, and the call then measured 78.3 us (one input set, a sweep), "
-    "80.0-80.2 us (two sets, three A/B runs) and 81.2 us in the H200 record's full run: 59-61 % of the copy bandwidth. "
+    "(H200, d2857de; a diagnostic run, no record) has the merge ending ~4 us after the Gluon kernel, ~1 us of it "
+    "waiting for that kernel to complete; a faster merge (c36b4ae) took ~2 us off, and the call then measured 78.3 us "
+    "with one input set (benchmarks/history/*_sweep_merge_8b1efdd.json) and 81.2 us in the H200 record's full run "
+    "(two sets): 61 and 59 % of the copy bandwidth. "
     "What would close it: fewer instructions per code in the Gluon kernel's loop (its ALU pipe is the busiest), or "
     "fewer registers for more warps per SM (benchmarks/NOTES_kernels.md)."
 )
