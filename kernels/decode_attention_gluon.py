@@ -446,10 +446,11 @@ def _gluon_split_kernel(
 
 def launch(
     grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, pdl,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
 ) -> None:  # fmt: skip
     """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
-    `key_norms` may be empty placeholders; `length` None or the device count)."""
+    `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a string,
+    or None for Triton's)."""
     kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
     ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
     _gluon_split_kernel[grid](
@@ -460,4 +461,5 @@ def launch(
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
+        **({"ptx_options": ptxas_options} if ptxas_options else {}),
     )  # fmt: skip

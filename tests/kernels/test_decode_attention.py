@@ -381,7 +381,7 @@ def test_gluon_full_blocks(case: Case):
 
 def _gluon_partials_in_torch(
     grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, pdl,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
 ) -> None:  # fmt: skip
     """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
     full 128-token blocks [s * blocks_per_split, ...), its warp w over the tokens at positions 4 w .. 4 w + 3 of each
