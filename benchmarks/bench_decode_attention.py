@@ -297,19 +297,16 @@ def git_commit() -> str | None:
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
-    "Missed by little, on the H200 only. The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 "
-    "scales, up to 8 query rows per KV head) takes about the same time on the H100 and the H200 (B=8 32K: 80.8 and "
-    "81.2 us at c36b4ae), so it is bound by its instructions and their latency, not by memory: ~2.5 SASS instructions "
-    "per code (Triton 3.6, sm_90), ~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose "
-    "memory is ~1.4x faster, that is 3.0-3.1x SDPA and 59-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, "
-    "84-88 %). B=8 32K, the shortest of those shapes, pays most for the fixed part of a call: a CUDA-profiler timeline "
-    "(H200, d2857de; a diagnostic run, no record) has the merge ending ~4 us after the Gluon kernel, ~1 us of it "
-    "waiting for that kernel to complete; a faster merge (c36b4ae) took ~2 us off, and the call then measured 78.3 us "
-    "with one input set (benchmarks/history/*_sweep_merge_8b1efdd.json), 81.2 us in the H200 record's full run at "
-    "c36b4ae and 79.9 us in that at 8979e98 (the same kernel code, two sets): 61, 59.0 and 60.2 % of the copy "
-    "bandwidth, a row at the 60 % line. "
-    "What would close it: fewer instructions per code in the Gluon kernel's loop (its ALU pipe is the busiest), or "
-    "fewer registers for more warps per SM (benchmarks/NOTES_kernels.md)."
+    "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
+    "takes about the same time on the H100 and the H200 (B=8 32K: 80.3 and 77.9 us at 2ad9a19 / 681071b), so it is "
+    "bound by its instructions and their latency, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
+    "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
+    "is 3.0-3.1x SDPA and 62-65 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
+    "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the merge after "
+    "it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8 % after). "
+    "What would widen the margin: a step with less to do per token (another operand layout: key m-tiles within one "
+    "32-token group, the key scale in a per-group query operand), or a schedule that overlaps a step's key "
+    "dequantization with the previous step's softmax (benchmarks/NOTES_kernels.md)."
 )
 
 
