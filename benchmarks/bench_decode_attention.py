@@ -298,12 +298,12 @@ def git_commit() -> str | None:
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
     "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
-    "takes about the same time on the H100 and the H200 (B=8 32K: 80.3 and 77.9 us at 2ad9a19 / 681071b), so it is "
+    "takes about the same time on the H100 and the H200 (B=8 32K: 80.3 and 79.0 us at 2ad9a19 / f2ea715), so it is "
     "bound by its instructions and their latency, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
     "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
-    "is 3.0-3.1x SDPA and 62-65 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
+    "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
     "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the merge after "
-    "it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8 % after). "
+    "it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8 and 60.6 after). "
     "What would widen the margin: a step with less to do per token (another operand layout: key m-tiles within one "
     "32-token group, the key scale in a per-group query operand), or a schedule that overlaps a step's key "
     "dequantization with the previous step's softmax (benchmarks/NOTES_kernels.md)."
