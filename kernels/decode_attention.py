@@ -647,8 +647,9 @@ class _Tuning:
     gluon_programs_per_sm: int = 0  # where `_gluon_splits` allows the Gluon kernel: its programs per SM (0: never)
     gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
     # ptxas options of the Gluon kernel. Its most aggressive register-usage level schedules the loop with as many
-    # registers as at the default level (232, Triton 3.9) and 11 fewer instructions per step; H200, B=8 32K / 128K, us:
-    # 77.5 / 295.4 against 78.7 / 297.2 at the default level 5 (this kernel alone, one process, medians of three)
+    # registers as at the default level (232, Triton 3.9) and 11 fewer instructions per step; H200 sweep
+    # (benchmarks/history/*_sweep_ptxas_65cee9f.json), B=8 32K / B=1 32K / B=8 128K, us: 81.6 / 17.7 / 310.0 against
+    # 82.0 / 17.8 / 313.7 with Triton's options (the default level 5)
     gluon_ptxas_options: str | None = "--register-usage-level 10"
     # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
     # kernel before them runs, and wait for it where they read its output)
