@@ -302,12 +302,13 @@ _WHY_MISSED = (
     "bound by its instructions and their latency, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
     "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
     "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
-    "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the merge after "
-    "it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8, 60.6 and 58.5 "
-    "after). "
-    "What would widen the margin: a step with less to do per token (another operand layout: key m-tiles within one "
-    "32-token group, the key scale in a per-group query operand), or a schedule that overlaps a step's key "
-    "dequantization with the previous step's softmax (benchmarks/NOTES_kernels.md)."
+    "of those shapes, pays most for the fixed part of a call (~3 us before the Gluon loop for the split kernel, ~3 us "
+    "after it for the partials and the merge) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's "
+    "ptxas option (61.8, 60.6 and 58.5 after). "
+    "What would widen the margin: a step with less to do per code pair on the key path (without its fp16 subtraction a "
+    "probe ran 5 % faster), that is another operand layout: key m-tiles within one 32-token group, so that the key "
+    "scale and offset go into a per-group query operand (a storage change; benchmarks/NOTES_kernels.md, fourteenth "
+    "session, also has the schedules measured without gain)."
 )
 
 
