@@ -299,7 +299,7 @@ def git_commit() -> str | None:
 _WHY_MISSED = (
     "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
     "takes about the same time on the H100 and the H200 (B=8 32K: 80.3 and 79.0 us at 2ad9a19 / f2ea715), so it is "
-    "bound by its instructions and their latency, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
+    "bound by its instructions, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
     "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
     "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
     "of those shapes, pays most for the fixed part of a call (~3 us before the Gluon loop for the split kernel, ~3 us "
