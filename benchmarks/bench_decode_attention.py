@@ -305,10 +305,10 @@ _WHY_MISSED = (
     "of those shapes, pays most for the fixed part of a call (~3 us before the Gluon loop for the split kernel, ~3 us "
     "after it for the partials and the merge) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's "
     "ptxas option (61.8, 60.6 and 58.5 after). "
-    "What would widen the margin: a step with less to do per code pair on the key path (without its fp16 subtraction a "
-    "probe ran 5 % faster), that is another operand layout: key m-tiles within one 32-token group, so that the key "
-    "scale and offset go into a per-group query operand (a storage change; benchmarks/NOTES_kernels.md, fourteenth "
-    "session, also has the schedules measured without gain)."
+    "What would widen the margin is open: the key path's fp16 arithmetic holds the time (a probe without its "
+    "subtraction ran 5 % faster), but the schedules and the other key layout measured so far (a per-group query "
+    "operand, prototyped: 1.25-1.29x slower) did not shorten the step (benchmarks/NOTES_kernels.md, fourteenth "
+    "session)."
 )
 
 
