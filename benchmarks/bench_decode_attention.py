@@ -302,13 +302,10 @@ _WHY_MISSED = (
     "bound by its instructions, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
     "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
     "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
-    "of those shapes, pays most for the fixed part of a call (~3 us before the Gluon loop for the split kernel, ~3 us "
-    "after it for the partials and the merge) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's "
-    "ptxas option (61.8, 60.6 and 58.5 after). "
-    "What would widen the margin is open: the key path's fp16 arithmetic holds the time (a probe without its "
-    "subtraction ran 5 % faster), but the schedules and the other key layout measured so far (a per-group query "
-    "operand, prototyped: 1.25-1.29x slower) did not shorten the step (benchmarks/NOTES_kernels.md, fourteenth "
-    "session)."
+    "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the partials and "
+    "the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8, 60.6 "
+    "and 58.5 after). What would widen the margin is open: benchmarks/NOTES_kernels.md (fourteenth session) lists the "
+    "schedules and the other key layout measured without gain."
 )
 
 
