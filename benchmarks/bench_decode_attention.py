@@ -304,8 +304,8 @@ _WHY_MISSED = (
     "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
     "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the partials and "
     "the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8, 60.6 "
-    "and 58.5 after). What would widen the margin is open: benchmarks/NOTES_kernels.md (fourteenth session) lists the "
-    "schedules and the other key layout measured without gain."
+    "and 58.5 after). What would widen the margin is open: benchmarks/NOTES_kernels.md (fourteenth and fifteenth "
+    "sessions) lists the schedules, key layouts, kernel orders and splits measured without gain."
 )
 
 
