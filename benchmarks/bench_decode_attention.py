@@ -302,10 +302,11 @@ _WHY_MISSED = (
     "bound by its instructions, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
     "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
     "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
-    "of those shapes, pays most for the fixed part of a call (the split kernel before the Gluon loop, the partials and "
-    "the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs before the kernel's ptxas option (61.8, 60.6 "
-    "and 58.5 after). What would widen the margin is open: benchmarks/NOTES_kernels.md (fourteenth and fifteenth "
-    "sessions) lists the schedules, key layouts, kernel orders and splits measured without gain."
+    "of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the Gluon loop, the "
+    "programs' uneven ends, the partials and the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs "
+    "before the kernel's ptxas option (61.8, 60.6 and 58.5 after). What would widen the margin is open: "
+    "benchmarks/NOTES_kernels.md (fourteenth to sixteenth sessions) lists the schedules, key layouts, kernel orders, "
+    "splits and copy pipelines measured without gain."
 )
 
 
