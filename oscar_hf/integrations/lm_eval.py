@@ -44,6 +44,7 @@ from ..cache import OscarCache, OscarLayer
 from ..config import OscarConfig
 from ..offline_models import MODELS, model_path
 from .fused_attention import recording_query_moments
+from .transformers import CACHE_KWARG  # past_key_values up to transformers 5.23, cache from 5.24
 
 
 class PrefillStore:
@@ -175,7 +176,7 @@ class OscarHFLM(HFLM):
         if len(continuation) == 1:
             return first[None]
         inputs = torch.tensor([continuation[:-1]], device=self.device)
-        logits = self.model(inputs, past_key_values=cache).logits[0]
+        logits = self.model(inputs, **{CACHE_KWARG: cache}).logits[0]
         return torch.cat([first[None], F.log_softmax(logits.float(), dim=-1)])
 
     @torch.no_grad()
@@ -187,7 +188,7 @@ class OscarHFLM(HFLM):
             exact, moments = DynamicCache(config=self.model.config), {}
             inputs = torch.tensor([context], device=self.device)
             with recording_query_moments(moments):
-                logits = self.model(inputs, past_key_values=exact, logits_to_keep=1).logits[0, -1]
+                logits = self.model(inputs, **{CACHE_KWARG: exact}, logits_to_keep=1).logits[0, -1]
             entry = (F.log_softmax(logits.float(), dim=-1), exact, moments)
             self.prefill_store.put(key, entry)
         first, exact, moments = entry
@@ -229,7 +230,7 @@ class OscarHFLM(HFLM):
         total = 0.0
         for start in range(0, len(inputs), self.rolling_chunk):
             chunk = inputs[start : start + self.rolling_chunk]
-            logits = self.model(torch.tensor([chunk], device=self.device), past_key_values=cache).logits[0]
+            logits = self.model(torch.tensor([chunk], device=self.device), **{CACHE_KWARG: cache}).logits[0]
             targets = torch.tensor(sequence[start + 1 : start + 1 + len(chunk)], device=logits.device)
             token_logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
             first_scored = max(len(context) - 1 - start, 0)  # positions predicting context tokens are not scored

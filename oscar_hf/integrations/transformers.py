@@ -8,6 +8,11 @@ also hands the prompt's attention mask to whichever OscarCache generate will use
 `past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). Both steps are
 idempotent and undone by `unregister()`. Nothing is written into a model's `generation_config`, so a saved
 generation_config.json never names "oscar".
+
+generate keeps the cache in its `model_kwargs` under the first of its `ALL_CACHE_NAMES`: "past_key_values" up to
+transformers 5.23, "cache" from 5.24 (where `past_key_values=` became the deprecated spelling of `cache=`). The wrapper
+reads and writes it under that name, so that generate's own checks (a cache passed with a cache_implementation, its
+auto-compile criteria) see the cache it builds, and a cache passed by the user gets the padding mask.
 """
 
 from __future__ import annotations
@@ -16,19 +21,22 @@ import functools
 import inspect
 
 from transformers.generation import configuration_utils
-from transformers.generation.utils import GenerationMixin
+from transformers.generation.utils import ALL_CACHE_NAMES, GenerationMixin
 
 from ..cache import OscarCache
 from . import fused_attention
 
 CACHE_IMPLEMENTATION = "oscar"
 _WRAPPED_MARK = "_oscar_original"
+# The name under which generate's model_kwargs, and a decoder's forward, take the cache (see the module docstring)
+CACHE_KWARG = ALL_CACHE_NAMES[0]
 
 
 def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_length: int) -> None:
-    if model_kwargs.get("past_key_values") is not None:
+    if model_kwargs.get(CACHE_KWARG) is not None:
         raise ValueError(
-            'Passing both `cache_implementation="oscar"` and `past_key_values` is unsupported; use one of the two.'
+            'Passing both `cache_implementation="oscar"` and a cache (`past_key_values` or `cache`) is unsupported; '
+            "use one of the two."
         )
     if self.config.is_encoder_decoder or not self._supports_default_dynamic_cache():
         raise ValueError(
@@ -41,7 +49,7 @@ def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_
     cache.reserve(max_cache_length)
     if generation_config.is_assistant:
         cache.activate_past_recording()
-    model_kwargs["past_key_values"] = cache
+    model_kwargs[CACHE_KWARG] = cache
 
 
 def _tensor_parallel_group(model):
@@ -66,7 +74,7 @@ def _wrap(original):
         else:
             bound = signature.bind(self, generation_config, model_kwargs, *args, **kwargs)
             _prepare_oscar_cache(self, generation_config, model_kwargs, bound.arguments["max_cache_length"])
-        cache = model_kwargs.get("past_key_values")
+        cache = model_kwargs.get(CACHE_KWARG)
         if isinstance(cache, OscarCache):  # built above or passed by the user: it quantizes around the padding
             # The mask covers every position from the cache's first (expanded for beams already); generate drops it
             # (None) when it has no zero.
