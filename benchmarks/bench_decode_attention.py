@@ -305,7 +305,7 @@ _WHY_MISSED = (
     "of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the Gluon loop, the "
     "programs' uneven ends, the partials and the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs "
     "before the kernel's ptxas option (61.8, 60.6 and 58.5 after). What would widen the margin is open: "
-    "benchmarks/NOTES_kernels.md (fourteenth to sixteenth sessions) lists the schedules, key layouts, kernel orders, "
+    "benchmarks/NOTES_kernels.md (fourteenth to seventeenth sessions) lists the schedules, key layouts, kernel orders, "
     "splits and copy pipelines measured without gain."
 )
 
