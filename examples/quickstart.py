@@ -45,7 +45,10 @@ def main() -> None:
             **inputs, max_new_tokens=args.max_new_tokens, do_sample=False, return_dict_in_generate=True, **options
         )
         seconds = time.perf_counter() - start
-        memory = oscar_hf.kv_memory(out.past_key_values)
+        cache = out.get("cache")  # the field's name from transformers 5.24 on, past_key_values before
+        if cache is None:
+            cache = out.past_key_values
+        memory = oscar_hf.kv_memory(cache)
         text = tokenizer.decode(out.sequences[0, inputs.input_ids.shape[1] :], skip_special_tokens=True)
         print(f"== {name}  ({seconds:.1f} s)")
         print(f"   output: {text!r}")
