@@ -26,7 +26,6 @@ import hashlib
 import importlib.util
 import json
 import math
-import re
 import statistics
 import subprocess
 import sys
@@ -71,13 +70,10 @@ def measure_shape(batch: int, context: int, arms: dict, rounds: int, gen: torch.
     """One shape: every arm's error against the float32 reference on the first input set (where it fits), then
     `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved."""
     config, scale = OscarConfig(), 1 / math.sqrt(bench.HEAD_DIM)
-    probe = bench.make_sets(batch, context, config, 1, gen)[0]
-    fused_bytes = bench.nbytes(probe["q"], probe["rk"], probe["rv"], *probe["quantized"]) + bench.nbytes(probe["q"])
-    sets = max(1, min(64, math.ceil(4 * torch.cuda.get_device_properties(0).L2_cache_size / fused_bytes)))
-    del probe
-    data = bench.make_sets(batch, context, config, sets, gen)
+    data, _, _ = bench.timed_sets(batch, context, config, torch.cuda.get_device_properties(0).L2_cache_size, gen)
+    sets = len(data)
     reference = None
-    if batch * context <= 8 * 32768:
+    if batch * context <= bench.REFERENCE_TOKENS:
         inputs = (data[0][k] for k in ("q", "quantized", "rk", "rv"))
         reference = decode_attention_reference(*inputs, None, scale, config)
 
@@ -150,8 +146,7 @@ def main() -> None:
         "arms": versions,
         "shapes": rows,
     }
-    gpu = re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")  # as the benchmark's records name it
-    out = Path(args.out) / f"ab_gluon_{gpu}_{'_'.join(arms)}_{record['git_commit'] or 'nogit'}.json"
+    out = Path(args.out) / f"ab_gluon_{bench.gpu_slug(device)}_{'_'.join(arms)}_{record['git_commit'] or 'nogit'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
 

@@ -127,14 +127,29 @@ def rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
-def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> dict:
-    scale = 1 / math.sqrt(HEAD_DIM)
+REFERENCE_TOKENS = 8 * 32768  # batch x context up to which the float32 reference fits beside the inputs
+
+
+def timed_sets(batch, context, config, l2_bytes, gen) -> tuple[list, int, int]:
+    """The input sets one shape is timed over: as many (at most 64) as make one pass over them read more than 4x the L2
+    cache, sized from a probe set; with the fused and the SDPA paths' compulsory bytes per set."""
     probe = make_sets(batch, context, config, 1, gen)[0]
     fused_bytes = nbytes(probe["q"], probe["rk"], probe["rv"], *probe["quantized"]) + nbytes(probe["q"])
     sdpa_bytes = nbytes(probe["q"], probe["k"], probe["v"]) + nbytes(probe["q"])
     sets = max(1, min(64, math.ceil(4 * l2_bytes / fused_bytes)))
     del probe
-    data = make_sets(batch, context, config, sets, gen)
+    return make_sets(batch, context, config, sets, gen), fused_bytes, sdpa_bytes
+
+
+def gpu_slug(device: str) -> str:
+    """The device's name as the records' file names spell it (`NVIDIA H200` -> `nvidia-h200`)."""
+    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
+
+
+def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> dict:
+    scale = 1 / math.sqrt(HEAD_DIM)
+    data, fused_bytes, sdpa_bytes = timed_sets(batch, context, config, l2_bytes, gen)
+    sets = len(data)
     entry = {
         "batch": batch,
         "context": context,
@@ -145,7 +160,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
     # correctness first, on the first input set: a kernel that fails it is not timed
     first = data[0]
     out = fused(first, config, scale)
-    if batch * context <= 8 * 32768:
+    if batch * context <= REFERENCE_TOKENS:
         ref = decode_attention_reference(*(first[k] for k in ("q", "quantized", "rk", "rv")), None, scale, config)
         err = entry["fused_rel_err_vs_fp32_reference"] = rel_err(out, ref)
         if err > MAX_REL_ERR:
@@ -384,8 +399,7 @@ def main() -> None:
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    slug = re.sub(r"[^a-z0-9]+", "-", gpu.lower()).strip("-")
-    path = out_dir / f"decode_attention_{slug}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
+    path = out_dir / f"decode_attention_{gpu_slug(gpu)}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
 
     def save():
         path.write_text(json.dumps(record, indent=1))
