@@ -383,6 +383,8 @@ def _split_kernel(
     length_ptr,
     part_o_ptr,
     part_ml_ptr,
+    q_op_ptr,
+    q_scale_ptr,
     # sizes
     num_kv_heads,
     num_quantized,
@@ -450,11 +452,11 @@ def _split_kernel(
     GLUON_BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) (where the grid
-    has it) its residual window into the last slot; quantized program s writes partial slot first_slot + s of
-    num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the full GLUON_BLOCK-token blocks (slots 0 .. first_slot
-    - 1): the quantized program reads only what follows them (a partial block). LAUNCH_DEPENDENTS: that kernel is a
-    programmatic dependent, launched as this one starts (it reads nothing this one writes)."""
+    """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) its residual
+    window; each writes partial slot first_slot + s of num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the
+    full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the quantized program reads only what follows them (a
+    partial block, or nothing) and writes the query operand and score scale that kernel reads. LAUNCH_DEPENDENTS: that
+    kernel is a programmatic dependent, launched as this one starts (it waits for this one's output)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     ROWS_USED: tl.constexpr = GQA * TQ
@@ -504,6 +506,9 @@ def _split_kernel(
             q, key_rotated, qk_scale, ks_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM, LOG2_D, ROTATION,
             KEY_ROTATION_PER_HEAD,
         )  # fmt: skip
+        if GLUON_BLOCK:  # [D, BLOCK_M] per KV head, as the Gluon kernel loads its second MMA operand
+            tl.store(q_op_ptr + pid_bh * HEAD_DIM * BLOCK_M + o_d[None, :] * BLOCK_M + o_m[:, None], b_q)
+            tl.store(q_scale_ptr + pid_bh, q_scale)
         p_mask = mask_ptr + b * stride_mb
         args = (
             b_q, q_scale, kc_ptr + b * stride_kcb + h * stride_kch, ks_ptr + b * stride_ksb + h * stride_ksh,
@@ -883,10 +888,8 @@ def _decode_attention(
     block_n = tuning.block_n
     num_blocks = triton.cdiv(num_quantized, block_n)
     gluon_splits = _gluon_splits(query, quantized, config, rows, num_quantized, tuning)
-    if gluon_splits:  # the Triton kernel's quantized program (one per KV head) reads a partial block after the full
-        # ones, where there may be one (with `length`, the tokens read are a multiple of the window R)
-        num_splits = int((num_quantized if length is None else residual) % _GLUON_BLOCK != 0)
-        blocks_per_split = _GLUON_BLOCK // block_n
+    if gluon_splits:  # the Triton kernel's one quantized program reads what follows the Gluon kernel's full blocks
+        num_splits, blocks_per_split = 1, _GLUON_BLOCK // block_n
         gluon_blocks_per_split = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_splits)
         gluon_splits = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_blocks_per_split)
     else:
@@ -895,11 +898,6 @@ def _decode_attention(
         if num_splits:
             num_splits = triton.cdiv(num_blocks, blocks_per_split)
     gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
-    # The Gluon kernel reads the residual window too where its MMAs take the query's dtype (16-bit), so that usually
-    # nothing runs before it; the Triton kernel's programs (its quantized ones, and the residual one otherwise) run
-    # only where there is something left for them.
-    gluon_residual = gluon_splits > 0 and query.dtype != torch.float32
-    triton_programs = num_splits + (0 if gluon_residual else 1)
     # programmatic dependent launch (griddepcontrol) needs compute capability 9.0 (and a GPU: the CPU tests force
     # `_gluon_splits` to run the launch around a stand-in for the Gluon kernel); asked only where the Gluon kernel runs
     pdl = (
@@ -908,7 +906,6 @@ def _decode_attention(
         and query.device.type == "cuda"
         and torch.cuda.get_device_capability(query.device) >= (9, 0)
     )
-    gluon_after_triton = pdl and triton_programs > 0
     num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
@@ -916,78 +913,81 @@ def _decode_attention(
     part_o = torch.empty((batch * kv_heads, num_parts, rows, head_dim), dtype=torch.float32, device=device)
     part_ml = torch.empty((batch * kv_heads, num_parts, rows, 2), dtype=torch.float32, device=device)
     block_m = max(tuning.block_m, triton.next_power_of_2(rows))
+    q_op = torch.empty(
+        (batch * kv_heads, head_dim, block_m) if gluon_splits else (0,), dtype=torch.float16, device=device
+    )
+    q_scale = torch.empty(batch * kv_heads if gluon_splits else 0, dtype=torch.float32, device=device)
     if quantized is None:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
         quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
     key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
     mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else torch.empty(0, 0, device=device)
-    qk_scale = scaling * _LOG2E
 
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if triton_programs:
-            _split_kernel[(batch * kv_heads, triton_programs)](
-                q_ptr=query,
-                kc_ptr=quantized.key_codes,
-                ks_ptr=quantized.key_scale,
-                km_ptr=quantized.key_min,
-                kn_ptr=key_norms,
-                vc_ptr=quantized.value_codes,
-                vs_ptr=quantized.value_scale,
-                vm_ptr=quantized.value_min,
-                rk_ptr=residual_keys,
-                rv_ptr=residual_values,
-                mask_ptr=mask,
-                key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,  # unused if None
-                length_ptr=length if length is not None else mask,  # unused if None
-                part_o_ptr=part_o,
-                part_ml_ptr=part_ml,
-                num_kv_heads=kv_heads,
-                num_quantized=num_quantized,
-                num_residual=residual,
-                blocks_per_split=blocks_per_split,
-                num_splits=num_splits,
-                first_slot=gluon_parts,
-                num_parts=num_parts,
-                qk_scale=qk_scale,
-                **_strides("q", query, "bhtd"),
-                **_strides("kc", quantized.key_codes, "bhrd"),
-                **_strides("ks", quantized.key_scale, "bhgd"),
-                **_strides("km", quantized.key_min, "bhgd"),
-                **_strides("kn", key_norms, "b_t"),
-                **_strides("vc", quantized.value_codes, "bhrd"),
-                **_strides("vs", quantized.value_scale, "bh__"),
-                **_strides("vm", quantized.value_min, "bh__"),
-                **_strides("rk", residual_keys, "bhtd"),
-                **_strides("rv", residual_values, "bhtd"),
-                **_strides("m", mask, "bt"),
-                **_strides("kr", key_rotated if key_rotated is not None else mask, "bh"),
-                GQA=gqa,
-                TQ=q_len,
-                HEAD_DIM=head_dim,
-                LOG2_D=head_dim.bit_length() - 1,
-                BITS=config.bits,
-                GROUP=config.group_size,
-                BLOCK_M=block_m,
-                BLOCK_N=block_n,
-                BLOCK_R=tuning.residual_block,
-                ROTATION=config.rotation,
-                KEY_ROTATION_PER_HEAD=key_rotated is not None,
-                TOKEN_SCALING=config.token_scaling,
-                HAS_MASK=key_padding_mask is not None,
-                # with `length`, the tokens read are a multiple of the window R (`num_quantized` is the capacity)
-                PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
-                DEVICE_LENGTH=length is not None,
-                GLUON_BLOCK=_GLUON_BLOCK if gluon_splits else 0,
-                LAUNCH_DEPENDENTS=gluon_after_triton,
-                num_warps=tuning.num_warps,
-                num_stages=tuning.num_stages,
-                **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
-            )
+        _split_kernel[(batch * kv_heads, num_splits + 1)](
+            q_ptr=query,
+            kc_ptr=quantized.key_codes,
+            ks_ptr=quantized.key_scale,
+            km_ptr=quantized.key_min,
+            kn_ptr=key_norms,
+            vc_ptr=quantized.value_codes,
+            vs_ptr=quantized.value_scale,
+            vm_ptr=quantized.value_min,
+            rk_ptr=residual_keys,
+            rv_ptr=residual_values,
+            mask_ptr=mask,
+            key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,  # unused if None
+            length_ptr=length if length is not None else mask,  # unused if None
+            part_o_ptr=part_o,
+            part_ml_ptr=part_ml,
+            q_op_ptr=q_op,
+            q_scale_ptr=q_scale,
+            num_kv_heads=kv_heads,
+            num_quantized=num_quantized,
+            num_residual=residual,
+            blocks_per_split=blocks_per_split,
+            num_splits=num_splits,
+            first_slot=gluon_parts,
+            num_parts=num_parts,
+            qk_scale=scaling * _LOG2E,
+            **_strides("q", query, "bhtd"),
+            **_strides("kc", quantized.key_codes, "bhrd"),
+            **_strides("ks", quantized.key_scale, "bhgd"),
+            **_strides("km", quantized.key_min, "bhgd"),
+            **_strides("kn", key_norms, "b_t"),
+            **_strides("vc", quantized.value_codes, "bhrd"),
+            **_strides("vs", quantized.value_scale, "bh__"),
+            **_strides("vm", quantized.value_min, "bh__"),
+            **_strides("rk", residual_keys, "bhtd"),
+            **_strides("rv", residual_values, "bhtd"),
+            **_strides("m", mask, "bt"),
+            **_strides("kr", key_rotated if key_rotated is not None else mask, "bh"),
+            GQA=gqa,
+            TQ=q_len,
+            HEAD_DIM=head_dim,
+            LOG2_D=head_dim.bit_length() - 1,
+            BITS=config.bits,
+            GROUP=config.group_size,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=tuning.residual_block,
+            ROTATION=config.rotation,
+            KEY_ROTATION_PER_HEAD=key_rotated is not None,
+            TOKEN_SCALING=config.token_scaling,
+            HAS_MASK=key_padding_mask is not None,
+            # with `length`, the tokens read are a multiple of the window R (`num_quantized` is the capacity)
+            PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
+            DEVICE_LENGTH=length is not None,
+            GLUON_BLOCK=_GLUON_BLOCK if gluon_splits else 0,
+            LAUNCH_DEPENDENTS=pdl,
+            num_warps=tuning.num_warps,
+            num_stages=tuning.num_stages,
+            **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
+        )
         if gluon_splits:
             _gluon.launch(
-                (batch * kv_heads, gluon_splits), query, key_rotated.view(torch.uint8) if key_rotated is not None
-                else None, quantized, residual_keys, residual_values, mask if key_padding_mask is not None else None,
-                length, part_o, part_ml, num_quantized, gluon_blocks_per_split, num_parts, qk_scale, config,
-                gluon_residual, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl, gluon_after_triton,
+                (batch * kv_heads, gluon_splits), q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml,
+                num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
+                key_padding_mask is not None, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
             )  # fmt: skip
         merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))
         _merge_kernel[(batch * kv_heads * rows,)](

@@ -138,14 +138,6 @@ K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [2, 1], [1, 0])) 
 V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [2, 1, 1], [2, 1, 0]))  # [2, 64, 4]
 NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # [2, 64]
 
-# The query rows [8, D] as loaded and rotated: channel bits 0-3 in registers (the first four butterflies), 4-5 over
-# lanes, 6 over the warps; then [8, 8, 16] (channel bits 4-6, bits 0-3) with bits 4-6 in registers (the last three)
-Q_ROWS = gl.constexpr(gl.BlockedLayout([1, 16], [8, 4], [1, 2], [1, 0]))
-Q_HIGH_BITS = gl.constexpr(gl.BlockedLayout([1, 8, 1], [4, 1, 8], [2, 1, 1], [1, 2, 0]))
-HADAMARD_SCALE = gl.constexpr(128**-0.5)
-# residual keys or values [2 h, 32 tokens, D]: warp h reads tokens 32 h .. 32 h + 31 of each 64, 16 bytes per lane
-RESIDUAL_LOAD = gl.constexpr(gl.BlockedLayout([1, 1, 8], [1, 2, 16], [2, 1, 1], [2, 1, 0]))
-
 
 @gluon.jit
 def _stored_token(h, x):
@@ -340,111 +332,6 @@ def _step(
 
 
 @gluon.jit
-def _hadamard_rows(x):
-    """x H (normalized Walsh-Hadamard transform) of fp32 rows [8, D] in Q_ROWS, as `_fwht_rows` of the Triton
-    kernels: the same pairing ((i, i + h) -> (a + b, a - b) at stride h) in the same order of strides. Returns
-    [8, 8, 16] (channel bits 4-6, bits 0-3)."""
-    x = gl.reshape(x, [8, 8, 16])
-    for i in gl.static_range(4):  # strides 1 .. 8: channel bits 0-3, in registers
-        a, b = gl.split(gl.permute(gl.reshape(x, [8, 8, 8 >> i, 2, 1 << i]), [0, 1, 2, 4, 3]))
-        x = gl.reshape(gl.permute(gl.join(a + b, a - b), [0, 1, 2, 4, 3]), [8, 8, 16])
-    x = gl.convert_layout(x, Q_HIGH_BITS)
-    for i in gl.static_range(3):  # strides 16 .. 64: channel bits 4-6, in registers after the conversion
-        a, b = gl.split(gl.permute(gl.reshape(x, [8, 4 >> i, 2, 1 << i, 16]), [0, 1, 3, 4, 2]))
-        x = gl.reshape(gl.permute(gl.join(a + b, a - b), [0, 1, 4, 2, 3]), [8, 8, 16])
-    return x * HADAMARD_SCALE
-
-
-@gluon.jit
-def _query_rows(q_ptr, b, h, stride_qb, stride_qh, stride_qt, stride_qd, GQA: gl.constexpr, TQ: gl.constexpr):
-    """The KV head's query rows [8, D] in Q_ROWS, the model's dtype: row r is query head h * GQA + r // TQ, token
-    r % TQ; rows past GQA * TQ are zero."""
-    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(1, Q_ROWS))
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, Q_ROWS))
-    p_q = q_ptr + b * stride_qb + (h * GQA + o_r // TQ) * stride_qh + (o_r % TQ) * stride_qt
-    return gl.load(p_q[:, None] + o_d[None, :] * stride_qd, mask=(o_r < GQA * TQ)[:, None], other=0.0)
-
-
-@gluon.jit
-def _second_operand(rows, dtype: gl.constexpr):
-    """Rows [8, D] in Q_ROWS -> [2, D, 8] in `dtype` as the second MMA operand of both warps."""
-    x = gl.expand_dims(gl.convert_layout(gl.permute(rows.to(dtype), [1, 0]), gl.SliceLayout(0, B_OP)), 0)
-    x, _ = gl.broadcast(x, gl.zeros([2, D, ROWS], dtype, layout=B_OP))
-    return x
-
-
-@gluon.jit
-def _query_operand(q, key_rotated, qk_scale, ROTATION: gl.constexpr, KEY_ROTATION_PER_HEAD: gl.constexpr):
-    """The quantized blocks' query operand and its score scale, as the Triton kernels' `_query_operand`: the rows
-    rotated into the keys' stored domain (`key_rotated`: this head's choice with KEY_ROTATION_PER_HEAD), divided by
-    their largest magnitude so that the fp16 operand cannot overflow; the scale is qk_scale times that magnitude."""
-    q = q.to(gl.float32)
-    if ROTATION:
-        rotated = gl.convert_layout(gl.reshape(_hadamard_rows(q), [ROWS, D]), Q_ROWS)
-        q = gl.where(key_rotated, rotated, q) if KEY_ROTATION_PER_HEAD else rotated
-    q_max = gl.max(gl.max(gl.abs(q), axis=1), axis=0)
-    q_max = gl.where(q_max > 0, q_max, 1.0)
-    return _second_operand(q / q_max, gl.float16), qk_scale * q_max
-
-
-@gluon.jit
-def _residual_partial(
-    q_ptr, rk_ptr, rv_ptr, mask_ptr, part_o_ptr, part_ml_ptr, num_residual, qk_scale, stride_qh, stride_qt,
-    stride_qd, stride_rkt, stride_rkd, stride_rvt, stride_rvd, stride_mt,
-    GQA: gl.constexpr, TQ: gl.constexpr, HAS_MASK: gl.constexpr,
-):  # fmt: skip
-    """Online softmax of the KV head's query rows (`_query_rows`, not rotated) over the residual window's tokens
-    (causal for the last TQ: query row r sees residual tokens up to num_residual - TQ + r % TQ), 64 a step, warp h
-    over tokens 32 h .. 32 h + 31 of each, the two warps' states combined at the end into the partial the Triton
-    kernel's residual program writes: o [rows, D] at `part_o_ptr` and (m, l) in base 2 at `part_ml_ptr`. (Compiled as
-    a function of its own: inlined, its registers changed the allocation of the main loop's.)"""
-    q = _query_rows(q_ptr, 0, 0, 0, stride_qh, stride_qt, stride_qd, GQA, TQ)
-    dtype: gl.constexpr = rk_ptr.dtype.element_ty
-    q_op = _second_operand(q, dtype)
-    o_t = (
-        32 * gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, RESIDUAL_LOAD)))[:, None, None]
-        + gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, RESIDUAL_LOAD)))[None, :, None]
-    )  # [2, 32, 1]
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(1, RESIDUAL_LOAD)))[None, None, :]
-    o_ts = (
-        32 * gl.arange(0, 2, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None]
-        + gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :]
-    )  # [2, 32], as the scores hold them
-    o_r_m = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))
-    last = (num_residual - TQ + o_r_m % TQ)[None, None, :]  # the last residual token each row may see
-    m_i = gl.full([2, ROWS], float("-inf"), gl.float32, layout=gl.SliceLayout(1, MMA))
-    l_i = gl.zeros([2, ROWS], gl.float32, layout=gl.SliceLayout(1, MMA))
-    acc = gl.zeros([2, D, ROWS], gl.float32, layout=MMA)  # O^T [h, channels, rows]
-    for start in range(0, num_residual, 64):
-        t = start + o_t
-        k = gl.load(rk_ptr + t * stride_rkt + o_d * stride_rkd, mask=t < num_residual, other=0.0)
-        v = gl.load(rv_ptr + t * stride_rvt + o_d * stride_rvd, mask=t < num_residual, other=0.0)
-        s = mma_v2(gl.convert_layout(k, A_OP), q_op, gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)) * qk_scale
-        ts = start + o_ts
-        seen = ts < num_residual
-        if HAS_MASK:
-            seen &= gl.load(mask_ptr + ts * stride_mt, mask=seen, other=0) != 0
-        s = gl.where(seen[:, :, None] & (ts[:, :, None] <= last), s, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
-        p = gl.exp2(s - m_use[:, None, :])
-        alpha = gl.exp2(m_i - m_use)
-        l_i = l_i * alpha + gl.sum(p, axis=1)
-        p_op = gl.convert_layout(p.to(dtype), B_OP)  # P^T [h, tokens, rows]
-        v_op = gl.convert_layout(gl.permute(v, [0, 2, 1]), A_OP)  # V^T [h, channels, tokens]
-        acc = acc * alpha[:, None, :] + mma_v2(v_op, p_op, gl.zeros([2, D, ROWS], gl.float32, layout=MMA))
-        m_i = m_new
-    m = gl.max(m_i, axis=0)
-    weight = gl.exp2(m_i - gl.where(m == float("-inf"), 0.0, m)[None, :])  # [2, 8]: each warp's share
-    o = gl.sum(acc * weight[:, None, :], axis=0)  # [D, rows]
-    o_d = gl.arange(0, D, layout=gl.SliceLayout(1, gl.SliceLayout(0, MMA)))[:, None]
-    o_r = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(0, MMA)))[None, :]
-    gl.store(part_o_ptr + o_r * D + o_d, o, mask=o_r < GQA * TQ)
-    gl.store(part_ml_ptr + o_r_m * 2, m, mask=o_r_m < GQA * TQ)
-    gl.store(part_ml_ptr + o_r_m * 2 + 1, gl.sum(l_i * weight, axis=0), mask=o_r_m < GQA * TQ)
-
-
-@gluon.jit
 def _any_masked(mask_ptr, start, end, stride_mt):
     """Whether the key padding mask excludes any of tokens [start, end)."""
     found = 0
@@ -457,31 +344,25 @@ def _any_masked(mask_ptr, start, end, stride_mt):
 
 @gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts"])
 def _gluon_split_kernel(
-    q_ptr, key_rotated_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, rk_ptr, rv_ptr, mask_ptr,
-    length_ptr, part_o_ptr, part_ml_ptr,
-    num_kv_heads, num_quantized, num_residual, blocks_per_split, num_parts, qk_scale,
-    stride_qb, stride_qh, stride_qt, stride_qd, stride_krb, stride_krh,
+    q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
+    part_o_ptr, part_ml_ptr,
+    num_kv_heads, num_quantized, num_residual, blocks_per_split, num_parts,
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
-    stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh,
-    stride_rkb, stride_rkh, stride_rkt, stride_rkd, stride_rvb, stride_rvh, stride_rvt, stride_rvd, stride_mb,
+    stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
     stride_mt,
-    GQA: gl.constexpr, TQ: gl.constexpr, ROTATION: gl.constexpr, KEY_ROTATION_PER_HEAD: gl.constexpr,
-    TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr, RESIDUAL: gl.constexpr,
-    LAUNCH_DEPENDENTS: gl.constexpr, AFTER_TRITON: gl.constexpr,
+    ROWS_USED: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr,
+    PDL: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
-    over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1); with RESIDUAL, program
-    (bh, 0) then reads the residual window too (`_residual_partial`) into the last slot, num_parts - 1. Each program
-    makes its query operand from the query (`_query_operand`) while its first block's copies travel, so that nothing
-    needs to run before this kernel. The key and value codes' channels and the key scale/min pairs (int32 views) are
-    contiguous, the value parameters [tokens, 4] and norms [tokens] too. LAUNCH_DEPENDENTS: the merge kernel is
-    launched as a programmatic dependent, at once. AFTER_TRITON: this kernel is itself a programmatic dependent of the
-    Triton split kernel (which reads what this one does not: a partial last block, the residual window of fp32
-    queries); its programs read nothing that kernel writes and wait for it at their end, so that this kernel's
-    completion, which the merge waits for, implies that one's."""
-    if LAUNCH_DEPENDENTS:
+    over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
+    [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score scale (base 2), as the
+    Triton split kernel's `_query_operand` makes them. The key and value codes' channels and the key scale/min pairs
+    (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too. PDL (launched as a
+    programmatic dependent of the Triton split kernel, which writes the query operand): the programs start while that
+    kernel runs and copy their first block (the cache was written before it started) before they wait for it; the
+    merge kernel is launched the same way, at once."""
+    if PDL:
         _grid_dependency("griddepcontrol.launch_dependents;")
-    ROWS_USED: gl.constexpr = GQA * TQ
     bh = gl.program_id(0).to(gl.int64)
     split = gl.program_id(1)
     b = bh // num_kv_heads
@@ -489,7 +370,6 @@ def _gluon_split_kernel(
     if DEVICE_LENGTH:  # as the Triton kernel: the tokens held decide what is read
         held = gl.load(length_ptr)
         num_quantized = ((held - 1) // num_residual * num_residual).to(gl.int32)
-        num_residual = (held - num_quantized).to(gl.int32)
     kc_ptr += b * stride_kcb + h * stride_kch
     ks_ptr += b * stride_ksb + h * stride_ksh
     km_ptr += b * stride_kmb + h * stride_kmh
@@ -521,21 +401,13 @@ def _gluon_split_kernel(
     if block_lo < block_hi:
         _copy_block(smem, src, block_lo, TOKEN_SCALING)
     async_copy.commit_group()
-    if RESIDUAL and split == 0:  # the first programs to start: on a full GPU they end their loops earliest (by ~5 %)
-        residual_slot = (bh * num_parts + num_parts - 1) * ROWS_USED
-        _residual_partial(
-            q_ptr + b * stride_qb + h * GQA * stride_qh, rk_ptr + b * stride_rkb + h * stride_rkh,
-            rv_ptr + b * stride_rvb + h * stride_rvh, mask_ptr + num_quantized * stride_mt,
-            part_o_ptr + residual_slot * D, part_ml_ptr + residual_slot * 2, num_residual, qk_scale, stride_qh,
-            stride_qt, stride_qd, stride_rkt, stride_rkd, stride_rvt, stride_rvd, stride_mt, GQA, TQ, HAS_MASK,
-        )  # fmt: skip
-    key_rotated = False
-    if KEY_ROTATION_PER_HEAD:
-        key_rotated = gl.load(key_rotated_ptr + b * stride_krb + h * stride_krh) != 0
-    q, q_scale = _query_operand(
-        _query_rows(q_ptr, b, h, stride_qb, stride_qh, stride_qt, stride_qd, GQA, TQ), key_rotated, qk_scale,
-        ROTATION, KEY_ROTATION_PER_HEAD,
-    )  # fmt: skip
+    if PDL:
+        _grid_dependency("griddepcontrol.wait;")
+    o_dq = gl.arange(0, D, layout=gl.SliceLayout(0, gl.SliceLayout(2, B_OP)))
+    o_rq = gl.arange(0, ROWS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B_OP)))
+    q = gl.load(q_op_ptr + bh * D * ROWS + o_dq[None, :, None] * ROWS + o_rq[None, None, :])  # [1, D, rows] fp16
+    q, _ = gl.broadcast(q, gl.zeros([2, D, ROWS], gl.float16, layout=B_OP))  # both warps
+    q_scale = gl.load(q_scale_ptr + bh)
     # Two copies of the loop, the step compiled with and without the mask (as the Triton kernel's `_any_masked`
     # dispatch): moving the loop into a helper called twice with the arguments as a tuple makes Triton 3.6 (the GPU
     # image's) fail an assertion while lowering the kernel without token scaling (3.9 compiles it).
@@ -571,36 +443,23 @@ def _gluon_split_kernel(
     gl.store(p_ml, m_i, mask=o_rs < ROWS_USED)
     gl.store(p_ml + 1, l_i, mask=o_rs < ROWS_USED)
 
-    if AFTER_TRITON:
-        _grid_dependency("griddepcontrol.wait;")
-
 
 def launch(
-    grid, query, key_rotated, quantized, residual_keys, residual_values, mask, length, part_o, part_ml, num_quantized,
-    blocks_per_split, num_parts, qk_scale, config, residual, max_registers, ptxas_options, pdl, after_triton,
+    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
 ) -> None:  # fmt: skip
-    """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`key_rotated`
-    and `mask`: None or uint8 views; `length`: None or the device count; `qk_scale`: the scores' scale in base 2;
-    `residual`: whether it reads the residual window too), compiled with `ptxas_options` (a string, or None for
-    Triton's). `pdl`: the merge is launched as its programmatic dependent; `after_triton`: it is launched as one of
-    the Triton split kernel."""
+    """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
+    `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a string,
+    or None for Triton's)."""
     kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
     ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
-    unused = torch.empty(0, 0, dtype=torch.uint8, device=query.device)  # for what the compiled kernel never reads
-    norms = quantized.key_norms if quantized.key_norms is not None else unused[0]
-    rotated = key_rotated if key_rotated is not None else unused
-    mask_or_unused = mask if mask is not None else unused
     _gluon_split_kernel[grid](
-        query, rotated, kc, ks, km, norms, vc, vs, vm, residual_keys, residual_values, mask_or_unused,
-        length if length is not None else unused, part_o, part_ml,
-        kc.shape[1], num_quantized, residual_keys.shape[2], blocks_per_split, num_parts, qk_scale,
-        *query.stride(), *rotated.stride(), *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], norms.stride(0),
-        *vc.stride()[:3], *vs.stride()[:2], *vm.stride()[:2], *residual_keys.stride(), *residual_values.stride(),
-        *mask_or_unused.stride(),
-        GQA=query.shape[1] // kc.shape[1], TQ=query.shape[2], ROTATION=config.rotation,
-        KEY_ROTATION_PER_HEAD=key_rotated is not None, TOKEN_SCALING=config.token_scaling, HAS_MASK=mask is not None,
-        DEVICE_LENGTH=length is not None, RESIDUAL=residual, LAUNCH_DEPENDENTS=pdl, AFTER_TRITON=after_triton,
-        num_warps=WARPS, launch_pdl=after_triton,
+        q_op, q_scale, kc, ks, km, key_norms, vc, vs, vm, mask, length if length is not None else mask, part_o, part_ml,
+        kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts,
+        *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
+        *vm.stride()[:2], *mask.stride(),
+        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
+        num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
         **({"ptx_options": ptxas_options} if ptxas_options else {}),
     )  # fmt: skip

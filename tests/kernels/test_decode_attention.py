@@ -28,7 +28,7 @@ from oscar_hf.kernels.decode_attention import (
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
-from oscar_hf.reference import dequantize_groups, hadamard_transform, quantize_kv
+from oscar_hf.reference import dequantize_groups, quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -380,61 +380,43 @@ def test_gluon_full_blocks(case: Case):
 
 
 def _gluon_partials_in_torch(
-    grid, query, key_rotated, quantized, residual_keys, residual_values, mask, length, part_o, part_ml, num_quantized,
-    blocks_per_split, num_parts, qk_scale, config, residual, max_registers, ptxas_options, pdl, after_triton,
+    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
+    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
 ) -> None:  # fmt: skip
     """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
     full 128-token blocks [s * blocks_per_split, ...), its warp w over the tokens at positions 4 w .. 4 w + 3 of each
     8 (stored order), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and the
-    scores in base 2, from the query rows rotated as the keys are stored; with `residual`, the residual window's
-    partial (causal for the last Tq rows, in the values' original domain) goes into the last slot."""
+    scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
     bh_count, splits = grid
-    num_residual = residual_keys.shape[2]
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
-        num_residual = int(length) - num_quantized
-    layout, f64 = StorageLayout(2, 32, config.token_scaling, torch.float16), torch.float64
+    layout, f64 = StorageLayout(2, 32, token_scaling, torch.float16), torch.float64
     keys = dequantize_groups(
         layout.unpack_codes(quantized.key_codes), quantized.key_scale, quantized.key_min, 32, -2, f64
     )
-    if config.token_scaling:
-        keys = keys * quantized.key_norms.to(f64).unsqueeze(-1)
+    if token_scaling:
+        keys = keys * key_norms.to(f64).unsqueeze(-1)
     values = dequantize_groups(
         layout.unpack_codes(quantized.value_codes), quantized.value_scale, quantized.value_min, 32, -1, f64
     )
-    kv_heads, (_, q_heads, q_len, _) = quantized.key_codes.shape[1], query.shape
-    rows = q_heads // kv_heads * q_len
-
-    def partial(q, k, v, visible):  # (o, m, l) of one online-softmax partial, scores in base 2
-        scores = (q @ k.T * qk_scale).masked_fill(~visible, float("-inf"))
-        m = scores.amax(-1) if k.shape[0] else torch.full((rows,), float("-inf"), dtype=f64, device=q.device)
-        p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
-        return p @ v, m, p.sum(-1)
-
+    kv_heads = quantized.key_codes.shape[1]
     for bh in range(bh_count):
         b, h = divmod(bh, kv_heads)
-        q = query[b, h * (q_heads // kv_heads) :][: q_heads // kv_heads].reshape(rows, -1).double()
-        rotated = config.rotation and (key_rotated is None or bool(key_rotated[b, h]))
-        q_keys = hadamard_transform(q) if rotated else q
+        q = q_op[bh, :, :rows].double().T
         for split, warp in itertools.product(range(splits), range(decode_attention._gluon.WARPS)):
             lo = split * blocks_per_split * 128
             hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
             tokens = torch.arange(lo, hi, device=q.device)
             tokens = tokens[tokens % 8 // 4 == warp]
-            visible = mask[b, tokens][None, :] != 0 if mask is not None else torch.ones(1, len(tokens), dtype=bool)
+            scores = q @ keys[b, h, tokens].T * float(q_scale[bh])
+            if has_mask:
+                scores = scores.masked_fill(mask[b, tokens] == 0, float("-inf"))
+            empty = torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
+            m = scores.amax(-1) if len(tokens) else empty
+            p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
             slot = split * decode_attention._gluon.WARPS + warp
-            o, part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = partial(
-                q_keys, keys[b, h, tokens], values[b, h, tokens], visible.to(q.device)
-            )
-            part_o[bh, slot] = o.to(part_o.dtype)
-        if residual:
-            t = torch.arange(num_residual, device=q.device)
-            visible = t[None, :] <= (num_residual - q_len + torch.arange(rows, device=q.device) % q_len)[:, None]
-            if mask is not None:
-                visible &= mask[b, num_quantized + t][None, :] != 0
-            k, v = residual_keys[b, h, :num_residual].double(), residual_values[b, h, :num_residual].double()
-            o, part_ml[bh, -1, :, 0], part_ml[bh, -1, :, 1] = partial(q, k, v, visible)
-            part_o[bh, -1] = o.to(part_o.dtype)
+            part_o[bh, slot] = (p @ values[b, h, tokens]).to(part_o.dtype)
+            part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = m, p.sum(-1)
 
 
 @pytest.mark.parametrize(
@@ -443,17 +425,14 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=256 + 32, batch=1), None),
         (replace(GLUON, quantized=384, method="oscar", left_pad=150, q_len=2, residual=5), None),
         (replace(GLUON, quantized=512, residual=64, left_pad=20), (256, 9)),
-        # fp32 queries: the residual window is the Triton kernel's
-        (replace(GLUON, quantized=256, dtype=torch.float32, residual=7), None),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
 def test_gluon_partial_slots(case: Case, held, monkeypatch):
     """The launch around the Gluon kernel, on any device (CPU: Triton's interpreter): a float64 stand-in for the
-    Gluon kernel fills the first partial slots and (16-bit queries) the residual window's, the Triton kernel's one
-    quantized program per KV head reads what follows the full blocks (where there may be a partial block) and (fp32
-    queries) its residual program the window, and the merge combines them all. The step must match the reference; a
-    wrong slot, block offset or program count would not."""
+    Gluon kernel fills the first partial slots from the query operand the Triton kernel writes, whose one quantized
+    program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
+    The step must match the reference; a wrong query operand, slot or block offset would not."""
     query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=3)
     monkeypatch.setattr(decode_attention, "_gluon_splits", lambda *args: 2)
     monkeypatch.setattr(decode_attention._gluon, "launch", _gluon_partials_in_torch)
