@@ -18,10 +18,7 @@ import datetime
 import importlib.util
 import json
 import multiprocessing
-import os
 import random
-import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -31,6 +28,9 @@ import torch
 import transformers
 import triton
 from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_decode_attention as bench  # noqa: E402  (the records' commit and GPU slug)
 
 _TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_decode_attention.py"
 
@@ -88,9 +88,7 @@ def main() -> None:
     worst = max(passed, key=lambda r: r["rel_rmse"], default=None)
 
     device = torch.cuda.get_device_name()
-    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    commit = os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
+    commit = bench.git_commit()
     record = {
         "device": device,
         "torch": torch.__version__,
@@ -106,7 +104,7 @@ def main() -> None:
         "tolerances": {str(k).removeprefix("torch."): v for k, v in tests.TOLERANCES.items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernel_fuzz_{re.sub(r'[^a-z0-9]+', '-', device.lower()).strip('-')}.json"
+    path = args.out / f"kernel_fuzz_{bench.gpu_slug(device)}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{len(results)} cases, {len(failures)} failures, worst relative RMSE: {worst}")
     print(f"wrote {path}")
