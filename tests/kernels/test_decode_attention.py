@@ -425,9 +425,6 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=256 + 32, batch=1), None),
         (replace(GLUON, quantized=384, method="oscar", left_pad=150, q_len=2, residual=5), None),
         (replace(GLUON, quantized=512, residual=64, left_pad=20), (256, 9)),
-        # a window read by two programs of 50 tokens: the first masked whole (left padding), causal rows in the second
-        (replace(GLUON, quantized=256, residual=100, q_len=3, left_pad=306), None),
-        (replace(GLUON, quantized=512, residual=128, left_pad=20), (384, 100)),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
