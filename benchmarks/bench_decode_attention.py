@@ -82,13 +82,13 @@ def copy_bandwidth() -> dict:
     return {"bytes": moved, "us": ms * 1e3, "GBps": moved / ms / 1e6}
 
 
-def make_sets(batch: int, context: int, config: OscarConfig, sets: int, gen: torch.Generator):
-    """`sets` independent inputs: query, bf16 K/V (for SDPA), their quantization, residual K/V."""
+def make_sets(batch: int, context: int, config: OscarConfig, sets: int, gen: torch.Generator, residual: int = RESIDUAL):
+    """`sets` independent inputs: query, bf16 K/V (for SDPA), their quantization, `residual` residual K/V tokens."""
     out = []
     for _ in range(sets):
         q = torch.randn(batch, Q_HEADS, 1, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-        k = torch.randn(batch, KV_HEADS, context + RESIDUAL, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
-        v = torch.randn(batch, KV_HEADS, context + RESIDUAL, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        k = torch.randn(batch, KV_HEADS, context + residual, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
+        v = torch.randn(batch, KV_HEADS, context + residual, HEAD_DIM, device="cuda", dtype=DTYPE, generator=gen)
         quantized = quantize_kv_triton(k[:, :, :context], v[:, :, :context], config)
         rk, rv = k[:, :, context:], v[:, :, context:]
         out.append({"q": q, "k": k, "v": v, "quantized": quantized, "rk": rk, "rv": rv})
@@ -130,15 +130,15 @@ def rel_err(out, ref) -> float:
 REFERENCE_TOKENS = 8 * 32768  # batch x context up to which the float32 reference fits beside the inputs
 
 
-def timed_sets(batch, context, config, l2_bytes, gen) -> tuple[list, int, int]:
+def timed_sets(batch, context, config, l2_bytes, gen, residual: int = RESIDUAL) -> tuple[list, int, int]:
     """The input sets one shape is timed over: as many (at most 64) as make one pass over them read more than 4x the L2
     cache, sized from a probe set; with the fused and the SDPA paths' compulsory bytes per set."""
-    probe = make_sets(batch, context, config, 1, gen)[0]
+    probe = make_sets(batch, context, config, 1, gen, residual)[0]
     fused_bytes = nbytes(probe["q"], probe["rk"], probe["rv"], *probe["quantized"]) + nbytes(probe["q"])
     sdpa_bytes = nbytes(probe["q"], probe["k"], probe["v"]) + nbytes(probe["q"])
     sets = max(1, min(64, math.ceil(4 * l2_bytes / fused_bytes)))
     del probe
-    return make_sets(batch, context, config, sets, gen), fused_bytes, sdpa_bytes
+    return make_sets(batch, context, config, sets, gen, residual), fused_bytes, sdpa_bytes
 
 
 def gpu_slug(device: str) -> str:

@@ -1,0 +1,185 @@
+"""A/B timing of versions of the decode kernels (launcher, Triton and Gluon kernels, merge), in one process.
+
+    python benchmarks/ab_kernels.py NAME=VERSION [NAME=VERSION ...] [--shapes 8x32768 ...] [--rounds 3]
+        [--residual 64] [--out benchmarks/history]
+
+Each VERSION is a git revision (`landed=HEAD`, `variant=1b430fc`: its `kernels/` tree) or a directory holding a copy of
+`kernels/` (a probe, one file edited). Each is loaded as a package of its own, and its `decode_attention_triton` is
+timed; everything it imports from `oscar_hf` (the config, the storage layout) is the installed tree's. The first arm is
+the baseline. For every shape (bench_decode_attention.py's inputs: Hq=32 / Hkv=8 / D=128, `--residual` tokens in the
+residual window, enough input sets to exceed 4x the L2 cache): each arm's relative error against the float32
+reference on the first set (where it fits), then `--rounds` rounds of CUDA-graph medians with the arms interleaved,
+so that a drift of the GPU's clocks or of another tenant's load falls on every arm alike. Differences smaller than the
+spread of one arm's rounds are noise.
+
+Writes `ab_kernels_<gpu>_<names>[_r<residual>]_<commit>.json` under --out (device, versions, commit, each arm's
+version and the git tree hash of its `kernels/`, per-round times, medians, ratios to the baseline, errors) and prints a
+table last. The benchmark's records (`results/decode_attention_<gpu>.json`) are what the README quotes; this is for
+measuring a kernel change before it lands, or a deliberately wrong probe (an arm whose error is reported, not
+enforced).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+import transformers
+import triton
+from oscar_hf.kernels import decode_attention
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_decode_attention as bench  # noqa: E402  (its inputs, timing and reference helpers)
+
+from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.reference import decode_attention as decode_attention_reference  # noqa: E402
+
+KERNELS = "kernels"
+
+
+def _git_object(kind: bytes, body: bytes) -> str:
+    return hashlib.sha1(b"%s %d\0" % (kind, len(body)) + body).hexdigest()
+
+
+def tree_hash(files: dict[str, bytes]) -> str:
+    """The git tree hash of a folder of regular files {name: content}: `git rev-parse REV:kernels` for a revision's."""
+    entries = (
+        b"100644 %s\0" % name.encode() + bytes.fromhex(_git_object(b"blob", files[name])) for name in sorted(files)
+    )
+    return _git_object(b"tree", b"".join(entries))
+
+
+def _files(version: str) -> dict[str, bytes]:
+    path = Path(version)
+    if path.is_dir():
+        return {f.name: f.read_bytes() for f in path.iterdir() if f.is_file() and f.suffix == ".py"}
+    listing = subprocess.run(["git", "ls-tree", "--name-only", f"{version}:{KERNELS}"], capture_output=True, text=True)
+    if listing.returncode:
+        raise SystemExit(f"{version!r} is neither a folder nor a revision with a {KERNELS}/ tree: {listing.stderr}")
+    return {
+        name: subprocess.run(["git", "show", f"{version}:{KERNELS}/{name}"], capture_output=True, check=True).stdout
+        for name in listing.stdout.split()
+    }
+
+
+def load_arm(version: str):
+    """The `decode_attention` launcher module of `version` (a folder holding a copy of kernels/, or a git revision),
+    loaded as a package of its own, and the git tree hash of its kernels/ files."""
+    files = _files(version)
+    tree = tree_hash(files)
+    root = Path(tempfile.mkdtemp()) / f"oscar_ab_kernels_{tree[:12]}"
+    root.mkdir()
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+    spec = importlib.util.spec_from_file_location(
+        root.name, root / "__init__.py", submodule_search_locations=[str(root)]
+    )
+    package = importlib.util.module_from_spec(spec)
+    sys.modules[root.name] = package  # so that the package's relative imports resolve
+    spec.loader.exec_module(package)
+    return importlib.import_module(f"{root.name}.decode_attention"), tree
+
+
+def measure_shape(batch: int, context: int, residual: int, arms: dict, rounds: int, gen, progress) -> dict:
+    """One shape: every arm's error against the float32 reference on the first input set (where it fits), then
+    `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved."""
+    config, scale = OscarConfig(), 1 / math.sqrt(bench.HEAD_DIM)
+    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+    data, _, _ = bench.timed_sets(batch, context, config, l2_bytes, gen, residual)
+    inputs = [(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config) for s in data]
+    errors = {}
+    if batch * context <= bench.REFERENCE_TOKENS:
+        reference = decode_attention_reference(*inputs[0])
+        errors = {name: bench.rel_err(arm.decode_attention_triton(*inputs[0]), reference) for name, arm in arms.items()}
+        del reference
+    times = {name: [] for name in arms}
+    for _ in range(rounds):
+        for name, arm in arms.items():
+            times[name].append(
+                bench.timed(lambda arm=arm: [arm.decode_attention_triton(*i) for i in inputs], len(data))["us_graph"]
+            )
+            progress.update()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    baseline = medians[next(iter(arms))]
+    return {
+        "batch": batch,
+        "context": context,
+        "residual": residual,
+        "input_sets": len(data),
+        "rel_err_vs_fp32_reference": errors,
+        "us_graph_rounds": times,
+        "us_graph_median": medians,
+        "ratio_to_baseline": {name: median / baseline for name, median in medians.items()},
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "arms", nargs="+", help="NAME=VERSION (a copy of kernels/ or a git revision); the first is the baseline"
+    )
+    parser.add_argument("--shapes", nargs="+", default=["8x32768", "8x131072", "1x32768", "1x131072", "8x4096"])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--residual", type=int, default=bench.RESIDUAL, help="tokens in the residual window")
+    parser.add_argument("--out", default=str(Path(__file__).parent / "history"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available() or decode_attention._gluon is None:
+        raise SystemExit("ab_kernels needs a CUDA GPU and a Triton with Gluon (triton.experimental.gluon)")
+
+    arms, versions = {}, {}
+    for spec in args.arms:
+        name, _, version = spec.partition("=")
+        if not version:
+            raise SystemExit(f"arm {spec!r}: write NAME=VERSION (e.g. landed=HEAD)")
+        arms[name], tree = load_arm(version)
+        versions[name] = {"version": version, "tree": tree}
+    gen = torch.Generator("cuda").manual_seed(0)
+    rows = []
+    with tqdm(total=len(args.shapes) * args.rounds * len(arms), desc="ab_kernels", unit="timing") as progress:
+        for shape in args.shapes:
+            batch, context = map(int, shape.split("x"))
+            rows.append(measure_shape(batch, context, args.residual, arms, args.rounds, gen, progress))
+            torch.cuda.empty_cache()
+
+    device = torch.cuda.get_device_name()
+    record = {
+        "device": device,
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": bench.git_commit(),
+        "timing": "CUDA-graph medians (do_bench_cudagraph) per call, arms interleaved in each round",
+        "shape": {"q_heads": bench.Q_HEADS, "kv_heads": bench.KV_HEADS, "head_dim": bench.HEAD_DIM},
+        "arms": versions,
+        "shapes": rows,
+    }
+    window = f"_r{args.residual}" if args.residual != bench.RESIDUAL else ""
+    name = f"ab_kernels_{bench.gpu_slug(device)}_{'_'.join(arms)}{window}_{record['git_commit'] or 'nogit'}.json"
+    out = Path(args.out) / name
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=1) + "\n")
+
+    print(f"\n{device}, us (CUDA-graph medians of {args.rounds} interleaved rounds), ratio to {next(iter(arms))}:")
+    print(f"{'shape':>17}  " + " ".join(f"{name:>17}" for name in arms) + "   rel. error")
+    for row in rows:
+        cells = " ".join(f"{row['us_graph_median'][n]:9.2f} ({row['ratio_to_baseline'][n]:.3f})" for n in arms)
+        errors = " ".join(f"{n}:{e:.2e}" for n, e in row["rel_err_vs_fp32_reference"].items())
+        print(f"B={row['batch']:<3} {row['context']:>7} R={row['residual']:<3} {cells}   {errors}")
+    print(f"record: {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""benchmarks/ab_kernels.py names each version of the decode kernels in its records by the git tree hash of its
+`kernels/` files: the same hash for a folder and for a revision holding those files, and the one git computes, so that
+a record's arm can be found in the history. (Its timings need a GPU; they are benchmark records, not tests.)"""
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def ab_kernels():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("ab_kernels", ROOT / "benchmarks" / "ab_kernels.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _git(*args: str, stdin: str | None = None, repo: Path = ROOT) -> str:
+    return subprocess.run(
+        ["git", "-C", str(repo), *args], input=stdin, capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
+def _git_tree_of_folder(folder: Path, scratch: Path) -> str:
+    """Git's own tree hash of a folder's .py files: their blobs (`git hash-object`) listed into `git mktree`, in a
+    scratch repository (mktree stores the tree it makes)."""
+    _git("init", "-q", str(scratch), repo=folder)
+    blobs = {f.name: _git("hash-object", str(f), repo=scratch) for f in sorted(folder.glob("*.py"))}
+    entries = [f"100644 blob {blob}\t{name}" for name, blob in blobs.items()]
+    return _git("mktree", "--missing", stdin="\n".join(entries) + "\n", repo=scratch)
+
+
+def test_arm_tree_is_gits_for_a_folder_and_a_revision(ab_kernels, tmp_path, monkeypatch):
+    pytest.importorskip("triton.experimental.gluon")
+    if not (ROOT / ".git").exists():
+        pytest.skip("needs a git checkout of the repository (the README installs from a clone)")
+    # a folder that differs from every committed version, as a probe would: one kernel file edited
+    probe = tmp_path / "kernels"
+    shutil.copytree(ROOT / "kernels", probe, ignore=shutil.ignore_patterns("__pycache__"))
+    gluon = probe / "decode_attention_gluon.py"
+    gluon.write_text(gluon.read_text() + "\n# probe\n")
+    launcher, tree = ab_kernels.load_arm(str(probe))
+    assert tree == _git_tree_of_folder(probe, tmp_path / "scratch")
+    assert callable(launcher.decode_attention_triton) and launcher._gluon.WARPS == 2
+    assert launcher.__name__ != "oscar_hf.kernels.decode_attention"  # a package of its own, not the installed one
+    # the committed kernels, by revision: git's tree of HEAD's kernels/ (git runs in the repo root, as the tool does)
+    monkeypatch.chdir(ROOT)
+    _, head_tree = ab_kernels.load_arm("HEAD")
+    assert head_tree == _git("rev-parse", "HEAD:kernels") != tree
+
+
+def test_arm_that_is_neither_folder_nor_revision_is_refused(ab_kernels, monkeypatch):
+    monkeypatch.chdir(ROOT)
+    with pytest.raises(SystemExit, match="neither a folder nor a revision"):
+        ab_kernels.load_arm("no-such-revision-or-folder")
