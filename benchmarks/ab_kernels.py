@@ -167,8 +167,8 @@ def main() -> None:
         "shapes": rows,
     }
     window = f"_r{args.residual}" if args.residual != bench.RESIDUAL else ""
-    name = f"ab_kernels_{bench.gpu_slug(device)}_{'_'.join(arms)}{window}_{record['git_commit'] or 'nogit'}.json"
-    out = Path(args.out) / name
+    record_name = f"ab_kernels_{bench.gpu_slug(device)}_{'_'.join(arms)}{window}_{record['git_commit'] or 'nogit'}.json"
+    out = Path(args.out) / record_name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
 
