@@ -46,6 +46,7 @@ Measured on H100 and H200 GPUs and what limits it: benchmarks/NOTES_kernels.md.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import math
 import os
@@ -910,6 +911,8 @@ def _decode_attention(
     num_blocks = triton.cdiv(num_quantized, block_n)
     gluon_splits = _gluon_splits(query, quantized, config, rows, num_quantized, tuning)
     if gluon_splits:  # the Triton kernel's one quantized program reads what follows the Gluon kernel's full blocks
+        if not few_heads:  # PROBE: 4-warp split programs where many KV heads
+            tuning = dataclasses.replace(tuning, num_warps=4)
         num_splits, blocks_per_split = 1, _GLUON_BLOCK // block_n
         gluon_blocks_per_split = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_splits)
         gluon_splits = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_blocks_per_split)
