@@ -46,7 +46,6 @@ Measured on H100 and H200 GPUs and what limits it: benchmarks/NOTES_kernels.md.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import math
 import os
@@ -329,8 +328,6 @@ def _residual_part(
     rk_ptr,
     rv_ptr,
     mask_ptr,
-    lo,
-    hi,
     num_residual,
     qk_scale,
     stride_rkt,
@@ -344,17 +341,16 @@ def _residual_part(
     BLOCK_R: tl.constexpr,
     HAS_MASK: tl.constexpr,
 ):
-    """Online softmax of the query rows over the full-precision residual tokens [lo, hi) of num_residual, causal for
-    the last TQ."""
+    """Online softmax of the query rows over the full-precision residual tokens, causal for the last TQ."""
     PRECISION: tl.constexpr = "ieee" if rk_ptr.dtype.element_ty == tl.float32 else "tf32"
     o_d = tl.arange(0, HEAD_DIM)
     last = num_residual - TQ + tl.arange(0, BLOCK_M) % TQ  # last residual index each row may see
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.full([BLOCK_M], 0.0, tl.float32)
     acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
-    for start in range(lo, hi, BLOCK_R):
+    for start in range(0, num_residual, BLOCK_R):
         o_j = start + tl.arange(0, BLOCK_R)
-        m_j = o_j < hi
+        m_j = o_j < num_residual
         b_k = tl.load(rk_ptr + o_j[:, None] * stride_rkt + o_d[None, :] * stride_rkd, mask=m_j[:, None], other=0.0)
         s = _dot(q, tl.trans(b_k), PRECISION) * qk_scale
         m_s = m_j
@@ -367,10 +363,9 @@ def _residual_part(
     return acc, m_i, l_i
 
 
-_SPLIT_KERNEL_SIZES = ("num_quantized", "num_residual", "blocks_per_split", "num_splits", "residual_per_split")
-
-
-@triton.jit(do_not_specialize=[*_SPLIT_KERNEL_SIZES, "first_slot", "num_parts"])
+@triton.jit(
+    do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_splits", "first_slot", "num_parts"]
+)
 def _split_kernel(
     # pointers
     q_ptr,
@@ -396,7 +391,6 @@ def _split_kernel(
     num_residual,
     blocks_per_split,
     num_splits,
-    residual_per_split,
     first_slot,
     num_parts,
     qk_scale,
@@ -458,12 +452,11 @@ def _split_kernel(
     GLUON_BLOCK: tl.constexpr,
     LAUNCH_DEPENDENTS: tl.constexpr,
 ):
-    """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits + j) residual
-    tokens [j * residual_per_split, ...) of its window; each writes partial slot first_slot + s of num_parts. With
-    GLUON_BLOCK, `_gluon_split_kernel` reads the full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the
-    quantized program reads only what follows them (a partial block, or nothing) and writes the query operand and
-    score scale that kernel reads. LAUNCH_DEPENDENTS: that kernel is a programmatic dependent, launched as this one
-    starts (it waits for this one's output)."""
+    """Program (bh, s < num_splits) reads quantized blocks of KV head bh, program (bh, num_splits) its residual
+    window; each writes partial slot first_slot + s of num_parts. With GLUON_BLOCK, `_gluon_split_kernel` reads the
+    full GLUON_BLOCK-token blocks (slots 0 .. first_slot - 1): the quantized program reads only what follows them (a
+    partial block, or nothing) and writes the query operand and score scale that kernel reads. LAUNCH_DEPENDENTS: that
+    kernel is a programmatic dependent, launched as this one starts (it waits for this one's output)."""
     if LAUNCH_DEPENDENTS:
         tl.extra.cuda.gdc_launch_dependents()
     ROWS_USED: tl.constexpr = GQA * TQ
@@ -482,15 +475,12 @@ def _split_kernel(
     p_q = q_ptr + b * stride_qb + (h * GQA + o_m // TQ) * stride_qh + (o_m % TQ) * stride_qt
     q = tl.load(p_q[:, None] + o_d[None, :] * stride_qd, mask=m_m[:, None], other=0.0)
 
-    if pid_s >= num_splits:
-        lo = (pid_s - num_splits) * residual_per_split
+    if pid_s == num_splits:
         acc, m_i, l_i = _residual_part(
             q,
             rk_ptr + b * stride_rkb + h * stride_rkh,
             rv_ptr + b * stride_rvb + h * stride_rvh,
             mask_ptr + b * stride_mb + num_quantized * stride_mt,
-            lo,
-            tl.minimum(lo + residual_per_split, num_residual),
             num_residual,
             qk_scale,
             stride_rkt,
@@ -571,7 +561,6 @@ def _merge_kernel(
     LOG2_D: tl.constexpr,
     ROTATION: tl.constexpr,
     BLOCK_S: tl.constexpr,
-    RESIDUAL_SPLITS: tl.constexpr,
     WAIT_FOR_PARTIALS: tl.constexpr,
 ):
     if WAIT_FOR_PARTIALS:  # launched as a programmatic dependent of the kernel that writes the partials
@@ -582,17 +571,11 @@ def _merge_kernel(
     row = pid % ROWS_USED
     o_d = tl.arange(0, HEAD_DIM)
     p_ml = part_ml_ptr + (bh * num_parts * ROWS_USED + row) * 2
-    num_splits = num_parts - RESIDUAL_SPLITS  # the quantized partials; the last RESIDUAL_SPLITS are the residual's
-    # the residual programs' partials (in the values' original domain), loaded first (their loads travel with the
-    # loop's) and combined into one
-    o_rs = num_splits + tl.arange(0, RESIDUAL_SPLITS)
-    res_m = tl.load(p_ml + o_rs * ROWS_USED * 2)
-    res_l = tl.load(p_ml + o_rs * ROWS_USED * 2 + 1)
-    res_o = tl.load(part_o_ptr + ((bh * num_parts + o_rs) * ROWS_USED + row)[:, None] * HEAD_DIM + o_d[None, :])
-    m_r = tl.reduce(res_m, 0, _maximum)
-    res_w = tl.exp2(res_m - tl.where(m_r == float("-inf"), 0.0, m_r))
-    l_r = tl.reduce(res_l * res_w, 0, _add)
-    o_r = tl.reduce(res_o * res_w[:, None], 0, _add)
+    num_splits = num_parts - 1  # the quantized partials; the last one is the residual program's
+    # the residual program's partial (in the values' original domain), loaded first: its loads travel with the loop's
+    m_r = tl.load(p_ml + num_splits * ROWS_USED * 2)
+    l_r = tl.load(p_ml + num_splits * ROWS_USED * 2 + 1)
+    o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
 
     # Online over tiles of BLOCK_S quantized partials: each step loads a tile's m, l and o together (one round trip to
     # memory; BLOCK_S covers all partials up to `_Tuning.merge_tile`), weighs it against the running maximum (the
@@ -654,12 +637,7 @@ class _Tuning:
     min_blocks_per_split_few_heads: int = 1  # ... or than this with few heads (short contexts: one block per program)
     num_stages: int = 3
     max_registers: int | None = None  # ptxas register cap per thread (None: the compiler's choice)
-    residual_block: int = 32  # residual tokens per step of the programs that read the residual window
-    # Where the Gluon kernel runs (it waits for the Triton kernel, whose longest programs read the window), the window
-    # is read by cdiv(R, residual_split_tokens) programs per KV head, rounded up to a power of two, at most
-    # residual_splits; elsewhere by one
-    residual_split_tokens: int = 64
-    residual_splits: int = 4
+    residual_block: int = 32  # residual tokens per step of the program that reads the residual window
     # The merge kernel reads partial outputs ([partials, D], fp32) in tiles of up to `merge_tile` elements, over one
     # warp per `merge_tile_per_warp`. Its latency after the last partial is the decode's tail: H200, 8b1efdd, B=8 32K
     # (17 partials, one 32-slot tile, one warp) / B=1 32K (133 partials, 128-slot tiles, four warps), us: 78.3 / 17.8,
@@ -911,8 +889,6 @@ def _decode_attention(
     num_blocks = triton.cdiv(num_quantized, block_n)
     gluon_splits = _gluon_splits(query, quantized, config, rows, num_quantized, tuning)
     if gluon_splits:  # the Triton kernel's one quantized program reads what follows the Gluon kernel's full blocks
-        if not few_heads:  # PROBE: 4-warp split programs where many KV heads
-            tuning = dataclasses.replace(tuning, num_warps=4)
         num_splits, blocks_per_split = 1, _GLUON_BLOCK // block_n
         gluon_blocks_per_split = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_splits)
         gluon_splits = triton.cdiv(num_quantized // _GLUON_BLOCK, gluon_blocks_per_split)
@@ -930,14 +906,7 @@ def _decode_attention(
         and query.device.type == "cuda"
         and torch.cuda.get_device_capability(query.device) >= (9, 0)
     )
-    residual_splits = 1
-    if gluon_splits:
-        residual_splits = min(
-            tuning.residual_splits, triton.next_power_of_2(triton.cdiv(residual, tuning.residual_split_tokens))
-        )
-    residual_per_split = triton.cdiv(residual, residual_splits)
-    # the Gluon kernel's partials, the Triton kernel's quantized ones, the residual window's
-    num_parts = gluon_parts + num_splits + residual_splits
+    num_parts = gluon_parts + num_splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
 
     device = query.device
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
@@ -954,7 +923,7 @@ def _decode_attention(
     mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else torch.empty(0, 0, device=device)
 
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        _split_kernel[(batch * kv_heads, num_splits + residual_splits)](
+        _split_kernel[(batch * kv_heads, num_splits + 1)](
             q_ptr=query,
             kc_ptr=quantized.key_codes,
             ks_ptr=quantized.key_scale,
@@ -977,7 +946,6 @@ def _decode_attention(
             num_residual=residual,
             blocks_per_split=blocks_per_split,
             num_splits=num_splits,
-            residual_per_split=residual_per_split,
             first_slot=gluon_parts,
             num_parts=num_parts,
             qk_scale=scaling * _LOG2E,
@@ -1021,9 +989,7 @@ def _decode_attention(
                 num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
                 key_padding_mask is not None, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
             )  # fmt: skip
-        merge_slots = min(
-            triton.next_power_of_2(max(num_parts - residual_splits, 1)), max(1, tuning.merge_tile // head_dim)
-        )
+        merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))
         _merge_kernel[(batch * kv_heads * rows,)](
             part_o,
             part_ml,
@@ -1037,7 +1003,6 @@ def _decode_attention(
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
             BLOCK_S=merge_slots,
-            RESIDUAL_SPLITS=residual_splits,
             WAIT_FOR_PARTIALS=pdl,
             num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
             launch_pdl=pdl,

@@ -121,37 +121,6 @@ BIAS_BY_GROUP = gl.constexpr(
     )
 )  # fmt: skip
 
-# The scores S^T [2 h, 64 x, rows] (MMA) viewed as [h, m-tile m2, r1, 8 lane rows g, query rows]: x = 16 m2 + 8 r1 + g
-SCORES_BY_TILE = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 0, 1], [0, 0, 1, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0]],
-        [[0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 0, 2, 0], [0, 0, 0, 4, 0]], [[1, 0, 0, 0, 0]], [],
-        [2, 4, 2, 8, ROWS],
-    )
-)  # fmt: skip
-# key minimum and scale pairs [2 (minimum, scale), 4 groups j, 64 pairs c] as loaded: per lane the pairs c, c + 4 of
-# both, so that (minimum, scale, minimum + 4, scale + 4) is an A operand quad of the minima MMA (`_key_minima_operand`)
-KEY_PARAMS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[1, 0, 0], [0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]],
-        [[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 1, 0], [0, 2, 0]], [[0, 0, 0]], [], [2, 4, 64],
-    )
-)  # fmt: skip
-KEY_PARAMS_ROWS = gl.constexpr(  # the same as loaded from shared memory: [4 (minimum, scale) + j, 64 pairs]
-    gl.DistributedLinearLayout(
-        [[4, 0], [0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [0, 0], [1, 0], [2, 0]], [[0, 0]], [], [8, 64]
-    )
-)
-# the minima MMA's A operand [2 h, 16 rows, D] as [h, r1, 4 groups j, 2 b, D]: row 8 r1 + 2 j + b (lane row g = 2 j + b,
-# word row g's group j) holds group j's minima at r1 = 0 and its scales at r1 = 1 (rows whose sums are not used)
-KEY_MINIMA = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 0, 1], [0, 1, 0, 0, 0], [0, 0, 0, 0, 8], [0, 0, 0, 0, 16], [0, 0, 0, 0, 32], [0, 0, 0, 0, 64]],
-        [[0, 0, 0, 0, 2], [0, 0, 0, 0, 4], [0, 0, 0, 1, 0], [0, 0, 1, 0, 0], [0, 0, 2, 0, 0]], [[1, 0, 0, 0, 0]], [],
-        [2, 2, 4, 2, D],
-    )
-)  # fmt: skip
-
 # Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
 # per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
 # are read in 8-byte pairs by lanes over 8 word rows and 4 pairs (8-word chunks XOR the row), value words one by one
@@ -235,7 +204,7 @@ def _grid_dependency(instruction: gl.constexpr):
 def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
     """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
     no registers held while they travel: the step that reads them waits for them)."""
-    kw_s, vw_s, kp_s, vs_s, vm_s, kn_s = smem
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
     stage = block % 2
     o_r = block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, WORDS_COPY))
@@ -244,8 +213,8 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
     _async_load(vw_s.index(stage), vc_ptr + o_r[:, None] * stride_vcr + o_d[None, :])
     o_grp = block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
-    _async_load(kp_s.index(stage).slice(0, 4), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
-    _async_load(kp_s.index(stage).slice(4, 4), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
+    _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
+    _async_load(km_s.index(stage), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
     # value parameters and key norms in each warp's logical token order (the order its MMA fragments hold them in)
     o_k = block * BLOCK + _tokens(gl.SliceLayout(2, V_PARAMS_COPY))
     o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_PARAMS_COPY)))
@@ -256,60 +225,27 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(words, scale):
-    """The warp's key codes [2 h, 64 logical tokens, D] as the first MMA operand, scaled (fp16), from the step's words
-    [8 word rows, D] (K_WORDS) and scale pairs [4 groups, 64 channel pairs] (int32): with the code at bits 2 m2 of the
-    mantissa of 1.0, the `lop3` reads x = 1 + c 4^m2 / 1024 (exact) and one `fma.f16x2` x (64 s) - 64 s gives
-    c s 4^m2 / 16, rounded once. The minima are not here: `_key_minima_operand` adds q . m per group through an MMA,
-    and the scores take the factor 4^m2 / 16 out per m-tile (`_scores`)."""
+def _key_operand(words, scale, minimum):
+    """The warp's K tile [2 h, 64 logical tokens, D] as the first MMA operand, dequantized (fp16), from the step's
+    words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32): c / 4 (`_code_bits`)
+    times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
     w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2c, 2c + 1 of word row g
     p, m2 = _warp_codes(w_even, w_odd, K_CODES)  # [g, c, r1, h, m2]: tokens 16 g + 8 r1 + 4 h + m2
-    mask, _ = _code_bits(m2)
-    s64 = gl.inline_asm_elementwise(  # 64 s (exact)
-        "{ .reg .b32 c64; mov.b32 c64, 0x54005400; mul.rn.f16x2 $0, $1, c64; }", "=r,r", [scale], dtype=gl.int32,
+    mask, base = _code_bits(m2)
+    s4 = gl.inline_asm_elementwise(  # 4 s (exact)
+        "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
         is_pure=True, pack=1,
     )  # fmt: skip
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    s64 = _expand_last(gl.convert_layout(_by_word_row(s64), pair_layout, assert_trivial=True), 3)
+    s4 = _expand_last(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3)
+    minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
     lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 t, n; lop3.b32 t, $2, $3, 0x3C003C00, 0xea; neg.f16x2 n, $4; fma.rn.f16x2 t, t, $4, n;"
+        "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
         " mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r", [p, mask, s64], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r,r,r,r", [p, mask, base, s4, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [2, HALF, D])  # [h | m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _key_minima_operand(params):
-    """The minima MMA's first operand [2 h, 16 rows, D] (fp16) from the step's key parameters [2 (minimum, scale), 4
-    groups, 64 channel pairs] (int32, KEY_PARAMS): rows 2 j + b hold group j's minima (a lane's tokens lie in word row
-    g = 2 j + b, of group j), so that its q . m lands in the accumulator rows of the scores' lanes; rows 8 - 15 hold
-    the scales, whose sums are not read: each quad of registers is then one load, with no copies."""
-    lo, hi = gl.inline_asm_elementwise(
-        "mov.b32 {$0, $1}, $2;", "=h,=h,r", [params], dtype=(gl.float16, gl.float16), is_pure=True, pack=1
-    )
-    m = gl.reshape(gl.join(lo, hi), [2, 4, D])  # [r1, j, channels 2 c + e]
-    m = gl.convert_layout(m, gl.SliceLayout(2, gl.SliceLayout(0, KEY_MINIMA)), assert_trivial=True)
-    m = gl.expand_dims(gl.expand_dims(m, 2), 0)
-    m, _ = gl.broadcast(m, gl.zeros([2, 2, 4, 2, D], gl.float16, layout=KEY_MINIMA))
-    return gl.convert_layout(gl.reshape(m, [2, 16, D]), A_OP, assert_trivial=True)
-
-
-@gluon.jit
-def _scores(k_op, minima, q):
-    """S^T [2 h, 64 logical tokens, rows] = K Q^T before the score scale: the codes' MMA (m-tile m2 scaled by
-    4^m2 / 16, `_key_operand`) times 16 / 4^m2, plus q . m of the lane's group (one MMA on 16 rows)."""
-    coded = mma_v2(k_op, q, gl.zeros([2, HALF, ROWS], gl.float32, layout=MMA))
-    bias = mma_v2(minima, q, gl.zeros([2, 16, ROWS], gl.float32, layout=MMA))
-    coded = gl.convert_layout(gl.reshape(coded, [2, 4, 2, 8, ROWS]), SCORES_BY_TILE, assert_trivial=True)
-    m2_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, SCORES_BY_TILE))))
-    o_m2 = gl.arange(0, 4, layout=m2_layout)
-    unscale = (0x41800000 - o_m2 * 0x01000000).to(gl.float32, bitcast=True)  # 16 / 4^m2
-    bias, _ = gl.split(gl.permute(gl.reshape(bias, [2, 2, 8, ROWS]), [0, 2, 3, 1]))  # rows 0 - 7: the minima's
-    bias = gl.convert_layout(bias, gl.SliceLayout(1, gl.SliceLayout(1, SCORES_BY_TILE)), assert_trivial=True)
-    s = coded * unscale[None, :, None, None, None] + gl.expand_dims(gl.expand_dims(bias, 1), 1)
-    return gl.convert_layout(gl.reshape(s, [2, HALF, ROWS]), MMA, assert_trivial=True)
 
 
 @gluon.jit
@@ -343,7 +279,7 @@ def _step(
     """One 128-token step of both warps' online softmax: scores, softmax update, P^T V with the value parameters
     folded. Its data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy
     first."""
-    kw_s, vw_s, kp_s, vs_s, vm_s, kn_s = smem
+    kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     stage = block % 2
     async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
     _barrier()  # ... for every thread, and every thread is done reading the other stage
@@ -351,13 +287,10 @@ def _step(
         _copy_block(smem, src, block + 1, TOKEN_SCALING)
     async_copy.commit_group()
 
-    params = gl.convert_layout(  # [minimum, scale] pairs
-        gl.reshape(kp_s.index(stage).load(KEY_PARAMS_ROWS), [2, 4, 64]), KEY_PARAMS, assert_trivial=True
+    k_op = _key_operand(
+        kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS), km_s.index(stage).load(K_GROUP_PAIRS)
     )
-    _, scale = gl.split(gl.permute(params, [1, 2, 0]))
-    k_op = _key_operand(kw_s.index(stage).load(K_WORDS), gl.convert_layout(scale, K_GROUP_PAIRS, assert_trivial=True))
-    minima = _key_minima_operand(params)
-    s = _scores(k_op, minima, q)  # S^T [h, logical tokens, rows]
+    s = mma_v2(k_op, q, gl.zeros([2, HALF, ROWS], gl.float32, layout=MMA))  # S^T [h, logical tokens, rows]
     scale = gl.full([2, HALF], 1.0, gl.float32, layout=gl.SliceLayout(2, MMA)) * q_scale
     if TOKEN_SCALING:
         scale = kn_s.index(stage).load(gl.SliceLayout(2, MMA)) * q_scale
@@ -458,7 +391,8 @@ def _gluon_split_kernel(
     smem = (
         gl.allocate_shared_memory(gl.int32, [2, 8, D], K_WORDS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 8, D], V_WORDS_SMEM),
-        gl.allocate_shared_memory(gl.int32, [2, 8, 64], K_PARAMS_SMEM),  # [stage, minima 0-3 | scales 4-7, pairs]
+        gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.float16, [2, 2, HALF, 4], V_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.float16, [2, 2, HALF, 4], V_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.float32, [2, 2, HALF if TOKEN_SCALING else 1], NORMS_SMEM),
