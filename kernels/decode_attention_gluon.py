@@ -188,10 +188,10 @@ def _warp_codes(w_even, w_odd, CODES: gl.constexpr):
 
 
 @gluon.jit
-def _code_bits(m2, E0: gl.constexpr):
-    """The mask of the codes at bits 2 m2 of both halves, and E = E0 / 4^m2 as an fp16 pair (E0: the fp16 pair of
-    1024 or 256): with the code there, E's mantissa bits read E + c E0 / 1024 (exact), so that less E is c or c / 4."""
-    return 0x00030003 << (2 * m2), E0 - m2 * 0x08000800
+def _code_bits(m2):
+    """The mask of the codes at bits 2 m2 of both halves, and E = 2^(8 - 2 m2) as an fp16 pair: with the code there,
+    E's mantissa bits read E + c / 4 (exact), so that less E is c / 4."""
+    return 0x00030003 << (2 * m2), 0x5C005C00 - m2 * 0x08000800
 
 
 @gluon.jit
@@ -231,14 +231,18 @@ def _key_operand(words, scale, minimum):
     times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
     w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2c, 2c + 1 of word row g
     p, m2 = _warp_codes(w_even, w_odd, K_CODES)  # [g, c, r1, h, m2]: tokens 16 g + 8 r1 + 4 h + m2
-    mask, base = _code_bits(m2, 0x64006400)  # c
+    mask, base = _code_bits(m2)
+    s4 = gl.inline_asm_elementwise(  # 4 s (exact)
+        "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    scale = _expand_last(gl.convert_layout(_by_word_row(scale), pair_layout, assert_trivial=True), 3)
+    s4 = _expand_last(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3)
     minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
         " mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r,r,r", [p, mask, base, scale, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r,r,r,r", [p, mask, base, s4, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [2, HALF, D])  # [h | m2, r1, g | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
@@ -258,7 +262,7 @@ def _value_operand(words):
     first MMA operand: fp16 c / 4 (`_code_bits`)."""
     w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))  # word rows 2 i, 2 i + 1
     p, m2 = _warp_codes(w_even, w_odd, V_CODES)  # [i, ch, r2, h, m2]: tokens 16 (2 i + e) + 8 r2 + 4 h + m2
-    mask, base = _code_bits(m2, 0x5C005C00)  # c / 4
+    mask, base = _code_bits(m2)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
