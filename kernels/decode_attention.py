@@ -734,7 +734,7 @@ def _gluon_splits(query, quantized, config, rows: int, num_quantized: int, tunin
     Triton kernel reads every quantized token. It is compiled for what the usual decode step has: a CUDA GPU of
     compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16 scales, at most 8 query rows per
     KV head, the storage's channels contiguous, and at least one full 128-token block to read. Splits are sized so
-    that all programs run in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~230 registers
+    that all programs run in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~212 registers
     allow 4 per SM), at least two blocks each: with a second, partly filled wave the whole second wave's time adds
     (one-warp programs, H200, B=8 128K: 675 us with 17 splits per KV head, 1088 programs for 1056 places, against 434
     us with 16)."""

@@ -10,28 +10,31 @@ Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its s
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
 layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
 holds in the MMA's fragments, so a pair of codes becomes an operand register with a `lop3` and a `sub.f16x2` (keys:
-and an `fma.f16x2`), about 2.5 instructions per code in all (`benchmarks/count_sass.py --gluon`).
+and an `fma.f16x2`), about 2.4 instructions per code in all (`benchmarks/count_sass.py --gluon`).
 
 The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j.
 Programs of two warps step over 128-token blocks (8 word rows); up to 8 query rows per KV head are the MMA's N.
 
 - Loads: each block's words and parameters are copied into shared memory one step ahead (cp.async, two stages,
   25 KB per program; no registers held while they travel), in swizzles that make the fragment loads conflict-free.
-- Warps: warp h takes byte h of each 16-bit half of a word, the tokens stored at positions 4 h .. 4 h + 3 and
-  8 + 4 h .. 8 + 4 h + 3 of each word row (`_stored_token`): its own online softmax over them, as a batched MMA whose
-  batch is the warp, and its own partial. Both warps read every word; one `prmt` per half joins byte h of the two
-  words of a pair (`_warp_codes`), so that the code of the warp's m-tile m2 lies at bits 2 m2 of both 16-bit halves.
-- Codes to fp16 (`_code_bits`): with the code at bits 2 m2 of the mantissa of E = 2^(8 - 2 m2), the `lop3`
+- Warps: warp h takes word rows 4 h .. 4 h + 3 of each step (its stored tokens 64 h .. 64 h + 63): its own online
+  softmax over them, as a batched MMA whose batch is the warp, and its own partial. A 16-bit half of a word holds 8
+  tokens of a channel; with the word and the word shifted right by 8 (`_code_pairs`), token 4 s + m of each half lies
+  at bits 2 m of both halves, m < 4.
+- Codes to fp16 (`_code_bits`): with the code at bits 2 m of the mantissa of E = 2^(8 - 2 m), the `lop3`
   (p & mask) | E reads E + c / 4 exactly, and less E it is c / 4. Keys: k = (c / 4) (4 s) + m, one `fma.f16x2`
   rounded once, as the Triton kernel's `c s + m`. (Folding E into the minimum, (E + c / 4) 4 s + (m - 4 E s), saves
   the subtraction but rounds m - 4 E s to fp16: relative output errors of ~2e-3 at 32K tokens in a float64 simulation
   of the 1.0-based variant, against 1.5e-4 exact.) A lane's tokens lie in one 32-token key group.
-- Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M): lane (g, i) holds rows g + 8 r1 of m-tile m2, the
-  stored token 16 g + 8 r1 + 4 h + m2, so a lane reads whole word rows.
-- Values as O^T = V^T P^T (channels as M), tokens in the same logical order (k = e + 2 i + 8 r2 + 16 m2: stored token
-  16 (2 i + e) + 8 r2 + 4 h + m2, word rows 2 i, 2 i + 1). Value parameters are per token and 32-channel group: P^T
-  is scaled per group (s), the codes are c / 4 (the sums are multiplied by 4 once, at the end), and the minima go in
-  through a fifth MMA whose A rows are the groups' minima.
+- Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M): lane (g, i) holds rows g + 8 r1 of m-tile mt, the
+  stored token 16 (4 h + g // 2) + 8 (g % 2) + mt + 4 r1 (`_stored_token`), and channel pairs (2 c, 2 c + 1). Their
+  codes are in two words (one per channel) of word row 4 h + g // 2; one `prmt` joins half g % 2 of both, so that
+  one `lop3` then gives a channel pair of one token.
+- Values as O^T = V^T P^T (channels as M), tokens in the same logical order: lane (g, i) holds k = e + 2 i + 8 s +
+  16 kt, the stored token 16 (4 h + i) + 8 e + kt + 4 s: tokens kt + 4 s of both halves of one word of row 4 h + i,
+  so that one `lop3` gives a k-pair of the operand, and a lane reads one word per channel. Value parameters are per
+  token and 32-channel group: P^T is scaled per group (s), the codes are c / 4 (the sums are multiplied by 4 once, at
+  the end), and the minima go in through a fifth MMA whose A rows are the groups' minima.
 - Online softmax (base 2) over the query rows, the key padding mask per step where a program's range has padding.
 - Hopper: launched as a programmatic dependent of the Triton split kernel (PDL): the programs start and copy their
   first block while that kernel runs, then wait for the query operand it writes.
@@ -58,43 +61,41 @@ BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
 HALF = gl.constexpr(64)  # tokens per warp and step
 WARPS = 2  # per program: one partial each
 
-# Two warps per program, one per byte h of each 16-bit half of the words: warp h's tokens are those stored at
-# positions 4 h .. 4 h + 3 and 8 + 4 h .. 8 + 4 h + 3 of each word; its own online softmax over them (a batched MMA:
-# the batch is the warp), its own partial.
+# Two warps per program, one per half of a step's 8 word rows: warp h's tokens are those of rows 4 h .. 4 h + 3; its own
+# online softmax over them (a batched MMA: the batch is the warp), its own partial.
 MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
 A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
 B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
 
-# key words [8 word rows g, 128 channels d]: lane (g, i) of both warps holds d = e + 2 i + 8 r2 + 16 ks
+# key words [8 word rows R, 128 channels d]: lane (g, i) of warp h holds row 4 h + g // 2, d = e + 2 i + 8 s + 16 kt
+# (lanes g and g + 1 read the same words and keep half g % 2 of each)
 K_WORDS = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[0, 0]], [], [8, 128]
+        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 128]
     )
 )
-K_PAIRS = gl.constexpr(  # [8 g, 64 channel pairs c]
+K_PAIRS = gl.constexpr(  # [8 R, 64 channel pairs c]
     gl.DistributedLinearLayout(
-        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [1, 0], [2, 0], [4, 0]], [[0, 0]], [], [8, 64]
+        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 64]
     )
 )
-K_CODES = gl.constexpr(  # [g, c, r1, h, m2]: the warp's byte h, the token's m-tile m2
+K_CODES = gl.constexpr(  # [R, c, g0, r1, mt]: stored token 16 R + 8 g0 + mt + 4 r1 (g0 = g % 2)
     gl.DistributedLinearLayout(
-        [[0, 0, 1, 0, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
+        [[0, 0, 0, 1, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
          [0, 0, 0, 0, 2]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [4, 0, 0, 0, 0]], [[0, 0, 0, 1, 0]], [],
+        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [[4, 0, 0, 0, 0]], [],
         [8, 64, 2, 2, 4],
     )
 )  # fmt: skip
-# value words of one 32-channel group [8 word rows R = 2 i + e, 32 channels]: lane (g, i) holds channel g + 8 r1 + 16 mt
+# value words of one 32-channel group [8 word rows R, 32 channels]: lane (g, i) of warp h holds row 4 h + i, channel
+# g + 8 r1 + 16 mt
 V_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[0, 0]], [], [8, 32]
-    )
+    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [[4, 0]], [], [8, 32])
 )
-V_CODES = gl.constexpr(  # [i, ch, r2, h, m2]: the warp's byte h, the token's k-tile m2
+V_CODES = gl.constexpr(  # [R, ch, s, kt]: stored tokens 16 R + 8 e + kt + 4 s of the word's halves e
     gl.DistributedLinearLayout(
-        [[0, 0, 1, 0, 0], [0, 0, 0, 0, 1], [0, 0, 0, 0, 2], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0]],
-        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]], [[0, 0, 0, 1, 0]], [],
-        [4, 32, 2, 2, 4],
+        [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0], [0, 16, 0, 0]],
+        [[1, 0, 0, 0], [2, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [[4, 0, 0, 0]], [], [8, 32, 2, 4],
     )
 )  # fmt: skip
 # value parameters [2 h, 64 logical tokens x, 4 groups] as the P^T operand holds x (lanes over query rows: broadcast)
@@ -107,8 +108,8 @@ V_PARAMS = gl.constexpr(
 # key scale/min pairs [4 groups j, 2 rows r, 64 pairs c] of word row 2 j + r (its slice over r: the [4, 64] loaded)
 K_PAIRS_BY_GROUP = gl.constexpr(
     gl.DistributedLinearLayout(
-        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 1, 0], [1, 0, 0], [2, 0, 0]],
-        [[0, 0, 0]], [], [4, 2, 64],
+        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 1, 0], [1, 0, 0]],
+        [[2, 0, 0]], [], [4, 2, 64],
     )
 )  # fmt: skip
 K_GROUP_PAIRS = gl.constexpr(gl.SliceLayout(1, K_PAIRS_BY_GROUP))
@@ -123,11 +124,10 @@ BIAS_BY_GROUP = gl.constexpr(
 
 # Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
 # per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
-# are read in 8-byte pairs by lanes over 8 word rows and 4 pairs (8-word chunks XOR the row), value words one by one
-# over 4 row pairs and 8 channels (4-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks
-# XOR the group).
+# are read in 8-byte pairs by lanes over 4 word rows and 4 pairs, value words one by one over 4 word rows and 8
+# channels (both: 8-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
 K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
-V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
+V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
 K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
 V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # [stage, 2 h, 64 x, 4 groups]
 NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 2 h, 64 x]
@@ -141,9 +141,10 @@ NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # 
 
 @gluon.jit
 def _stored_token(h, x):
-    """Warp h's logical token x (MMA row of S^T, k of P^T) -> stored token within the 128-token step: position
-    4 h + x // 16 (+ 8 for (x // 8) % 2) of word row x % 8."""
-    return 16 * (x % 8) + 8 * ((x // 8) % 2) + 4 * h + x // 16
+    """Warp h's logical token x = g + 8 r1 + 16 mt (MMA row of S^T, k of P^T) -> stored token within the 128-token
+    step: position 8 (g % 2) + mt + 4 r1 of word row 4 h + g // 2."""
+    g = x % 8
+    return 16 * (4 * h + g // 2) + 8 * (g % 2) + x // 16 + 4 * ((x // 8) % 2)
 
 
 @gluon.jit
@@ -161,30 +162,18 @@ def _column(x):
 
 
 @gluon.jit
-def _expand_last(x, n: gl.constexpr):
-    """x[..., None, ..., None] (n new trailing dims)."""
+def _expand(x, n: gl.constexpr, LEADING: gl.constexpr):
+    """x with n new leading dims (LEADING: x[None, ..., None, ...]) or trailing ones (x[..., None, ..., None])."""
     for _ in gl.static_range(n):
-        x = gl.expand_dims(x, x.type.shape.__len__())
+        x = gl.expand_dims(x, 0 if LEADING else x.type.shape.__len__())
     return x
 
 
 @gluon.jit
-def _warp_codes(w_even, w_odd, CODES: gl.constexpr):
-    """Word pairs [a, b] (two words of the same 16 tokens) -> each warp's codes as [a, b, 2 r, 2 h, 1] int32 in the
-    CODES layout, and m2 = 0..3 as [1, 1, 1, 1, 4]. One `prmt` per half r joins byte h of half r of both words (the
-    warp's 4 tokens there: the code of m-tile (k-tile) m2 at bits 2 m2) into bits 0-7 of a 16-bit half each."""
-    pairs: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(4, CODES))  # [a, b, h]
-    o_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, pairs)))
-    select = 0x5410 + 0x0101 * o_h[None, None, :]  # half 0: bytes h of both words; half 1: + 0x2222
-    w_even = gl.convert_layout(w_even, gl.SliceLayout(2, pairs), assert_trivial=True)[:, :, None]
-    w_odd = gl.convert_layout(w_odd, gl.SliceLayout(2, pairs), assert_trivial=True)[:, :, None]
-    lo, hi = gl.inline_asm_elementwise(
-        "{ .reg .b32 s; prmt.b32 $0, $2, $3, $4; add.u32 s, $4, 0x2222; prmt.b32 $1, $2, $3, s; }", "=r,=r,r,r,r",
-        [w_even, w_odd, select], dtype=(gl.int32, gl.int32), is_pure=True, pack=1,
-    )  # fmt: skip
-    p = gl.convert_layout(gl.permute(gl.join(lo, hi), [0, 1, 3, 2]), gl.SliceLayout(4, CODES), assert_trivial=True)
-    o_m2 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, CODES)))))
-    return gl.expand_dims(p, 4), gl.expand_dims(gl.expand_dims(gl.expand_dims(gl.expand_dims(o_m2, 0), 0), 0), 0)
+def _code_pairs(w):
+    """Words (or joined halves) w -> [..., 2 s]: w and w >> 8, so that the code of token 4 s + m of each 8-token
+    16-bit half lies at bits 2 m of that half, m < 4 (bits 8 and up are masked off by `_code_bits`' mask)."""
+    return gl.join(w, w >> 8)
 
 
 @gluon.jit
@@ -229,22 +218,33 @@ def _key_operand(words, scale, minimum):
     """The warp's K tile [2 h, 64 logical tokens, D] as the first MMA operand, dequantized (fp16), from the step's
     words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32): c / 4 (`_code_bits`)
     times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
-    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2c, 2c + 1 of word row g
-    p, m2 = _warp_codes(w_even, w_odd, K_CODES)  # [g, c, r1, h, m2]: tokens 16 g + 8 r1 + 4 h + m2
-    mask, base = _code_bits(m2)
+    rcg: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, K_CODES))  # [R, c, g0]
+    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2 c, 2 c + 1 of word row R
+    w_even = gl.convert_layout(w_even, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
+    w_odd = gl.convert_layout(w_odd, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
+    o_g0 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, rcg)))
+    w = gl.inline_asm_elementwise(  # half g0 of both words: channel 2 c in the low half, 2 c + 1 in the high half
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [w_even, w_odd, 0x5410 + 0x2222 * o_g0[None, None, :]],
+        dtype=gl.int32, is_pure=True, pack=1,
+    )  # fmt: skip
+    p = gl.convert_layout(_code_pairs(w), gl.SliceLayout(4, K_CODES), assert_trivial=True)  # [R, c, g0, r1]
+    o_m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
+    mask, base = _code_bits(_expand(o_m, 4, True))
+    p = gl.expand_dims(p, 4)
     s4 = gl.inline_asm_elementwise(  # 4 s (exact)
         "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
         is_pure=True, pack=1,
     )  # fmt: skip
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    s4 = _expand_last(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3)
-    minimum = _expand_last(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3)
+    s4 = _expand(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3, False)
+    minimum = _expand(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3, False)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
         " mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r,r,r", [p, mask, base, s4, minimum], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
-    k = gl.reshape(gl.permute(gl.join(lo, hi), [3, 4, 2, 0, 1, 5]), [2, HALF, D])  # [h | m2, r1, g | c, e]
+    k = gl.reshape(gl.join(lo, hi), [2, 4, 64, 2, 2, 4, 2])  # [h, gh, c, g0, r1, mt, e]
+    k = gl.reshape(gl.permute(k, [0, 5, 4, 1, 3, 2, 6]), [2, HALF, D])  # [h | mt, r1, gh, g0 | c, e]
     return gl.convert_layout(k, A_OP, assert_trivial=True)
 
 
@@ -260,14 +260,15 @@ def _by_word_row(x):
 def _value_operand(words):
     """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
     first MMA operand: fp16 c / 4 (`_code_bits`)."""
-    w_even, w_odd = gl.split(gl.permute(gl.reshape(words, [4, 2, 32]), [0, 2, 1]))  # word rows 2 i, 2 i + 1
-    p, m2 = _warp_codes(w_even, w_odd, V_CODES)  # [i, ch, r2, h, m2]: tokens 16 (2 i + e) + 8 r2 + 4 h + m2
-    mask, base = _code_bits(m2)
+    p = gl.convert_layout(_code_pairs(words), gl.SliceLayout(3, V_CODES), assert_trivial=True)  # [R, ch, s]
+    o_m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES))))
+    mask, base = _code_bits(_expand(o_m, 3, True))
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r,r", [gl.expand_dims(p, 3), mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
-    v = gl.reshape(gl.permute(gl.join(lo, hi), [3, 1, 4, 2, 0, 5]), [2, 32, HALF])  # [h | ch | m2, r2, i, e]
+    v = gl.reshape(gl.join(lo, hi), [2, 4, 32, 2, 4, 2])  # [h, i, ch, s, kt, e]
+    v = gl.reshape(gl.permute(v, [0, 2, 4, 3, 1, 5]), [2, 32, HALF])  # [h | ch | kt, s, i, e]
     return gl.convert_layout(v, A_OP, assert_trivial=True)
 
 

@@ -384,9 +384,9 @@ def _gluon_partials_in_torch(
     blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
 ) -> None:  # fmt: skip
     """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
-    full 128-token blocks [s * blocks_per_split, ...), its warp w over the tokens at positions 4 w .. 4 w + 3 of each
-    8 (stored order), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and the
-    scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
+    full 128-token blocks [s * blocks_per_split, ...), its warp w over tokens 64 w .. 64 w + 63 of each block (word
+    rows 4 w .. 4 w + 3), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and
+    the scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
@@ -407,7 +407,7 @@ def _gluon_partials_in_torch(
             lo = split * blocks_per_split * 128
             hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
             tokens = torch.arange(lo, hi, device=q.device)
-            tokens = tokens[tokens % 8 // 4 == warp]
+            tokens = tokens[tokens % 128 // 64 == warp]
             scores = q @ keys[b, h, tokens].T * float(q_scale[bh])
             if has_mask:
                 scores = scores.masked_fill(mask[b, tokens] == 0, float("-inf"))
