@@ -1,7 +1,7 @@
 """A/B timing of versions of the decode kernels (launcher, Triton and Gluon kernels, merge), in one process.
 
     python benchmarks/ab_kernels.py NAME=VERSION [NAME=VERSION ...] [--shapes 8x32768 ...] [--rounds 3]
-        [--residual 64] [--out benchmarks/history]
+        [--residual 64] [--shared-kv] [--out benchmarks/history]
 
 Each VERSION is a git revision (`landed=HEAD`, `variant=1b430fc`: its `kernels/` tree) or a directory holding a copy of
 `kernels/` (a probe, one file edited). Each is loaded as a package of its own, and its `decode_attention_triton` is
@@ -12,10 +12,16 @@ reference on the first set (where it fits), then `--rounds` rounds of CUDA-graph
 so that a drift of the GPU's clocks or of another tenant's load falls on every arm alike. Differences smaller than the
 spread of one arm's rounds are noise.
 
-Writes `ab_kernels_<gpu>_<names>[_r<residual>]_<commit>.json` under --out (device, versions, commit, each arm's
-version and the git tree hash of its `kernels/`, per-round times, medians, ratios to the baseline, errors) and prints a
-table last. The benchmark's records (`results/decode_attention_<gpu>.json`) are what the README quotes; this is for
-measuring a kernel change before it lands, or a deliberately wrong probe (an arm whose error is reported, not
+`--shared-kv` times every (batch, KV head) reading the quantized data of the first one (strides 0: the same grid and
+work per program, but the codes stay in L2). That separates a kernel's own speed from the GPU's memory: on an H100 the
+decode call at B=8 32K reads close to its copy bandwidth, so a faster loop shows there only in part, while on an H200
+(1.4x the bandwidth) the same loop is bound by its instructions, as it is here with the data in L2
+(benchmarks/NOTES_kernels.md, twentieth session).
+
+Writes `ab_kernels_<gpu>_<names>[_r<residual>][_sharedkv]_<commit>.json` under --out (device, versions, commit, each
+arm's version and the git tree hash of its `kernels/`, per-round times, medians, ratios to the baseline, errors) and
+prints a table last. The benchmark's records (`results/decode_attention_<gpu>.json`) are what the README quotes; this is
+for measuring a kernel change before it lands, or a deliberately wrong probe (an arm whose error is reported, not
 enforced).
 """
 
@@ -44,6 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_decode_attention as bench  # noqa: E402  (its inputs, timing and reference helpers)
 
 from oscar_hf.config import OscarConfig  # noqa: E402
+from oscar_hf.layout import QuantizedKV  # noqa: E402
 from oscar_hf.reference import decode_attention as decode_attention_reference  # noqa: E402
 
 KERNELS = "kernels"
@@ -92,12 +99,22 @@ def load_arm(version: str):
     return importlib.import_module(f"{root.name}.decode_attention"), tree
 
 
-def measure_shape(batch: int, context: int, residual: int, arms: dict, rounds: int, gen, progress) -> dict:
+def shared_across_heads(quantized: QuantizedKV) -> QuantizedKV:
+    """`quantized` with every (batch, KV head) viewing the data of the first (strides 0; shapes unchanged)."""
+    return quantized._make(None if t is None else t[:1, :1].expand(t.shape) for t in quantized)
+
+
+def measure_shape(
+    batch: int, context: int, residual: int, arms: dict, rounds: int, gen, progress, shared_kv: bool = False
+) -> dict:
     """One shape: every arm's error against the float32 reference on the first input set (where it fits), then
-    `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved."""
+    `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved; with `shared_kv` every KV head
+    reads the first one's quantized data (`shared_across_heads`)."""
     config, scale = OscarConfig(), 1 / math.sqrt(bench.HEAD_DIM)
     l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
     data, _, _ = bench.timed_sets(batch, context, config, l2_bytes, gen, residual)
+    if shared_kv:
+        data = [{**s, "quantized": shared_across_heads(s["quantized"])} for s in data[:1]]
     inputs = [(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config) for s in data]
     errors = {}
     if batch * context <= bench.REFERENCE_TOKENS:
@@ -133,6 +150,9 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", default=["8x32768", "8x131072", "1x32768", "1x131072", "8x4096"])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--residual", type=int, default=bench.RESIDUAL, help="tokens in the residual window")
+    parser.add_argument(
+        "--shared-kv", action="store_true", help="every KV head reads the first one's quantized data (kept in L2)"
+    )
     parser.add_argument("--out", default=str(Path(__file__).parent / "history"))
     args = parser.parse_args()
     if not torch.cuda.is_available() or decode_attention._gluon is None:
@@ -150,7 +170,7 @@ def main() -> None:
     with tqdm(total=len(args.shapes) * args.rounds * len(arms), desc="ab_kernels", unit="timing") as progress:
         for shape in args.shapes:
             batch, context = map(int, shape.split("x"))
-            rows.append(measure_shape(batch, context, args.residual, arms, args.rounds, gen, progress))
+            rows.append(measure_shape(batch, context, args.residual, arms, args.rounds, gen, progress, args.shared_kv))
             torch.cuda.empty_cache()
 
     device = torch.cuda.get_device_name()
@@ -162,17 +182,21 @@ def main() -> None:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "git_commit": bench.git_commit(),
         "timing": "CUDA-graph medians (do_bench_cudagraph) per call, arms interleaved in each round",
+        "shared_kv": args.shared_kv,
         "shape": {"q_heads": bench.Q_HEADS, "kv_heads": bench.KV_HEADS, "head_dim": bench.HEAD_DIM},
         "arms": versions,
         "shapes": rows,
     }
     window = f"_r{args.residual}" if args.residual != bench.RESIDUAL else ""
+    window += "_sharedkv" if args.shared_kv else ""
     record_name = f"ab_kernels_{bench.gpu_slug(device)}_{'_'.join(arms)}{window}_{record['git_commit'] or 'nogit'}.json"
     out = Path(args.out) / record_name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
 
-    print(f"\n{device}, us (CUDA-graph medians of {args.rounds} interleaved rounds), ratio to {next(iter(arms))}:")
+    shared = ", every KV head reading the first one's codes" if args.shared_kv else ""
+    baseline = next(iter(arms))
+    print(f"\n{device}{shared}, us (CUDA-graph medians of {args.rounds} interleaved rounds), ratio to {baseline}:")
     print(f"{'shape':>17}  " + " ".join(f"{name:>17}" for name in arms) + "   rel. error")
     for row in rows:
         cells = " ".join(f"{row['us_graph_median'][n]:9.2f} ({row['ratio_to_baseline'][n]:.3f})" for n in arms)

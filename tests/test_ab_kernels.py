@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -63,3 +64,23 @@ def test_arm_that_is_neither_folder_nor_revision_is_refused(ab_kernels, monkeypa
     monkeypatch.chdir(ROOT)
     with pytest.raises(SystemExit, match="neither a folder nor a revision"):
         ab_kernels.load_arm("no-such-revision-or-folder")
+
+
+def test_shared_kv_views_the_first_heads_data(ab_kernels):
+    """`--shared-kv`: every (batch, KV head) views the first one's quantized data (stride 0, nothing copied), in the
+    shapes the storage layout checks, so the kernels see the real grid while the codes stay in L2."""
+    from oscar_hf import OscarConfig
+    from oscar_hf.layout import StorageLayout
+    from oscar_hf.reference import quantize_kv
+
+    config, gen = OscarConfig(), torch.Generator().manual_seed(0)
+    keys, values = torch.randn(2, 2, 3, 64, 128, generator=gen)
+    quantized = quantize_kv(keys, values, config)
+    shared = ab_kernels.shared_across_heads(quantized)
+    assert StorageLayout.of(config).check(shared, 2, 3, 128, keys.device, "test") == 64
+    for name, field, first in zip(quantized._fields, shared, quantized):
+        if first is None:
+            continue
+        assert field.data_ptr() == first.data_ptr(), name
+        assert all(stride == 0 for stride, n in zip(field.stride()[:2], field.shape[:2]) if n > 1), name
+        assert torch.equal(field, first[:1, :1].expand_as(first)) and not torch.equal(field, first), name
