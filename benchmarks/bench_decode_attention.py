@@ -313,15 +313,14 @@ def git_commit() -> str | None:
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
 _WHY_MISSED = (
     "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
-    "takes about the same time on the H100 and the H200 (B=8 32K: 80.3 and 79.0 us at 2ad9a19 / f2ea715), so it is "
-    "bound by its instructions, not by memory: ~2.5 SASS instructions per code (Triton 3.6, sm_90), "
-    "~230 registers per thread, 4 two-warp programs per SM (8 warps). On the H200, whose memory is ~1.4x faster, that "
-    "is 3.1-3.2x SDPA and 61-64 % of the copy bandwidth at B >= 8 (the H100: 4.4-4.5x, 84-89 %); B=8 32K, the shortest "
-    "of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the Gluon loop, the "
-    "programs' uneven ends, the partials and the merge after it) and measured 59.0, 60.2 and 59.1 % in three runs "
-    "before the kernel's ptxas option (61.8, 60.6 and 58.5 after). What would widen the margin is open: "
-    "benchmarks/NOTES_kernels.md (fourteenth to seventeenth sessions) lists the schedules, key layouts, kernel orders, "
-    "splits and copy pipelines measured without gain."
+    "is bound by its instructions and their latency, ~2.4 SASS instructions per code (Triton 3.6, sm_90), ~212 "
+    "registers per thread, 4 two-warp programs per SM (8 warps). On the H100 that is close to the copy bandwidth at "
+    "long contexts (ef8c621: 85-93 % at B >= 8, 32K and up); on the H200, whose memory is ~1.4x faster, it is not: "
+    "the kernel before the warps' row split (f2ea715) measured 58.5-61.8 % of copy at B=8 32K across runs, and B=8 "
+    "32K, the shortest of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the "
+    "Gluon loop, the programs' uneven ends, the partials and the merge after it). `benchmarks/ab_kernels.py "
+    "--shared-kv` times the loop without the H100's memory bound; benchmarks/NOTES_kernels.md records what was "
+    "measured."
 )
 
 
