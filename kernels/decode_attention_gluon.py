@@ -171,8 +171,9 @@ def _expand(x, n: gl.constexpr, LEADING: gl.constexpr):
 
 @gluon.jit
 def _code_pairs(w):
-    """Words (or joined halves) w -> [..., 2 s]: w and w >> 8, so that the code of token 4 s + m of each 8-token
-    16-bit half lies at bits 2 m of that half, m < 4 (bits 8 and up are masked off by `_code_bits`' mask)."""
+    """Value words, or the words that a `prmt` made of a key channel pair's halves, w -> [..., 2 s]: w and w >> 8, so
+    that the code of token 4 s + m of each 8-token 16-bit half lies at bits 2 m of that half, m < 4 (`_code_bits`'
+    mask drops the bits above)."""
     return gl.join(w, w >> 8)
 
 
