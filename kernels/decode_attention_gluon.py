@@ -170,11 +170,15 @@ def _expand(x, n: gl.constexpr, LEADING: gl.constexpr):
 
 
 @gluon.jit
-def _code_pairs(w):
-    """Value words, or the words that a `prmt` made of a key channel pair's halves, w -> [..., 2 s]: w and w >> 8, so
-    that the code of token 4 s + m of each 8-token 16-bit half lies at bits 2 m of that half, m < 4 (`_code_bits`'
-    mask drops the bits above)."""
-    return gl.join(w, w >> 8)
+def _code_pairs(w, CODES: gl.constexpr, M_LAYOUT: gl.constexpr):
+    """Value words, or the words that a `prmt` made of a key channel pair's halves, w [...] -> p [..., 2 s, 1] int32
+    in CODES, and `_code_bits`' mask and E for m = 0..3 ([1, ..., 1, 4]; M_LAYOUT: CODES sliced down to its last dim):
+    p holds w and w >> 8, so that the code of token 4 s + m of each 8-token 16-bit half lies at bits 2 m of that half
+    (the mask drops the bits above)."""
+    n: gl.constexpr = w.type.shape.__len__() + 1  # the new dim s; m follows it
+    p = gl.convert_layout(gl.join(w, w >> 8), gl.SliceLayout(n, CODES), assert_trivial=True)
+    mask, base = _code_bits(_expand(gl.arange(0, 4, layout=M_LAYOUT), n, True))
+    return gl.expand_dims(p, n), mask, base
 
 
 @gluon.jit
@@ -228,10 +232,8 @@ def _key_operand(words, scale, minimum):
         "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [w_even, w_odd, 0x5410 + 0x2222 * o_g0[None, None, :]],
         dtype=gl.int32, is_pure=True, pack=1,
     )  # fmt: skip
-    p = gl.convert_layout(_code_pairs(w), gl.SliceLayout(4, K_CODES), assert_trivial=True)  # [R, c, g0, r1]
-    o_m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES)))))
-    mask, base = _code_bits(_expand(o_m, 4, True))
-    p = gl.expand_dims(p, 4)
+    m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES))))
+    p, mask, base = _code_pairs(w, K_CODES, m_layout)  # [R, c, g0, r1, 1]
     s4 = gl.inline_asm_elementwise(  # 4 s (exact)
         "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
         is_pure=True, pack=1,
@@ -261,12 +263,11 @@ def _by_word_row(x):
 def _value_operand(words):
     """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
     first MMA operand: fp16 c / 4 (`_code_bits`)."""
-    p = gl.convert_layout(_code_pairs(words), gl.SliceLayout(3, V_CODES), assert_trivial=True)  # [R, ch, s]
-    o_m = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES))))
-    mask, base = _code_bits(_expand(o_m, 3, True))
+    m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))
+    p, mask, base = _code_pairs(words, V_CODES, m_layout)  # [R, ch, s, 1]
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
-        "=h,=h,r,r,r", [gl.expand_dims(p, 3), mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
+        "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
     )  # fmt: skip
     v = gl.reshape(gl.join(lo, hi), [2, 4, 32, 2, 4, 2])  # [h, i, ch, s, kt, e]
     v = gl.reshape(gl.permute(v, [0, 2, 4, 3, 1, 5]), [2, 32, HALF])  # [h | ch | kt, s, i, e]
