@@ -111,10 +111,12 @@ def measure_shape(
     `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved; with `shared_kv` every KV head
     reads the first one's quantized data (`shared_across_heads`)."""
     config, scale = OscarConfig(), 1 / math.sqrt(bench.HEAD_DIM)
-    l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
-    data, _, _ = bench.timed_sets(batch, context, config, l2_bytes, gen, residual)
-    if shared_kv:
-        data = [{**s, "quantized": shared_across_heads(s["quantized"])} for s in data[:1]]
+    if shared_kv:  # one input set: its codes are meant to stay in L2
+        data = bench.make_sets(batch, context, config, 1, gen, residual)
+        data = [{**s, "quantized": shared_across_heads(s["quantized"])} for s in data]
+    else:
+        l2_bytes = torch.cuda.get_device_properties(0).L2_cache_size
+        data, _, _ = bench.timed_sets(batch, context, config, l2_bytes, gen, residual)
     inputs = [(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config) for s in data]
     errors = {}
     if batch * context <= bench.REFERENCE_TOKENS:
