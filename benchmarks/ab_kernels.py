@@ -1,7 +1,7 @@
 """A/B timing of versions of the decode kernels (launcher, Triton and Gluon kernels, merge), in one process.
 
     python benchmarks/ab_kernels.py NAME=VERSION [NAME=VERSION ...] [--shapes 8x32768 ...] [--rounds 3]
-        [--residual 64] [--shared-kv] [--out benchmarks/history]
+        [--residual 64] [--shared-kv] --out DIR
 
 Each VERSION is a git revision (`landed=HEAD`, `variant=1b430fc`: its `kernels/` tree) or a directory holding a copy of
 `kernels/` (a probe, one file edited). Each is loaded as a package of its own, and its `decode_attention_triton` is
@@ -16,7 +16,7 @@ spread of one arm's rounds are noise.
 work per program, but the codes stay in L2). That separates a kernel's own speed from the GPU's memory: on an H100 the
 decode call at B=8 32K reads close to its copy bandwidth, so a faster loop shows there only in part, while on an H200
 (1.4x the bandwidth) the same loop is bound by its instructions, as it is here with the data in L2
-(benchmarks/NOTES_kernels.md, twentieth session).
+(docs/kernels.md).
 
 Writes `ab_kernels_<gpu>_<names>[_r<residual>][_sharedkv]_<commit>.json` under --out (device, versions, commit, each
 arm's version and the git tree hash of its `kernels/`, per-round times, medians, ratios to the baseline, errors) and
@@ -155,7 +155,9 @@ def main() -> None:
     parser.add_argument(
         "--shared-kv", action="store_true", help="every KV head reads the first one's quantized data (kept in L2)"
     )
-    parser.add_argument("--out", default=str(Path(__file__).parent / "history"))
+    parser.add_argument(
+        "--out", required=True, help="a folder for the record (A/B records measure a change; they are not benchmarks/results)"
+    )
     args = parser.parse_args()
     if not torch.cuda.is_available() or decode_attention._gluon is None:
         raise SystemExit("ab_kernels needs a CUDA GPU and a Triton with Gluon (triton.experimental.gluon)")

@@ -310,7 +310,7 @@ def git_commit() -> str | None:
     return os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
 
 
-# Why the fused kernel misses its speed targets, from the SASS/ncu reading in benchmarks/NOTES_kernels.md.
+# Why the fused kernel misses its speed targets, from the SASS/ncu reading summarised in docs/kernels.md.
 _WHY_MISSED = (
     "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
     "is bound by its instructions and their latency, ~2.4 SASS instructions per code (Triton 3.6, sm_90), ~212 "
@@ -319,8 +319,7 @@ _WHY_MISSED = (
     "the kernel before the warps' row split (f2ea715) measured 58.5-61.8 % of copy at B=8 32K across runs, and B=8 "
     "32K, the shortest of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the "
     "Gluon loop, the programs' uneven ends, the partials and the merge after it). `benchmarks/ab_kernels.py "
-    "--shared-kv` times the loop without the H100's memory bound; benchmarks/NOTES_kernels.md records what was "
-    "measured."
+    "--shared-kv` times the loop without the H100's memory bound; docs/kernels.md lists what was tried."
 )
 
 

@@ -9,7 +9,7 @@ and reads the quantized tokens' main loop (the longest loop of the kernel: full 
 warps unless given. It reports `warps * 32 * loop instructions / (block_n * 2 * head_dim)` lane-instructions per K or
 V code, the registers and spills, which bound the programs per SM, and the loop's global loads that Triton did not
 pipeline (`LDG`: every step waits for them; cp.async copies, `LDGSTS`, arrive steps ahead, as all of the Gluon
-kernel's do). The kernels are bound by their instructions and latency (benchmarks/NOTES_kernels.md): fewer
+kernel's do). The kernels are bound by their instructions and latency (docs/kernels.md): fewer
 instructions help only with no more registers or waits, so time the winner on a GPU. Counts depend on the Triton
 version (the GPU image may run another).
 """

@@ -40,7 +40,7 @@ padding mask are read in the same order; key parameters (per channel, per group 
 (per token, per group of G channels) are loaded once per group and broadcast in registers. Dot operands of the
 quantized part are fp16 (the default fp16 scales bound every dequantized value; the rotated query is divided by its
 max so it cannot overflow), tf32 with fp32 scales; the residual part uses the query dtype; accumulation is fp32.
-Measured on H100 and H200 GPUs and what limits it: benchmarks/NOTES_kernels.md.
+The design, what limits its speed on H100 and H200 GPUs and what did not pay: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -648,7 +648,7 @@ class _Tuning:
     gluon_max_registers: int | None = None  # ptxas register cap of the Gluon kernel (None: the compiler's choice)
     # ptxas options of the Gluon kernel. Its most aggressive register-usage level schedules the loop with as many
     # registers as at the default level (232, Triton 3.9) and 11 fewer instructions per step; H200 sweep
-    # (benchmarks/history/*_sweep_ptxas_65cee9f.json), B=8 32K / B=1 32K / B=8 128K, us: 81.6 / 17.7 / 310.0 against
+    # B=8 32K / B=1 32K / B=8 128K, us: 81.6 / 17.7 / 310.0 against
     # 82.0 / 17.8 / 313.7 with Triton's options (the default level 5)
     gluon_ptxas_options: str | None = "--register-usage-level 10"
     # Hopper and newer: the Gluon and merge kernels are launched as programmatic dependents (they start while the
@@ -664,7 +664,7 @@ _SHORT_CONTEXT = 8192
 def _default_tuning(head_dim: int, rows: int, scale_dtype: torch.dtype, short_few_heads: bool = False) -> _Tuning:
     """Launch choices by head dim, query rows per KV head and scale dtype, measured on an H200 with 4 query rows per KV
     head (`bench_decode_attention.py --sweep [--head-dim] [--variants]`, graph medians, B=8 and B=1 at 32K;
-    NOTES_kernels.md).
+    docs/kernels.md).
 
     Up to 16 query rows with fp16 scales (the usual decode step): 64-token steps over one warp per 64 channels. The
     kernel is latency-bound at two or three warps per scheduler (its registers allow no more), and the warps of one

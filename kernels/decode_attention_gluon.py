@@ -8,7 +8,7 @@ residual window (and write the query operand this kernel reads), and whose merge
 
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
-layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
+layouts (docs/kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
 holds in the MMA's fragments, so a pair of codes becomes an operand register with a `lop3` and a `sub.f16x2` (keys:
 and an `fma.f16x2`), about 2.4 instructions per code in all (`benchmarks/count_sass.py --gluon`).
 
@@ -41,7 +41,7 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
 
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel and the launch around this one (a float64 stand-in);
 tests/kernels/test_decode_attention.py checks this one against the float64 reference on the GPU, and
-benchmarks/fuzz_kernels.py on random cases. Measured: benchmarks/NOTES_kernels.md.
+benchmarks/fuzz_kernels.py on random cases. What limits its speed: docs/kernels.md.
 """
 
 from __future__ import annotations

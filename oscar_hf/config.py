@@ -35,7 +35,7 @@ class OscarConfig:
             (`reference.query_rotation_choice`; the queries reach the cache through transformers' "sdpa" attention),
             and keeps that choice for the whole generation (eager and compiled decoding alike). It avoids the
             rotation's damage on models whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's
-            k_norm) and keeps it where it helps: see benchmarks/results/ACCURACY.md. "paper": every key is rotated,
+            k_norm) and keeps it where it helps: see docs/accuracy.md. "paper": every key is rotated,
             the paper's method (arXiv 2605.19660). "auto" (default): "oscar" on a model whose attention is "sdpa",
             "paper" on any other (eager, flash_attention_*, flex), whose queries the cache cannot see, with a warning
             (once) saying so; `OscarCache` resolves it (`resolve`), so `cache.oscar_config.method` says which runs.
