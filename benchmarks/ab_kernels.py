@@ -155,9 +155,8 @@ def main() -> None:
     parser.add_argument(
         "--shared-kv", action="store_true", help="every KV head reads the first one's quantized data (kept in L2)"
     )
-    parser.add_argument(
-        "--out", required=True, help="a folder for the record (A/B records measure a change; they are not benchmarks/results)"
-    )
+    # A/B records measure a change before it lands; they are not a benchmark's current record (benchmarks/results)
+    parser.add_argument("--out", required=True, help="a folder for the record")
     args = parser.parse_args()
     if not torch.cuda.is_available() or decode_attention._gluon is None:
         raise SystemExit("ab_kernels needs a CUDA GPU and a Triton with Gluon (triton.experimental.gluon)")

@@ -43,7 +43,7 @@ from bench_generate import LLAMA_31_8B  # the model shape every end-to-end bench
 from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
 
 import oscar_hf
-from oscar_hf import OscarLayer
+from oscar_hf import OscarLayer, cache_kwargs
 
 CACHES = ("dynamic", "oscar")
 
@@ -79,7 +79,7 @@ def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[lis
         common = dict(do_sample=False, return_dict_in_generate=True, disable_compile=True)
         if cache == "oscar":
             return dict(cache_implementation="oscar", **common)
-        return dict(past_key_values=DynamicCache(config=model.config), **common)
+        return dict(**cache_kwargs(DynamicCache(config=model.config)), **common)
 
     model.generate(ids[:, :256], max_new_tokens=4, **options())
     timer = StepTimer()

@@ -29,7 +29,7 @@ from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
-from oscar_hf import OscarConfig
+from oscar_hf import OscarConfig, cache_kwargs
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM, PrefillStore
 from oscar_hf.offline_models import load_model
 
@@ -144,7 +144,7 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     model.set_attn_implementation("capture_queries")
     try:
         cache = DynamicCache(config=model.config)
-        model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], past_key_values=cache, logits_to_keep=1)
+        model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], **cache_kwargs(cache), logits_to_keep=1)
     finally:
         model.set_attn_implementation(original)
     group = OscarConfig().group_size
@@ -223,7 +223,7 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
                     layer.keys[..., :n, :] = keys
                 if "V" in part:
                     layer.values[..., :n, :] = values
-            logits = model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
+            logits = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
             logprobs = torch.cat([first[None], torch.log_softmax(logits.float(), dim=-1)])
             scores[variant]["acc"].append(float((logprobs.argmax(-1) == targets).all()))
             scores[variant]["answer_loglik"].append(float(logprobs.gather(-1, targets[:, None]).sum()))

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.offline_models import load_model
 
@@ -73,7 +73,7 @@ def score(
     total = 0.0
     for start in range(prefix, len(tokens) - 1, chunk):
         inputs = tokens[start : min(start + chunk, len(tokens) - 1)]
-        logits = model(torch.tensor([inputs]), past_key_values=cache).logits[0]
+        logits = model(torch.tensor([inputs]), **cache_kwargs(cache)).logits[0]
         targets = torch.tensor(tokens[start + 1 : start + 1 + len(inputs)])
         total += float(F.log_softmax(logits.float(), -1).gather(-1, targets[:, None]).sum())
     return total, (sum(chosen) / len(chosen) if chosen else None)
@@ -105,7 +105,7 @@ def main() -> None:
             if current != d:
                 exact, moments = DynamicCache(config=model.config), {}
                 with recording_query_moments(moments):
-                    model(torch.tensor([tokens[: args.prefix]]), past_key_values=exact)
+                    model(torch.tensor([tokens[: args.prefix]]), **cache_kwargs(exact))
                 current = d
             done.setdefault(m, {})[str(d)], rotated = score(
                 model, exact, moments, tokens, args.prefix, CANDIDATES[m], 128

@@ -15,7 +15,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 
 
 def main() -> None:
@@ -41,12 +41,12 @@ def main() -> None:
     decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     with torch.inference_mode():
-        out = model(ids, past_key_values=cache, use_cache=True, logits_to_keep=1)  # prefill: eager
+        out = model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)  # prefill: eager
         token = out.logits[:, -1:].argmax(-1)
         tokens, times = [token], []
         for _ in range(args.new_tokens - 1):
             start = time.perf_counter()
-            out = decode_step(input_ids=token, past_key_values=cache, use_cache=True)
+            out = decode_step(input_ids=token, **cache_kwargs(cache), use_cache=True)
             token = out.logits[:, -1:].argmax(-1)
             tokens.append(token)
             torch.cuda.synchronize()

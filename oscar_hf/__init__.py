@@ -5,9 +5,9 @@ Importing the package registers `cache_implementation="oscar"` with `generate` (
 
 from .cache import KVMemory, OscarCache, OscarLayer, kv_memory
 from .config import OscarConfig
-from .integrations.transformers import register, unregister
+from .integrations.transformers import cache_kwargs, register, unregister
 
-__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "kv_memory", "register", "unregister"]
+__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "cache_kwargs", "kv_memory", "register", "unregister"]
 __version__ = "0.1.0"
 
 register()

@@ -19,7 +19,7 @@ from transformers.generation import configuration_utils
 from transformers.testing_utils import CaptureLogger
 
 import oscar_hf
-from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf import config as config_module
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.reference import query_rotation_choice
@@ -48,9 +48,9 @@ def test_exact_cache_generate_equals_dynamic_cache(tiny_llama, exact_oscar_cache
     model = tiny_llama()
     ids, mask = _left_padded(lengths)
     options = dict(max_new_tokens=150, min_new_tokens=150, **GREEDY)  # 150 + 150 tokens: flushes at 128 and 256
-    want = model.generate(ids, attention_mask=mask, past_key_values=DynamicCache(config=model.config), **options)
+    want = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config)), **options)
     cache = exact_oscar_cache(model.config)
-    got = model.generate(ids, attention_mask=mask, past_key_values=cache, **options)
+    got = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), **options)
     assert torch.equal(got.sequences, want.sequences)
     assert cache.layers[0].quantized_length == 256 and cache.get_seq_length() == ids.shape[1] + 149
 
@@ -61,9 +61,9 @@ def test_exact_cache_multi_turn_equals_dynamic_cache(tiny_llama, exact_oscar_cac
     first, follow_up = torch.randint(3, 97, (1, 100)), torch.randint(3, 97, (1, 70))
     results = []
     for cache in (DynamicCache(config=model.config), exact_oscar_cache(model.config)):
-        out = model.generate(first, past_key_values=cache, max_new_tokens=40, min_new_tokens=40, **GREEDY)
+        out = model.generate(first, **cache_kwargs(cache), max_new_tokens=40, min_new_tokens=40, **GREEDY)
         second = torch.cat([out.sequences, follow_up], dim=1)  # 140 cached + 70 new
-        out = model.generate(second, past_key_values=cache, max_new_tokens=30, min_new_tokens=30, **GREEDY)
+        out = model.generate(second, **cache_kwargs(cache), max_new_tokens=30, min_new_tokens=30, **GREEDY)
         results.append(out.sequences)
     assert torch.equal(results[0], results[1])
 
@@ -72,8 +72,8 @@ def test_exact_cache_beam_search_equals_dynamic_cache(tiny_llama, exact_oscar_ca
     model = tiny_llama()
     ids = torch.randint(3, 97, (2, 140))
     options = dict(num_beams=3, num_return_sequences=2, max_new_tokens=20, min_new_tokens=20, **GREEDY)
-    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
-    got = model.generate(ids, past_key_values=exact_oscar_cache(model.config), **options)
+    want = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), **options)
+    got = model.generate(ids, **cache_kwargs(exact_oscar_cache(model.config)), **options)
     assert torch.equal(got.sequences, want.sequences)
 
 
@@ -87,7 +87,7 @@ def test_exact_cache_prompt_lookup_decoding_crops_and_equals_greedy(tiny_llama, 
     ids = torch.cat([pattern.repeat(1, 14), pattern[:, :4]], dim=1)  # repeats give the lookup candidates
     options = dict(max_new_tokens=60, min_new_tokens=60, do_sample=False)
     want = model.generate(ids, **options)
-    got = model.generate(ids, past_key_values=exact_oscar_cache(model.config), prompt_lookup_num_tokens=5, **options)
+    got = model.generate(ids, **cache_kwargs(exact_oscar_cache(model.config)), prompt_lookup_num_tokens=5, **options)
     assert torch.equal(got, want)
     assert any(n < 0 for n in crops)
 
@@ -96,9 +96,9 @@ def test_exact_cache_hybrid_sliding_model_equals_dynamic_cache(exact_oscar_cache
     model = Gemma3ForCausalLM(gemma3_config).eval()
     ids = torch.randint(3, 97, (1, 140))
     options = dict(max_new_tokens=130, min_new_tokens=130, **GREEDY)
-    want = model.generate(ids, past_key_values=DynamicCache(config=model.config), **options)
+    want = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), **options)
     cache = exact_oscar_cache(model.config)
-    got = model.generate(ids, past_key_values=cache, **options)
+    got = model.generate(ids, **cache_kwargs(cache), **options)
     assert torch.equal(got.sequences, want.sequences)
     assert [type(layer).__name__ for layer in cache.layers][:2] == ["DynamicSlidingWindowLayer", "ExactOscarLayer"]
 
@@ -205,7 +205,7 @@ def test_generate_keeps_what_padding_holds_out_of_the_quantized_history(tiny_lla
         if given == "cache_implementation":
             cache = dict(cache_implementation="oscar", cache_config=options)
         else:
-            cache = dict(past_key_values=OscarCache(model.config, options))
+            cache = cache_kwargs(OscarCache(model.config, options))
         out = model.generate(ids, attention_mask=mask, max_new_tokens=3, **cache, **GREEDY)
         keys, values = out.past_key_values.layers[0].dense_history()
         results.append((out.sequences[1, 100:], keys[1, :, 100:], values[1, :, 100:]))
@@ -223,7 +223,7 @@ def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_quer
     ids = torch.randint(3, 97, (2, prompt))
     exact, moments = DynamicCache(config=model.config), {}
     with recording_query_moments(moments):
-        model(ids, past_key_values=exact)
+        model(ids, **cache_kwargs(exact))
     options = {"method": "oscar", "scale_dtype": "float32"}
     out = model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options, **GREEDY)
     chosen = []
@@ -299,7 +299,7 @@ def test_bad_generate_arguments_are_refused(tiny_llama):
     with pytest.raises(ValueError, match="bits=3"):
         model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"bits": 3})
     with pytest.raises(ValueError, match="past_key_values"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", past_key_values=DynamicCache())
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", **cache_kwargs(DynamicCache()))
 
 
 def test_encoder_decoder_model_is_refused():

@@ -14,7 +14,7 @@ from lm_eval.api.instance import Instance
 from lm_eval.models.huggingface import HFLM
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
 from oscar_hf.offline_models import model_path
 
@@ -117,8 +117,8 @@ def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, tiny_llama, 
     got = wrapper._continuation_logprobs(context, continuation)
     with torch.no_grad():
         cache = OscarCache(model.config, OscarConfig(bits=2))
-        first = model(torch.tensor([context]), past_key_values=cache).logits[0, -1:]
-        rest = model(torch.tensor([continuation[:-1]]), past_key_values=cache).logits[0]
+        first = model(torch.tensor([context]), **cache_kwargs(cache)).logits[0, -1:]
+        rest = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
     expected = torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

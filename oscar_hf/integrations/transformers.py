@@ -32,6 +32,13 @@ _WRAPPED_MARK = "_oscar_original"
 CACHE_KWARG = ALL_CACHE_NAMES[0]
 
 
+def cache_kwargs(cache) -> dict:
+    """The keyword argument that hands `cache` to `generate` or a model's forward under the installed transformers'
+    name for it: `model.generate(ids, **cache_kwargs(cache))` (`cache=` from transformers 5.24, where
+    `past_key_values=` is deprecated; `past_key_values=` before)."""
+    return {CACHE_KWARG: cache}
+
+
 def _prepare_oscar_cache(self, generation_config, model_kwargs: dict, max_cache_length: int) -> None:
     if model_kwargs.get(CACHE_KWARG) is not None:
         raise ValueError(

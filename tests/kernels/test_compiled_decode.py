@@ -9,7 +9,7 @@ import torch._dynamo
 from transformers import LlamaConfig
 from transformers.generation import CompileConfig
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.integrations import fused_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -53,11 +53,11 @@ def _decode(model, forward, prompt, steps, **options):
     cache = OscarCache(model.config, OscarConfig(**options))
     cache.reserve(prompt.shape[1] + steps)
     with torch.no_grad():
-        out = model(prompt, past_key_values=cache, use_cache=True)
+        out = model(prompt, **cache_kwargs(cache), use_cache=True)
         token, tokens, logits = out.logits[:, -1:].argmax(-1), [], []
         for _ in range(steps):
             tokens.append(token)
-            out = forward(input_ids=token, past_key_values=cache, use_cache=True)
+            out = forward(input_ids=token, **cache_kwargs(cache), use_cache=True)
             logits.append(out.logits[:, -1].float())
             token = out.logits[:, -1:].argmax(-1)
     return torch.cat(tokens, 1), logits, cache
@@ -251,14 +251,14 @@ def test_decode_steps_never_synchronise_the_host(tiny_llama, compiled):
     torch._dynamo.reset()
     decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
     with torch.no_grad():
-        token = model(prompt, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+        token = model(prompt, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         for _ in range(5):  # compile, warm up, record the CUDA graph
-            token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+            token = decode_step(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             for _ in range(200):  # tokens 105..304: the flush of block [128, 256) happens on the way
-                token = decode_step(input_ids=token, past_key_values=cache, use_cache=True).logits[:, -1:].argmax(-1)
+                token = decode_step(input_ids=token, **cache_kwargs(cache), use_cache=True).logits[:, -1:].argmax(-1)
         finally:
             torch.cuda.set_sync_debug_mode("default")
     assert cache.get_seq_length() == 305 and cache.layers[0].quantized_length == 256
@@ -282,11 +282,11 @@ def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
     cache = OscarCache(model.config, OscarConfig(method="paper"))
     refused_at = None
     with torch.no_grad():
-        token = model(torch.randint(3, 97, (2, 120), device=DEVICE), past_key_values=cache).logits[:, -1:].argmax(-1)
+        token = model(torch.randint(3, 97, (2, 120), device=DEVICE), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         for position in range(120, 140):  # the step of token 128 flushes block [0, 128)
             poison["position"] = position
             try:
-                token = model(input_ids=token, past_key_values=cache).logits[:, -1:].argmax(-1)
+                token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             except ValueError as error:
                 assert "non-finite keys or values" in str(error)
                 refused_at = position

@@ -9,7 +9,7 @@ import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
@@ -143,7 +143,7 @@ def test_reusing_a_cache_for_another_batch_size_is_an_error(attention):
 def _generate(model, cache):
     """The prefill and one decode step: a wrong answer at that step is not followed by any other forward."""
     ids = torch.randint(3, model.config.vocab_size, (1, HISTORY), device=DEVICE)
-    return model.generate(ids, past_key_values=cache, do_sample=False, max_new_tokens=2, min_new_tokens=2)
+    return model.generate(ids, **cache_kwargs(cache), do_sample=False, max_new_tokens=2, min_new_tokens=2)
 
 
 def test_diffllama_split_values_are_an_error():

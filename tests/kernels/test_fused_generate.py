@@ -5,7 +5,7 @@ import pytest
 import torch
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf import cache as cache_module
 from oscar_hf.integrations import fused_attention
 
@@ -29,7 +29,7 @@ def _generate(model, ids, mask, attention, new_tokens, logits_processor=None, **
     out = model.generate(
         ids,
         attention_mask=mask,
-        past_key_values=cache,
+        **cache_kwargs(cache),
         do_sample=False,
         max_new_tokens=new_tokens,
         min_new_tokens=new_tokens,
