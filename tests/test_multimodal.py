@@ -34,7 +34,7 @@ from transformers import (
     Qwen3VLForConditionalGeneration,
 )
 
-from oscar_hf import OscarCache, OscarLayer
+from oscar_hf import OscarCache, OscarLayer, cache_kwargs
 
 VOCAB = 128  # token ids 3..TEXT_VOCAB are text; the special tokens of every family sit above
 TEXT_VOCAB = 100
@@ -339,7 +339,7 @@ def _run(name, model, turns, cache_options: dict, first_cache=None) -> dict:
             new = len(media)
             media = media + new_media
             kwargs = _generate_kwargs(name, model, ids, media, new)
-            options = dict(cache_options) if turn == 0 and cache is None else {"past_key_values": cache}
+            options = dict(cache_options) if turn == 0 and cache is None else cache_kwargs(cache)
             out = model.generate(ids, **kwargs, **options, **GREEDY, output_logits=True)
             cache, ids = out.past_key_values, out.sequences
             record["sequences"].append(out.sequences)
