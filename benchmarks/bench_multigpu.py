@@ -40,7 +40,14 @@ from pathlib import Path
 import torch
 import transformers
 from bench_generate import LLAMA_31_8B  # the model shape every end-to-end benchmark uses
-from transformers import AutoModelForCausalLM, DynamicCache, LlamaConfig, LlamaForCausalLM, StoppingCriteria
+from transformers import (
+    AutoModelForCausalLM,
+    DistributedConfig,
+    DynamicCache,
+    LlamaConfig,
+    LlamaForCausalLM,
+    StoppingCriteria,
+)
 
 import oscar_hf
 from oscar_hf import OscarLayer, cache_kwargs
@@ -136,7 +143,7 @@ def tp_worker(args) -> None:
     if torch.cuda.is_available():  # (the CPU runs this worker too, with gloo, to check the script)
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     model = AutoModelForCausalLM.from_pretrained(
-        args.model_dir, dtype=getattr(torch, args.dtype), tp_plan="auto"
+        args.model_dir, dtype=getattr(torch, args.dtype), distributed_config=DistributedConfig(tp_plan="auto")
     ).eval()
     ids = prompt(model.config.vocab_size, args.context).to(model.device)
     results = {}

@@ -129,9 +129,11 @@ GENERATE = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_di
 
 
 def _tp_generate(rank, path, prompt, want_logits):
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, DistributedConfig
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, tp_plan="auto")
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float64, distributed_config=DistributedConfig(tp_plan="auto")
+    )
     out = model.generate(prompt, cache_implementation="oscar", **GENERATE)
     layer = out.past_key_values.layers[0]
     assert layer.head_group is not None and layer.residual_keys.shape[1] == KV_HEADS // WORLD
