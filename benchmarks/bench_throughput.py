@@ -71,15 +71,14 @@ def largest_batch(
     `probe(b)` and `timed(b)` run a short and the measured generate at batch b (result: timed_generate's); both raise
     torch.OutOfMemoryError when b does not fit. Without a capacity (CPU) or a peak, the prediction is `max_batch`."""
     search = Search()
+    peaks = {}  # batch -> peak GiB of its probe
     try:
-        peaks = {1: probe(1)["peak_gib"]}
-        if max_batch > 1:
-            peaks[2] = probe(2)["peak_gib"]
+        for batch in (1, 2)[: min(max_batch, 2)]:
+            peaks[batch] = probe(batch)["peak_gib"]
     except torch.OutOfMemoryError:
-        if 1 not in peaks:
-            search.oom_batches.append(1)
+        search.oom_batches.append(len(peaks) + 1)
+        if not peaks:
             return 0, None, search
-        search.oom_batches.append(2)
     fits = max(peaks)
     guess = max_batch if fits == 2 else 1
     if capacity_gib is not None and len(peaks) == 2 and None not in peaks.values():
