@@ -1,37 +1,61 @@
-"""`model.generate` with a Llama-3.1-8B-shaped model (random bf16 weights): the user's path, one process.
+"""`model.generate` with a real model's shape (random bf16 weights): the user's path, one process, one run.
 
-    python benchmarks/bench_generate.py            # rows B=1 32K, B=1 128K, B=8 32K, B=4 128K
-    python benchmarks/bench_generate.py --quick    # rows B=1 32K and B=8 32K, 24 new tokens
-    python benchmarks/bench_generate.py --rows 1x131072 4x131072 --append   # add rows to the existing record
-    python benchmarks/bench_generate.py --rows 1x32768 --variants static-compiled oscar-compiled --append
+    python -P benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
+    python -P benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
+    python -P benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
+    PYTHONPATH=/tmp/q python -P benchmarks/bench_generate.py   # /tmp/q: optimum-quanto (pip install --target)
 
-Caches per row: bf16 DynamicCache; bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA
-graphs); OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`); OScaR with generate's automatic
-compile (run only where `OscarCache.is_compileable`; otherwise recorded as skipped with the reason). A streamer
-synchronises the GPU at every token: the prefill time is the time to the first new token, the step time the median
-over the second half of the new tokens (the first ones compile and capture CUDA graphs). Peak memory covers the
-whole `generate` call. An out-of-memory run is recorded as such. Random weights run at the real cost; their tokens
-are meaningless.
+Models (`--model`): `llama-3.1-8b` (32 layers, 32 q / 8 kv heads, head_dim 128: full attention only) and
+`gemma-3-4b` (Gemma 3 4B's text model: 34 layers, 5 sliding-window (1024) : 1 full, 8 q / 4 kv heads, head_dim 256);
+`tiny-llama` and `tiny-gemma` are 2-layer versions for the CPU tests. Random weights run at the real cost; their
+tokens are meaningless.
 
-Writes benchmarks/results/generate_<gpu>.json after every run (a partial record survives an interrupted run):
-`rows: [{batch, context, cache, compiled, step_ms, tokens_per_s, peak_gib, prefill_s, steady_steps_ms}]`.
+Caches (`--variants`), each row for every batch x context:
+- `dynamic`: bf16 DynamicCache, eager;
+- `static-compiled`: bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA graphs);
+- `quantized-quanto-int2`: transformers' QuantizedCache (`cache_implementation="quantized"`, quanto backend, 2 bits),
+  eager; needs optimum-quanto importable (not on the GPU image: install its wheel with `pip install --no-deps
+  --target DIR` and put DIR on PYTHONPATH, or pass `--extra-path DIR`); without it the row is skipped with the reason;
+- `oscar`: OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`);
+- `oscar-compiled`: OScaR with generate's automatic compile, run only where `OscarCache.compile_blockers()` is empty
+  (otherwise skipped with the blockers).
+
+Timing: before its first row, each cache runs one short warm-up generate (2048-token prompt, same batch, eager) so
+that Triton/cuBLAS first-call costs stay out of the rows. A streamer synchronises the device at every token:
+`prefill_s` is the time to the first new token, `step_ms` the median over the second half of the decode steps (the
+first ones compile and capture CUDA graphs), `peak_gib` the peak allocated memory of the whole `generate` call.
+`graphs_compiled` counts the graphs torch.compile built during the row (0: the row ran eager). An out-of-memory row
+is recorded with `oom: true`, any other failure with its `error`: one invocation always leaves a record.
+
+Record: benchmarks/results/generate_<gpu>.json, rewritten after every row (an interrupted run keeps its rows).
+Each invocation is one run with its own id: `runs: {run: {date, commit, device, versions, model, model_config,
+new_tokens, argv}}`, `rows: [{run, model, batch, context, new_tokens, variant, cache, compiled, oom, step_ms,
+prefill_s, peak_gib, tokens_per_s, ...}]` (earlier runs' rows stay), `ratios: [{run, model, batch, context, oscar,
+baseline, step_ratio, prefill_ratio, peak_ratio}]`: OScaR over each baseline (below 1: OScaR is faster / smaller),
+only between rows of one run.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
+import importlib
 import json
 import os
+import secrets
 import statistics
 import subprocess
+import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
+from torch._dynamo.utils import counters as dynamo_counters
+from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
 
 import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
@@ -48,26 +72,67 @@ LLAMA_31_8B = dict(
     max_position_embeddings=131072,
     rope_theta=500000.0,
 )
-ROWS = ["1x32768", "1x131072", "8x32768", "4x131072"]
-QUICK_ROWS = ["1x32768", "8x32768"]
-# name: (cache label, generate's cache_implementation, compiled)
-VARIANTS = {
-    "dynamic": ("dynamic", "dynamic", False),
-    "static-compiled": ("static", "static", True),
-    "oscar": ("oscar", "oscar", False),
-    "oscar-compiled": ("oscar", "oscar", True),
+GEMMA_3_4B = dict(  # the text model of google/gemma-3-4b-it
+    vocab_size=262208,
+    hidden_size=2560,
+    intermediate_size=10240,
+    num_hidden_layers=34,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    head_dim=256,
+    sliding_window=1024,
+    layer_types=[("full_attention" if (i + 1) % 6 == 0 else "sliding_attention") for i in range(34)],
+    max_position_embeddings=131072,
+)
+_TINY = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2)
+# name: (config class, model class, config); the tiny ones run the same code on the CPU in the tests
+MODELS = {
+    "llama-3.1-8b": (LlamaConfig, LlamaForCausalLM, LLAMA_31_8B),
+    "gemma-3-4b": (Gemma3TextConfig, Gemma3ForCausalLM, GEMMA_3_4B),
+    "tiny-llama": (LlamaConfig, LlamaForCausalLM, dict(_TINY, num_hidden_layers=2, head_dim=64)),
+    "tiny-gemma": (
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        dict(
+            _TINY,
+            num_hidden_layers=2,
+            head_dim=64,
+            sliding_window=64,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+    ),
 }
 
 
-class _TokenClock:
-    """A generate streamer that synchronises the GPU as each token arrives and records the time."""
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    cache: str  # the row's `cache` label
+    implementation: str  # generate's cache_implementation
+    compiled: bool  # generate's automatic compile of the decode steps
+    cache_config: dict | None = None
 
-    def __init__(self):
+
+VARIANTS = {
+    "dynamic": Variant("dynamic", "dynamic", False),
+    "static-compiled": Variant("static", "static", True),
+    "quantized-quanto-int2": Variant("quantized-quanto-int2", "quantized", False, {"backend": "quanto", "nbits": 2}),
+    "oscar": Variant("oscar", "oscar", False, {"attention": "auto"}),
+    "oscar-compiled": Variant("oscar", "oscar", True, {"attention": "auto"}),
+}
+WARMUP_CONTEXT, WARMUP_TOKENS = 2048, 4
+
+
+class _TokenClock:
+    """A generate streamer that synchronises the device as each token arrives and records the time."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
         self.times: list[float] = []
         self.prompt_seen = False
 
     def put(self, value):
-        torch.cuda.synchronize()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
         if self.prompt_seen:  # the first call carries the prompt
             self.times.append(time.perf_counter())
         self.prompt_seen = True
@@ -76,135 +141,117 @@ class _TokenClock:
         pass
 
 
-def run(model, batch: int, context: int, new_tokens: int, cache_implementation: str, compiled: bool) -> dict:
-    gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    ids = torch.randint(0, model.config.vocab_size, (batch, context), device="cuda")
-    clock = _TokenClock()
-    options = dict(
-        max_new_tokens=new_tokens,
-        min_new_tokens=new_tokens,
-        do_sample=False,
-        streamer=clock,
-        cache_implementation=cache_implementation,
-    )
-    if compiled:  # generate's automatic compile of the decode steps: Inductor, CUDA graphs, one graph
+def build_model(name: str, device: str) -> torch.nn.Module:
+    """The model `name` of MODELS with random bf16 weights (seeded), sdpa attention, on `device`."""
+    config_class, model_class, shape = MODELS[name]
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = model_class._from_config(config_class(**shape), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model.generation_config.pad_token_id = 0
+    return model.eval()
+
+
+def generate_options(variant: Variant, prefill_chunk_size: int | None = None) -> dict:
+    """generate's keyword arguments for `variant` (greedy decoding is the caller's)."""
+    options: dict = {"cache_implementation": variant.implementation}
+    if variant.cache_config is not None:
+        options["cache_config"] = dict(variant.cache_config)
+    if variant.compiled:  # Inductor, CUDA graphs, one graph for the whole generation
         options["compile_config"] = CompileConfig(fullgraph=True)
-        torch._dynamo.reset()  # each row compiles for its own static shapes (and never hits the recompile limit)
     else:
         options["disable_compile"] = True
-    if cache_implementation == "oscar":
-        options["cache_config"] = {"attention": "auto"}
+    if prefill_chunk_size is not None:
+        options["prefill_chunk_size"] = prefill_chunk_size
+    return options
+
+
+def timed_generate(model, batch: int, context: int, new_tokens: int, options: dict) -> dict:
+    """One greedy `generate` of `new_tokens` tokens after a random `batch` x `context` prompt, timed per token."""
+    device = model.device
+    cuda = device.type == "cuda"
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    if "compile_config" in options:
+        torch._dynamo.reset()  # each row compiles for its own static shapes (and never hits the recompile limit)
+    graphs_before = dynamo_counters["stats"]["unique_graphs"]
+    ids = torch.randint(0, model.config.vocab_size, (batch, context), device=device)
+    clock = _TokenClock(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(ids, attention_mask=torch.ones_like(ids), **options)
+        model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            streamer=clock,
+            **options,
+        )
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     steady = steps[len(steps) // 2 :]
     step_ms = 1000 * statistics.median(steady)
     return {
         "step_ms": step_ms,
-        "step_ms_p20_p80": [1000 * q for q in statistics.quantiles(steady, n=5)[::3]],
+        "step_ms_p20_p80": [1000 * q for q in statistics.quantiles(steady, n=5)[::3]] if len(steady) > 1 else None,
         "tokens_per_s": batch * 1000 / step_ms,
-        "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
         "prefill_s": clock.times[0] - start,
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if cuda else None,  # no allocator stats on CPU
+        "graphs_compiled": dynamo_counters["stats"]["unique_graphs"] - graphs_before,
         "steps_timed": len(steady),
         "steady_steps_ms": [round(1000 * step, 2) for step in steady],  # shows a bimodal baseline for what it is
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rows", nargs="+", default=None, help="BATCHxCONTEXT entries (default: the four rows)")
-    parser.add_argument("--new-tokens", type=int, default=40)
-    parser.add_argument("--quick", action="store_true", help=f"rows {QUICK_ROWS}, 24 new tokens")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
-    parser.add_argument(
-        "--append",
-        action="store_true",
-        help="keep the record's other rows (a run split in two); rows measured again go to earlier_runs",
-    )
-    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
-    args = parser.parse_args()
-    rows = args.rows or (QUICK_ROWS if args.quick else ROWS)
-    shapes = [tuple(int(x) for x in row.split("x")) for row in rows]  # (batch, context)
-    new_tokens = 24 if args.quick and args.new_tokens == 40 else args.new_tokens
+def release(device: torch.device) -> None:
+    """Free what a finished (or failed) generate left behind before the next one measures its peak."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
-    torch.manual_seed(0)
-    config = LlamaConfig(**LLAMA_31_8B)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM._from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa").eval()
-    model.generation_config.pad_token_id = 0
 
-    record = {
-        **record_header("model.generate decode step, Llama-3.1-8B shape, random bf16 weights, greedy"),
-        "model": LLAMA_31_8B,
-        "new_tokens": new_tokens,
-        "rows": [],
-    }
-    gpu = record["device"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"generate_{gpu_slug(gpu)}.json"
-    if args.append and path.exists():
-        earlier = json.loads(path.read_text())
-        rerun = {(b, c, *VARIANTS[v][::2]) for b, c in shapes for v in args.variants}
-        for row in earlier["rows"]:
-            row.setdefault("commit", earlier["commit"])  # rows from before rows named their commit
-        replaced = [r for r in earlier["rows"] if (r["batch"], r["context"], r["cache"], r["compiled"]) in rerun]
-        record["rows"] = [r for r in earlier["rows"] if r not in replaced]
-        record["earlier_runs"] = [
-            *earlier.get("earlier_runs", []),
-            {
-                **{k: earlier[k] for k in ("date", "commit", "new_tokens")},
-                # what this run measures again, as it was: a rerun never hides an earlier number
-                "replaced_rows": [
-                    {k: r.get(k) for k in ("batch", "context", "cache", "compiled", "commit", "step_ms", "error")}
-                    for r in replaced
-                ],
-            },
-        ]
+def failure(error: BaseException) -> dict:
+    """A row's fields for a failed measurement: `oom` and the error's first line (the traceback goes to stderr)."""
+    oom = isinstance(error, torch.OutOfMemoryError)
+    if not oom:
+        traceback.print_exc()
+    message = (str(error).strip().splitlines() or [""])[0][:300]
+    return {"oom": oom, "error": f"{type(error).__name__}: {message}"}
+
+
+def oscar_compile_blockers(model) -> list[str]:
+    """Why generate's automatic compile would not take an OscarCache for this model (empty: it would)."""
     probe = OscarCache(model.config, OscarConfig())
     probe.reserve(1)  # generate reserves its maximum length
-    oscar_blockers = probe.compile_blockers()
-    for batch, context in shapes:
-        for cache, implementation, compiled in (VARIANTS[v] for v in args.variants):
-            # Rows kept by --append come from earlier runs: each row names its commit (compare rows of one commit).
-            entry = {
-                "batch": batch,
-                "context": context,
-                "cache": cache,
-                "compiled": compiled,
-                "commit": record["commit"],
-            }
-            print(f"B={batch} context={context} {cache}{' compiled' if compiled else ''} ...", flush=True)
-            if cache == "oscar" and compiled and oscar_blockers:
-                entry["skipped"] = f"OscarCache is not compileable here: {'; '.join(oscar_blockers)}"
-            else:
-                try:
-                    entry.update(run(model, batch, context, new_tokens, implementation, compiled))
-                except torch.OutOfMemoryError as error:
-                    entry["error"] = f"out of memory: {error}".splitlines()[0]
-            record["rows"].append(entry)
-            path.write_text(json.dumps(record, indent=2))
-            gc.collect()
-            torch.cuda.empty_cache()
-    print(f"\n{gpu} ({path})")
-    print(f"{'B':>3s} {'context':>8s} {'cache':>8s} {'compiled':>8s} {'step ms':>8s} {'tok/s':>8s} {'peak GiB':>9s}")
-    for e in record["rows"]:
-        head = f"{e['batch']:3d} {e['context']:8d} {e['cache']:>8s} {str(e['compiled']):>8s}"
-        if "step_ms" in e:
-            print(f"{head} {e['step_ms']:8.2f} {e['tokens_per_s']:8.1f} {e['peak_gib']:9.1f}")
-        else:
-            print(f"{head} {e.get('error') or e.get('skipped')}")
+    return probe.compile_blockers()
 
 
-def record_header(benchmark: str) -> dict:
-    """The fields every record of these GPU benchmarks starts with (profile_generate.py uses it too)."""
+def quanto_missing() -> str | None:
+    """Why transformers' quanto QuantizedCache cannot run here (None: it can)."""
+    try:
+        importlib.import_module("optimum.quanto")
+    except Exception as error:  # noqa: BLE001  (ImportError, or quanto failing in its own import)
+        return (
+            f"optimum-quanto is not importable ({type(error).__name__}: {error}); install its wheel with "
+            "`pip install --no-deps --target DIR optimum_quanto-*.whl` and pass --extra-path DIR"
+        )
+    return None
+
+
+def new_run() -> str:
+    """One id per process: UTC time and a random suffix (rows of one run share their process and GPU)."""
+    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
+
+
+def record_header(benchmark: str, device: str | torch.device = "cuda") -> dict:
+    """The fields every record of these benchmarks starts with (profile_generate.py uses it too)."""
     # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
     commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    device = torch.device(device)
     return {
         "benchmark": benchmark,
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
@@ -214,6 +261,147 @@ def record_header(benchmark: str) -> dict:
 def gpu_slug(device: str) -> str:
     """ "NVIDIA H200" -> "h200": the record file's suffix."""
     return device.lower().replace("nvidia", "").strip().replace(" ", "-")
+
+
+def open_record(path: Path, benchmark: str) -> dict:
+    """The record of runs at `path` (a new one if there is none)."""
+    if not path.exists():
+        return {"benchmark": benchmark, "runs": {}, "rows": [], "ratios": []}
+    record = json.loads(path.read_text())
+    if "runs" not in record:
+        raise SystemExit(f"{path} is not a record of runs (an older format): move it aside or pass another --out")
+    return record
+
+
+def write_record(path: Path, record: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+
+
+def add_path(extra: list[str]) -> None:
+    """Put --extra-path folders (pure-Python packages the GPU image lacks, such as optimum-quanto) on sys.path."""
+    for folder in reversed(extra):
+        if not Path(folder).is_dir():
+            raise SystemExit(f"--extra-path {folder}: no such folder")
+        sys.path.insert(0, str(Path(folder).resolve()))
+
+
+def oscar_ratios(rows: list[dict], keys: tuple[str, ...], fields: dict[str, str]) -> list[dict]:
+    """OScaR's measurements over every baseline's at the same `keys` (rows of one run): field -> ratio name."""
+    measured = [r for r in rows if r.get(next(iter(fields))) is not None]
+    ratios = []
+    for oscar in (r for r in measured if r["cache"] == "oscar"):
+        for base in (r for r in measured if r["cache"] != "oscar" and all(r[k] == oscar[k] for k in keys)):
+            entry = {k: oscar[k] for k in ("run", *keys)}
+            entry.update(oscar=oscar["variant"], baseline=base["variant"])
+            for field, name in fields.items():
+                both = oscar.get(field) is not None and base.get(field) is not None and base[field] > 0
+                entry[name] = oscar[field] / base[field] if both else None
+            ratios.append(entry)
+    return ratios
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(MODELS), default="llama-3.1-8b")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 4])
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768])
+    parser.add_argument("--new-tokens", type=int, default=32, help="at least 4 (the median takes the second half)")
+    parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--extra-path", nargs="*", default=[], help="folders put first on sys.path (optimum-quanto)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 4:
+        parser.error("--new-tokens must be at least 4")
+    add_path(args.extra_path)
+
+    run = new_run()
+    model = build_model(args.model, args.device)
+    header = record_header("model.generate decode step, real models' shapes, random bf16 weights, greedy", args.device)
+    path = args.out / f"generate_{gpu_slug(header['device'])}.json"
+    record = open_record(path, header.pop("benchmark"))
+    record["runs"][run] = {
+        **header,
+        "model": args.model,
+        "model_config": MODELS[args.model][2],
+        "new_tokens": args.new_tokens,
+        "warmup": f"one eager generate per cache and batch: {WARMUP_CONTEXT}-token prompt, {WARMUP_TOKENS} new tokens",
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    skipped = {}
+    if "oscar-compiled" in args.variants and (blockers := oscar_compile_blockers(model)):
+        skipped["oscar-compiled"] = f"OscarCache is not compileable here: {'; '.join(blockers)}"
+    if "quantized-quanto-int2" in args.variants and (missing := quanto_missing()):
+        skipped["quantized-quanto-int2"] = missing
+    print(f"run {run}: {args.model} on {header['device']} -> {path}", flush=True)
+
+    warmed = set()
+    rows = []
+    for batch in args.batches:
+        for context in args.contexts:
+            for name in args.variants:
+                variant = VARIANTS[name]
+                row = {
+                    "run": run,
+                    "model": args.model,
+                    "batch": batch,
+                    "context": context,
+                    "new_tokens": args.new_tokens,
+                    "variant": name,
+                    "cache": variant.cache,
+                    "compiled": variant.compiled,
+                    "oom": False,
+                    "step_ms": None,
+                    "prefill_s": None,
+                    "peak_gib": None,
+                }
+                print(f"B={batch} context={context} {name} ...", flush=True)
+                if name in skipped:
+                    row["skipped"] = skipped[name]
+                else:
+                    try:
+                        eager = generate_options(dataclasses.replace(variant, compiled=False))
+                        if (variant.implementation, batch) not in warmed:
+                            timed_generate(model, batch, min(context, WARMUP_CONTEXT), WARMUP_TOKENS, eager)
+                            warmed.add((variant.implementation, batch))
+                        row.update(timed_generate(model, batch, context, args.new_tokens, generate_options(variant)))
+                    except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
+                        row.update(failure(error))
+                    release(model.device)
+                rows.append(row)
+                record["rows"].append(row)
+                record["ratios"] = [r for r in record["ratios"] if r["run"] != run] + oscar_ratios(
+                    rows, ("model", "batch", "context"), RATIO_FIELDS
+                )
+                write_record(path, record)
+                print("   " + summary(row), flush=True)
+
+    print(f"\nrun {run}, {args.model}, {header['device']} ({path})")
+    print(f"{'B':>3s} {'context':>8s} {'variant':>22s} {'step ms':>8s} {'prefill s':>9s} {'peak GiB':>9s} graphs")
+    for row in rows:
+        print(f"{row['batch']:3d} {row['context']:8d} {row['variant']:>22s} {summary(row)}")
+    for r in record["ratios"]:
+        if r["run"] == run:
+            print(
+                f"B={r['batch']} {r['context']}: {r['oscar']} / {r['baseline']}: step {_x(r['step_ratio'])}, "
+                f"prefill {_x(r['prefill_ratio'])}, peak {_x(r['peak_ratio'])}"
+            )
+    return path
+
+
+RATIO_FIELDS = {"step_ms": "step_ratio", "prefill_s": "prefill_ratio", "peak_gib": "peak_ratio"}
+
+
+def summary(row: dict) -> str:
+    if row["step_ms"] is None:
+        return "out of memory" if row["oom"] else row.get("error") or row.get("skipped", "")
+    peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9s}"
+    return f"{row['step_ms']:8.2f} {row['prefill_s']:9.2f} {peak} {row['graphs_compiled']}"
+
+
+def _x(ratio: float | None) -> str:
+    return "-" if ratio is None else f"{ratio:.2f}x"
 
 
 def _triton() -> str | None:

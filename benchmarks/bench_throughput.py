@@ -1,0 +1,224 @@
+"""Serving throughput: the largest batch each cache holds at a context, and its decode tokens/s and time to first token.
+
+    python -P benchmarks/bench_throughput.py --contexts 32768                # Llama-3.1-8B shape, 3 caches, one context
+    python -P benchmarks/bench_throughput.py --contexts 131072 --max-batch 32
+    python -P benchmarks/bench_throughput.py --model gemma-3-4b --contexts 32768 131072 --budget-s 500
+
+Caches (`--caches`): `static-compiled` (bf16 StaticCache, generate's automatic compile, chunked prefill),
+`dynamic` (bf16 DynamicCache, eager, unchunked: the plain HF baseline), `oscar-compiled` (OScaR, automatic compile,
+chunked prefill); chunks of `--prefill-chunk-size` tokens (generate's `prefill_chunk_size`). Same models and timing as
+bench_generate.py (random bf16 weights, a streamer synchronising per token, step = median of the second half).
+
+Finding the largest batch: a full doubling/bisection search would prefill hundreds of long prompts (an OScaR batch
+of ~60 at 32K alone takes minutes), so the search measures instead of guessing. Two probes (B=1 and B=2: prefill + 2
+decode steps, eager, same chunking) give the peak memory's fixed part and its part per sequence (everything that grows
+with the batch, cache and prefill transients alike, is linear in it); the predicted batch fills `--memory-fraction`
+of the GPU, capped by `--max-batch`. The timed run at that batch is the check: if it runs out of memory, the search
+bisects between the largest batch known to fit and the one that failed (at most `--tries` timed runs). `max_batch` is
+the batch that ran; `predicted_batch`, `capped` and `oom_batches` say how it was found.
+
+A cache that fails otherwise (e.g. a compile error) is recorded with its `error` and the run goes on; so is a job not
+started because `--budget-s` seconds had passed: one invocation always leaves a record.
+
+Record: benchmarks/results/throughput_<gpu>.json, rewritten after every job, same layout as generate_<gpu>.json:
+`runs: {run: {date, commit, device, versions, ...}}`, `rows: [{run, model, context, cache, variant, compiled,
+prefill_chunk_size, max_batch, tokens_per_s, step_ms, prefill_s, peak_gib, ...}]`, `ratios: [{run, model, context,
+oscar, baseline, tokens_per_s_ratio, max_batch_ratio, prefill_ratio}]` (OScaR over each baseline, one run only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import math
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
+import bench_generate as bench  # noqa: E402  (models, generate options, timing, records)
+
+CACHES = ("static-compiled", "dynamic", "oscar-compiled")
+CHUNKED = {"static-compiled", "oscar-compiled"}  # the plain DynamicCache baseline prefills the whole prompt at once
+PROBE_TOKENS = 3  # prefill + 2 decode steps
+
+
+@dataclasses.dataclass
+class Search:
+    """How `largest_batch` found its batch."""
+
+    predicted_batch: int | None = None
+    capped: bool = False
+    fixed_gib: float | None = None  # the memory model: peak = fixed + batch x per_sequence
+    per_sequence_gib: float | None = None
+    oom_batches: list[int] = dataclasses.field(default_factory=list)
+
+
+def largest_batch(
+    probe: Callable[[int], dict],
+    timed: Callable[[int], dict],
+    capacity_gib: float | None,
+    max_batch: int,
+    tries: int,
+) -> tuple[int, dict | None, Search]:
+    """The largest batch (up to `max_batch`) whose `timed` run fits, and that run's result (None: even B=1 does not).
+
+    `probe(b)` and `timed(b)` run a short and the measured generate at batch b (result: timed_generate's); both raise
+    torch.OutOfMemoryError when b does not fit. Without a capacity (CPU) or a peak, the prediction is `max_batch`."""
+    search = Search()
+    peaks = {}  # batch -> peak GiB of its probe
+    try:
+        for batch in (1, 2)[: min(max_batch, 2)]:
+            peaks[batch] = probe(batch)["peak_gib"]
+    except torch.OutOfMemoryError:
+        search.oom_batches.append(len(peaks) + 1)
+        if not peaks:
+            return 0, None, search
+    fits = max(peaks)
+    guess = max_batch if fits == 2 else 1
+    if capacity_gib is not None and len(peaks) == 2 and None not in peaks.values():
+        search.per_sequence_gib = peaks[2] - peaks[1]
+        search.fixed_gib = peaks[1] - search.per_sequence_gib
+        if search.per_sequence_gib > 0:
+            guess = min(max_batch, max(2, math.floor((capacity_gib - search.fixed_gib) / search.per_sequence_gib)))
+    search.predicted_batch, search.capped = guess, guess == max_batch
+    for attempt in range(tries):
+        try:
+            return guess, timed(guess), search
+        except torch.OutOfMemoryError:  # the next timed run frees what this one left (timed_generate collects first)
+            search.oom_batches.append(guess)
+            if guess <= fits:
+                return 0, None, search  # a batch that fitted in its probe failed timed: nothing is known to fit
+            # bisect between the largest batch known to fit and the one that failed; the last try takes the former
+            guess = fits if attempt == tries - 2 else (fits + guess) // 2
+    return 0, None, search
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(bench.MODELS), default="llama-3.1-8b")
+    parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    parser.add_argument("--prefill-chunk-size", type=int, default=4096)
+    parser.add_argument("--max-batch", type=int, default=64, help="the largest batch tried (bounds the time)")
+    parser.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU's memory the prediction fills")
+    parser.add_argument("--tries", type=int, default=3, help="timed runs per job at most (each OOM bisects)")
+    parser.add_argument("--new-tokens", type=int, default=16, help="of the timed run; at least 4")
+    parser.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args(argv)
+    if args.new_tokens < 4:
+        parser.error("--new-tokens must be at least 4")
+    started = time.perf_counter()
+
+    run = bench.new_run()
+    model = bench.build_model(args.model, args.device)
+    header = bench.record_header("serving throughput at the largest batch that fits, random bf16 weights", args.device)
+    path = args.out / f"throughput_{bench.gpu_slug(header['device'])}.json"
+    record = bench.open_record(path, header.pop("benchmark"))
+    capacity = None
+    if model.device.type == "cuda":
+        capacity = args.memory_fraction * torch.cuda.get_device_properties(model.device).total_memory / 2**30
+    record["runs"][run] = {
+        **header,
+        "model": args.model,
+        "model_config": bench.MODELS[args.model][2],
+        "new_tokens": args.new_tokens,
+        "capacity_gib": capacity,
+        "argv": sys.argv[1:] if argv is None else argv,
+    }
+    blockers = bench.oscar_compile_blockers(model)
+    tqdm.write(f"run {run}: {args.model} on {header['device']} -> {path}")
+
+    rows = []
+    jobs = [(context, name) for context in args.contexts for name in args.caches]
+    for context, name in (bar := tqdm(jobs, desc="throughput", unit="job")):
+        variant = bench.VARIANTS[name]
+        chunk = args.prefill_chunk_size if name in CHUNKED else None
+        compiled = variant.compiled and not (variant.cache == "oscar" and blockers)
+        row = {
+            "run": run,
+            "model": args.model,
+            "context": context,
+            "variant": name,
+            "cache": variant.cache,
+            "compiled": compiled,
+            "prefill_chunk_size": chunk,
+            "max_batch": None,
+            "tokens_per_s": None,
+            "step_ms": None,
+            "prefill_s": None,
+            "peak_gib": None,
+        }
+        if variant.cache == "oscar" and blockers:
+            row["compile_blockers"] = blockers  # generate decodes it eagerly: recorded as such
+        bar.set_postfix_str(f"{name} {context}")
+        if time.perf_counter() - started > args.budget_s:
+            row["skipped"] = f"time budget: {args.budget_s:.0f} s had passed"
+        else:
+            probe_options = bench.generate_options(dataclasses.replace(variant, compiled=False), chunk)
+            options = bench.generate_options(variant, chunk)
+
+            label = f"{name} {context}"
+            probe = functools.partial(_generate_at, model, f"{label} probe", context, PROBE_TOKENS, probe_options)
+            timed = functools.partial(_generate_at, model, f"{label} timed", context, args.new_tokens, options)
+            try:
+                batch, result, search = largest_batch(probe, timed, capacity, args.max_batch, args.tries)
+                row.update(dataclasses.asdict(search), max_batch=batch, oom=result is None)
+                if result is not None:
+                    row.update(result)
+            except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
+                row.update(bench.failure(error))
+            bench.release(model.device)
+        rows.append(row)
+        record["rows"].append(row)
+        record["ratios"] = [r for r in record["ratios"] if r["run"] != run] + bench.oscar_ratios(
+            rows, ("model", "context"), RATIO_FIELDS
+        )
+        bench.write_record(path, record)
+        tqdm.write(f"{name} {context}: {summary(row)}")
+
+    print(f"\nrun {run}, {args.model}, {header['device']} ({path})")
+    print(
+        f"{'context':>8s} {'variant':>16s} {'max B':>6s} {'tok/s':>8s} {'step ms':>8s} {'TTFT s':>7s} {'peak GiB':>9s}"
+    )
+    for row in rows:
+        print(f"{row['context']:8d} {row['variant']:>16s} {summary(row)}")
+    for r in record["ratios"]:
+        if r["run"] == run:
+            print(
+                f"{r['context']}: {r['oscar']} / {r['baseline']}: tokens/s {bench._x(r['tokens_per_s_ratio'])}, "
+                f"max batch {bench._x(r['max_batch_ratio'])}, TTFT {bench._x(r['prefill_ratio'])}"
+            )
+    return path
+
+
+def _generate_at(model, label: str, context: int, new_tokens: int, options: dict, batch: int) -> dict:
+    tqdm.write(f"  {label} B={batch} ...")
+    result = bench.timed_generate(model, batch, context, new_tokens, options)
+    tqdm.write(
+        f"    prefill {result['prefill_s']:.1f} s, peak {result['peak_gib']} GiB, step {result['step_ms']:.1f} ms"
+    )
+    return result
+
+
+RATIO_FIELDS = {"tokens_per_s": "tokens_per_s_ratio", "max_batch": "max_batch_ratio", "prefill_s": "prefill_ratio"}
+
+
+def summary(row: dict) -> str:
+    if row["tokens_per_s"] is None:
+        return row.get("error") or row.get("skipped") or f"out of memory at B={row.get('oom_batches')}"
+    peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9s}"
+    return f"{row['max_batch']:6d} {row['tokens_per_s']:8.1f} {row['step_ms']:8.2f} {row['prefill_s']:7.2f} {peak}" + (
+        " (capped)" if row.get("capped") else ""
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""benchmarks/bench_generate.py on the CPU with tiny models, through its real code path: the record's layout (runs,
+rows naming their run, ratios within a run), every cache's row, and failures kept as rows. (Its timings need a GPU;
+they are benchmark records, not tests.)"""
+
+import importlib
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+ORACLE_FIELDS = ("run", "model", "batch", "context", "new_tokens", "variant", "cache", "compiled", "oom")
+MEASURED = ("step_ms", "prefill_s", "peak_gib")
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "benchmarks" / "bench_generate.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_generate"] = module  # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("bench_generate", None)
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def _quanto_importable() -> bool:
+    try:
+        importlib.import_module("optimum.quanto")
+    except Exception:  # noqa: BLE001  (what bench_generate.quanto_missing treats as missing)
+        return False
+    return True
+
+
+@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma"])
+def test_every_cache_gets_a_row_of_one_run(bench, tmp_path, model):
+    args = ["--model", model, "--device", "cpu", "--batches", "2", "--contexts", "256", "--new-tokens", "5"]
+    path = bench.main([*args, "--out", str(tmp_path)])
+    assert path == tmp_path / "generate_cpu.json"
+    record = json.loads(path.read_text())
+    [(run, header)] = record["runs"].items()
+    assert header["device"] == "cpu" and header["model"] == model and header["new_tokens"] == 5
+    assert set(header["versions"]) == {"torch", "transformers", "triton"} and header["commit"] is not None
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert list(rows) == list(bench.VARIANTS) and len(record["rows"]) == len(bench.VARIANTS)
+    for row in record["rows"]:
+        assert all(field in row for field in ORACLE_FIELDS + MEASURED), row
+        assert row["run"] == run and row["model"] == model and (row["batch"], row["context"]) == (2, 256)
+        assert row["oom"] is False, row
+    hybrid = model == "tiny-gemma"
+    quanto = rows["quantized-quanto-int2"]
+    if not _quanto_importable():
+        assert "optimum-quanto is not importable" in quanto["skipped"] and quanto["step_ms"] is None
+    elif hybrid:  # transformers' QuantizedCache refuses hybrid models: recorded as the row's error
+        assert "only full attention" in quanto["error"] and quanto["step_ms"] is None
+    if hybrid and bench.oscar_compile_blockers(bench.build_model(model, "cpu")):
+        # the compiled row says why OscarCache does not compile instead of timing the eager path again
+        assert "not compileable" in rows["oscar-compiled"]["skipped"] and rows["oscar-compiled"]["step_ms"] is None
+    measured = [row for row in record["rows"] if row["step_ms"] is not None]
+    expected = {"dynamic", "static-compiled", "oscar"}
+    if not hybrid:
+        expected |= {"oscar-compiled"} | ({"quantized-quanto-int2"} if _quanto_importable() else set())
+    assert expected <= {row["variant"] for row in measured}
+    for row in measured:
+        assert "error" not in row and "skipped" not in row, row
+        assert row["step_ms"] > 0 and row["prefill_s"] > 0 and row["peak_gib"] is None  # no allocator stats on CPU
+        assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"])
+        assert row["graphs_compiled"] == 0  # generate compiles on CUDA only
+        assert row["steps_timed"] == 2 == len(row["steady_steps_ms"])  # the second half of 4 steps
+    # ratios: each measured OScaR row over each measured baseline of the same shape, in this run
+    oscars = {row["variant"] for row in measured if row["cache"] == "oscar"}
+    baselines = {row["variant"] for row in measured if row["cache"] != "oscar"}
+    assert {(r["oscar"], r["baseline"]) for r in record["ratios"]} == {(o, b) for o in oscars for b in baselines}
+    for ratio in record["ratios"]:
+        oscar, base = rows[ratio["oscar"]], rows[ratio["baseline"]]
+        assert ratio["run"] == run and (ratio["model"], ratio["batch"], ratio["context"]) == (model, 2, 256)
+        assert ratio["step_ratio"] == oscar["step_ms"] / base["step_ms"]
+        assert ratio["prefill_ratio"] == oscar["prefill_s"] / base["prefill_s"]
+        assert ratio["peak_ratio"] is None
+
+    # a second invocation is a second run: it adds its rows and never touches the first run's rows or ratios
+    bench.main([*args, "--variants", "dynamic", "--out", str(tmp_path)])
+    again = json.loads(path.read_text())
+    [second] = set(again["runs"]) - {run}
+    assert again["rows"][: len(record["rows"])] == record["rows"] and again["ratios"] == record["ratios"]
+    assert [row["run"] for row in again["rows"][len(record["rows"]) :]] == [second]
+
+
+def test_out_of_memory_and_failures_are_rows(bench, tmp_path, monkeypatch):
+    """A row that runs out of memory or fails otherwise is recorded as such and the run goes on."""
+
+    def fake_generate(model, batch, context, new_tokens, options):
+        if options["cache_implementation"] == "static":
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB.\nmore")
+        if options["cache_implementation"] == "oscar" and new_tokens > bench.WARMUP_TOKENS:
+            raise RuntimeError("Unsupported: functools.wraps")
+        return {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": 3.0, "graphs_compiled": 0}
+
+    monkeypatch.setattr(bench, "timed_generate", fake_generate)
+    variants = ["dynamic", "static-compiled", "oscar"]
+    args = ["--model", "tiny-llama", "--device", "cpu", "--contexts", "256", "--variants", *variants]
+    record = json.loads(bench.main([*args, "--out", str(tmp_path)]).read_text())
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert len(record["rows"]) == 2 * 3  # --batches 1 4 by default
+    assert rows["dynamic"]["step_ms"] == 2.0 and rows["dynamic"]["oom"] is False
+    assert rows["static-compiled"]["oom"] is True and rows["static-compiled"]["step_ms"] is None
+    assert rows["static-compiled"]["error"] == "OutOfMemoryError: CUDA out of memory. Tried to allocate 7.00 GiB."
+    assert rows["oscar"]["oom"] is False and rows["oscar"]["error"] == "RuntimeError: Unsupported: functools.wraps"
+    assert record["ratios"] == []  # nothing to compare OScaR's failed rows with
+
+
+def test_a_record_of_another_format_is_refused(bench, tmp_path):
+    (tmp_path / "generate_cpu.json").write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match="not a record of runs"):
+        bench.main(["--model", "tiny-llama", "--device", "cpu", "--variants", "dynamic", "--out", str(tmp_path)])

@@ -1,0 +1,136 @@
+"""benchmarks/bench_throughput.py: its batch search against a simulated GPU memory, and the script on the CPU with a
+tiny model through its real code path (the record's layout, a row per cache and context naming its run, failures and
+the time budget kept as rows). (Its timings need a GPU; they are benchmark records, not tests.)"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = ("run", "model", "context", "cache", "variant", "compiled", "prefill_chunk_size", "max_batch")
+MEASURED = ("tokens_per_s", "step_ms", "prefill_s", "peak_gib")
+
+
+@pytest.fixture(scope="module")
+def throughput():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "benchmarks" / "bench_throughput.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_throughput"] = module  # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for name in ("bench_throughput", "bench_generate"):
+            sys.modules.pop(name, None)
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+class FakeGPU:
+    """Peak memory fixed + per_sequence x batch; a timed run needs `timed_extra` more (CUDA graphs, compile)."""
+
+    def __init__(self, capacity, fixed=16.0, per_sequence=4.0, timed_extra=0.0):
+        self.capacity, self.fixed, self.per_sequence, self.timed_extra = capacity, fixed, per_sequence, timed_extra
+        self.calls = []
+
+    def _peak(self, batch, extra):
+        peak = self.fixed + self.per_sequence * batch + extra
+        if peak > self.capacity:
+            raise torch.OutOfMemoryError(f"B={batch}")
+        return peak
+
+    def probe(self, batch):
+        self.calls.append(("probe", batch))
+        return {"peak_gib": self._peak(batch, 0.0)}
+
+    def timed(self, batch):
+        self.calls.append(("timed", batch))
+        return {"peak_gib": self._peak(batch, self.timed_extra), "batch": batch}
+
+
+def test_the_memory_model_predicts_the_largest_batch(throughput):
+    gpu = FakeGPU(capacity=80.0)
+    batch, result, search = throughput.largest_batch(gpu.probe, gpu.timed, 72.0, max_batch=64, tries=3)
+    # (72 - 16) / 4 = 14 sequences within the capacity the search may fill; one timed run, no OOM
+    assert (batch, result["batch"]) == (14, 14) and gpu.calls == [("probe", 1), ("probe", 2), ("timed", 14)]
+    assert (search.fixed_gib, search.per_sequence_gib, search.predicted_batch) == (16.0, 4.0, 14)
+    assert search.capped is False and search.oom_batches == []
+
+
+def test_a_timed_run_out_of_memory_bisects_down(throughput):
+    gpu = FakeGPU(capacity=80.0, timed_extra=10.0)  # compiled runs need more than the eager probes showed
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
+    # predicted (80 - 16) / 4 = 16: OOM (90 GiB); then (2 + 16) // 2 = 9: 62 GiB fits
+    assert batch == 9 and search.oom_batches == [16] and gpu.calls[2:] == [("timed", 16), ("timed", 9)]
+    gpu = FakeGPU(capacity=80.0, timed_extra=50.0)  # only B=2 fits timed: the last try takes the batch known to fit
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
+    assert batch == 2 and search.oom_batches == [16, 9]
+
+
+def test_the_cap_and_what_does_not_fit(throughput):
+    gpu = FakeGPU(capacity=1000.0)
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 1000.0, max_batch=8, tries=3)
+    assert batch == 8 and search.capped is True
+    gpu = FakeGPU(capacity=22.0)  # B=1 fits (20 GiB), B=2 does not (24)
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 22.0, max_batch=8, tries=3)
+    assert batch == 1 and search.oom_batches == [2] and gpu.calls[-1] == ("timed", 1)
+    gpu = FakeGPU(capacity=10.0)  # not even B=1
+    batch, result, search = throughput.largest_batch(gpu.probe, gpu.timed, 10.0, max_batch=8, tries=3)
+    assert (batch, result, search.oom_batches) == (0, None, [1]) and gpu.calls == [("probe", 1)]
+
+
+def test_every_cache_gets_a_row_of_one_run(throughput, tmp_path):
+    args = ["--model", "tiny-llama", "--device", "cpu", "--contexts", "256", "--max-batch", "2", "--new-tokens", "4"]
+    path = throughput.main([*args, "--prefill-chunk-size", "64", "--out", str(tmp_path)])
+    assert path == tmp_path / "throughput_cpu.json"
+    record = json.loads(path.read_text())
+    [(run, header)] = record["runs"].items()
+    assert header["device"] == "cpu" and header["model"] == "tiny-llama" and header["capacity_gib"] is None
+    assert [row["variant"] for row in record["rows"]] == list(throughput.CACHES)
+    for row in record["rows"]:
+        assert all(field in row for field in FIELDS + MEASURED), row
+        assert row["run"] == run and row["context"] == 256 and "error" not in row, row
+        # no memory to measure on the CPU: the search takes --max-batch
+        assert row["max_batch"] == 2 and row["capped"] is True and row["oom"] is False
+        assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"]) and row["prefill_s"] > 0
+        assert row["prefill_chunk_size"] == (None if row["variant"] == "dynamic" else 64)
+    assert {(r["oscar"], r["baseline"]) for r in record["ratios"]} == {
+        ("oscar-compiled", "static-compiled"),
+        ("oscar-compiled", "dynamic"),
+    }
+    rows = {row["variant"]: row for row in record["rows"]}
+    for ratio in record["ratios"]:
+        oscar, base = rows[ratio["oscar"]], rows[ratio["baseline"]]
+        assert ratio["run"] == run and ratio["max_batch_ratio"] == 1.0
+        assert ratio["tokens_per_s_ratio"] == oscar["tokens_per_s"] / base["tokens_per_s"]
+        assert ratio["prefill_ratio"] == oscar["prefill_s"] / base["prefill_s"]
+
+
+def test_a_failing_cache_and_the_time_budget_are_rows(throughput, tmp_path, monkeypatch):
+    """One invocation always leaves a record: a cache that crashes is a row with its error, and jobs after the time
+    budget are rows saying so."""
+
+    def fake_generate(model, batch, context, new_tokens, options):
+        if (
+            options.get("prefill_chunk_size")
+            and "compile_config" in options
+            and options["cache_implementation"] == "oscar"
+        ):
+            raise RuntimeError("torch._dynamo.exc.Unsupported: can't trace functools.wraps\n(traceback)")
+        return {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": None, "tokens_per_s": batch * 500.0}
+
+    monkeypatch.setattr(throughput.bench, "timed_generate", fake_generate)
+    args = ["--model", "tiny-llama", "--device", "cpu", "--contexts", "256", "--max-batch", "4", "--out", str(tmp_path)]
+    record = json.loads(throughput.main(args).read_text())
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert rows["oscar-compiled"]["error"] == "RuntimeError: torch._dynamo.exc.Unsupported: can't trace functools.wraps"
+    assert rows["oscar-compiled"]["tokens_per_s"] is None and rows["dynamic"]["max_batch"] == 4
+    assert record["ratios"] == []
+
+    record = json.loads(throughput.main([*args, "--budget-s", "0", "--contexts", "256", "512"]).read_text())
+    late = [row for row in record["rows"] if row["run"] != rows["dynamic"]["run"]]
+    assert len(late) == 6 and all(row["skipped"].startswith("time budget") for row in late)
