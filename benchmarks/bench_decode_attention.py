@@ -45,7 +45,7 @@ import torch.nn.functional as F
 import transformers
 import triton
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
-from oscar_hf.kernels.decode_attention import _decode_attention, _default_tuning
+from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.testing import do_bench, do_bench_cudagraph
 
 from oscar_hf.config import OscarConfig
@@ -115,9 +115,7 @@ def portable(s, config, scale):
 
 
 def fused(s, config, scale, tuning=None):
-    if tuning is None:
-        return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
-    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, None, tuning=tuning)
+    return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, tuning=tuning)
 
 
 MAX_REL_ERR = 2e-3  # fused vs the float32 reference, every benchmark shape (issue 7)
@@ -246,9 +244,9 @@ def quantize_vs_prefill(config, gen) -> dict:
 
 def sweep(config, gen, shapes, changes=None) -> list:
     """Fused-kernel launch variants on a few shapes (graph medians): `changes` to the default launch choices (a
-    list of `_Tuning` field dicts), else the list below."""
+    list of `DecodeTuning` field dicts), else the list below."""
     scale = 1 / math.sqrt(HEAD_DIM)
-    base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
     for change in changes or (
         *(dict(block_n=n, num_warps=w) for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))),

@@ -15,15 +15,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention, decode_attention_triton
-from oscar_hf.kernels.decode_attention import (
-    _decode_attention,
-    _default_tuning,
-    _few_heads,
-    _gluon_splits,
-    _num_splits,
-    _unpack_codes_t,
-)
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
+from oscar_hf.kernels import decode_attention as launcher
+from oscar_hf.kernels.decode_attention import decode_plan
+from oscar_hf.kernels.decode_tiles import unpack_codes_t
+from oscar_hf.kernels.decode_tuning import default_tuning, few_heads, num_splits
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -217,7 +213,7 @@ def test_decode_attention_matches_reference(case: Case):
 def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
     o_d = tl.arange(0, D)[:, None]
     words = tl.load(words_ptr + o_d * ROWS + tl.arange(0, ROWS)[None, :])
-    codes = _unpack_codes_t(words, D, ROWS, BITS)
+    codes = unpack_codes_t(words, D, ROWS, BITS)
     tl.store(out_ptr + o_d * (ROWS * 32 // BITS) + tl.arange(0, ROWS * 32 // BITS)[None, :], codes)
 
 
@@ -242,10 +238,10 @@ def test_merge_over_several_steps():
     splits + the residual program (a partial last step), with the first splits fully masked (m = -inf, l = 0)."""
     case = replace(BASE, quantized=544, batch=1, kv_heads=1, left_pad=200)
     inputs = make_inputs(case)
-    tuning = replace(_default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
+    tuning = replace(default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
     blocks = triton.cdiv(case.quantized, tuning.block_n)
-    assert _num_splits(1, blocks, DEVICE, tuning, _few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
-    out = _decode_attention(*inputs, tuning=tuning)
+    assert num_splits(1, blocks, DEVICE, tuning, few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
+    out = decode_attention_triton(*inputs, tuning=tuning)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
@@ -369,12 +365,12 @@ GLUON_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gluon_full_blocks(case: Case):
-    """The Gluon kernel reads every full 128-token block of these (kernels/decode_attention_gluon.py; with a device
+    """The Gluon kernel reads every full 128-token block of these (kernels/decode_gluon.py; with a device
     length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
     inputs = make_inputs(case, seed=2)
     query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
-    tuning = _default_tuning(case.head_dim, case.gqa * case.q_len, config.scale_torch_dtype)
-    assert _gluon_splits(query, quantized, config, case.gqa * case.q_len, case.quantized, tuning) > 0
+    plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated)
+    assert plan.gluon_grid is not None, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
 
@@ -403,7 +399,7 @@ def _gluon_partials_in_torch(
     for bh in range(bh_count):
         b, h = divmod(bh, kv_heads)
         q = q_op[bh, :, :rows].double().T
-        for split, warp in itertools.product(range(splits), range(decode_attention._gluon.WARPS)):
+        for split, warp in itertools.product(range(splits), range(launcher._gluon.WARPS)):
             lo = split * blocks_per_split * 128
             hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
             tokens = torch.arange(lo, hi, device=q.device)
@@ -414,7 +410,7 @@ def _gluon_partials_in_torch(
             empty = torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
             m = scores.amax(-1) if len(tokens) else empty
             p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
-            slot = split * decode_attention._gluon.WARPS + warp
+            slot = split * launcher._gluon.WARPS + warp
             part_o[bh, slot] = (p @ values[b, h, tokens]).to(part_o.dtype)
             part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = m, p.sum(-1)
 
@@ -434,8 +430,9 @@ def test_gluon_partial_slots(case: Case, held, monkeypatch):
     program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
     The step must match the reference; a wrong query operand, slot or block offset would not."""
     query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=3)
-    monkeypatch.setattr(decode_attention, "_gluon_splits", lambda *args: 2)
-    monkeypatch.setattr(decode_attention._gluon, "launch", _gluon_partials_in_torch)
+    monkeypatch.setattr(launcher, "_PLANS", {})  # plans made here (with the stand-in) are not kept for other tests
+    monkeypatch.setattr(launcher, "_gluon_splits", lambda *args: (2, ""))
+    monkeypatch.setattr(launcher._gluon, "launch", _gluon_partials_in_torch)
     length = None if held is None else torch.tensor(sum(held), device=DEVICE)
     out = decode_attention_triton(query, quantized, rk, rv, mask, scaling, config, key_rotated, length)
     if held is not None:  # the reference over the tokens held (`test_device_length_reads_only_what_is_held`)

@@ -1,6 +1,6 @@
 """The quantized tokens of a 2-bit decode step in Gluon: codes unpacked straight into tensor-core fragments.
 
-`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `_gluon_splits` allows it
+`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `supports` allows it
 (CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
 block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
 the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
@@ -8,7 +8,7 @@ residual window (and write the query operand this kernel reads), and whose merge
 
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
-layouts (benchmarks/NOTES_kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
+layouts (docs/kernels.md). Here the layouts are ours: each lane reads the storage words whose codes it
 holds in the MMA's fragments, so a pair of codes becomes an operand register with a `lop3` and a `sub.f16x2` (keys:
 and an `fma.f16x2`), about 2.4 instructions per code in all (`benchmarks/count_sass.py --gluon`).
 
@@ -41,7 +41,7 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
 
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel and the launch around this one (a float64 stand-in);
 tests/kernels/test_decode_attention.py checks this one against the float64 reference on the GPU, and
-benchmarks/fuzz_kernels.py on random cases. Measured: benchmarks/NOTES_kernels.md.
+benchmarks/fuzz_kernels.py on random cases. Measured: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -51,92 +51,41 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .common import interpreting
+from .decode_gluon_layouts import (
+    A_OP,
+    B_OP,
+    BIAS_BY_GROUP,
+    BLOCK,
+    HALF,
+    K_CODES,
+    K_GROUP_PAIRS,
+    K_PAIRS,
+    K_PAIRS_BY_GROUP,
+    K_PARAMS_COPY,
+    K_PARAMS_SMEM,
+    K_WORDS,
+    K_WORDS_SMEM,
+    MMA,
+    NORMS_COPY,
+    NORMS_SMEM,
+    ROWS,
+    V_CODES,
+    V_PARAMS,
+    V_PARAMS_COPY,
+    V_PARAMS_SMEM,
+    V_WORDS,
+    V_WORDS_SMEM,
+    WORDS_COPY,
+    D,
+)
+from .decode_tuning import num_sms
+
 # Gluon names that changed after Triton 3.6 (the GPU image's): the cp.async copy and the CTA barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-D = gl.constexpr(128)  # head dim
-ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
-BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
-HALF = gl.constexpr(64)  # tokens per warp and step
 WARPS = 2  # per program: one partial each
-
-# Two warps per program, one per half of a step's 8 word rows: warp h's tokens are those of rows 4 h .. 4 h + 3; its own
-# online softmax over them (a batched MMA: the batch is the warp), its own partial.
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
-A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-
-# key words [8 word rows R, 128 channels d]: lane (g, i) of warp h holds row 4 h + g // 2, d = e + 2 i + 8 s + 16 kt
-# (lanes g and g + 1 read the same words and keep half g % 2 of each)
-K_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 128]
-    )
-)
-K_PAIRS = gl.constexpr(  # [8 R, 64 channel pairs c]
-    gl.DistributedLinearLayout(
-        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 64]
-    )
-)
-K_CODES = gl.constexpr(  # [R, c, g0, r1, mt]: stored token 16 R + 8 g0 + mt + 4 r1 (g0 = g % 2)
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 1, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
-         [0, 0, 0, 0, 2]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [[4, 0, 0, 0, 0]], [],
-        [8, 64, 2, 2, 4],
-    )
-)  # fmt: skip
-# value words of one 32-channel group [8 word rows R, 32 channels]: lane (g, i) of warp h holds row 4 h + i, channel
-# g + 8 r1 + 16 mt
-V_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [[4, 0]], [], [8, 32])
-)
-V_CODES = gl.constexpr(  # [R, ch, s, kt]: stored tokens 16 R + 8 e + kt + 4 s of the word's halves e
-    gl.DistributedLinearLayout(
-        [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0], [0, 16, 0, 0]],
-        [[1, 0, 0, 0], [2, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [[4, 0, 0, 0]], [], [8, 32, 2, 4],
-    )
-)  # fmt: skip
-# value parameters [2 h, 64 logical tokens x, 4 groups] as the P^T operand holds x (lanes over query rows: broadcast)
-V_PARAMS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
-        [[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], [[1, 0, 0]], [], [2, HALF, 4],
-    )
-)  # fmt: skip
-# key scale/min pairs [4 groups j, 2 rows r, 64 pairs c] of word row 2 j + r (its slice over r: the [4, 64] loaded)
-K_PAIRS_BY_GROUP = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 1, 0], [1, 0, 0]],
-        [[2, 0, 0]], [], [4, 2, 64],
-    )
-)  # fmt: skip
-K_GROUP_PAIRS = gl.constexpr(gl.SliceLayout(1, K_PAIRS_BY_GROUP))
-# the bias MMA's A operand [2 h, 16, 64 x] as [h, 4 r, 4 groups j, x] (row 4 r + j); its slice over r: the [h, 4, 64]
-# loaded
-BIAS_BY_GROUP = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 1], [0, 2, 0, 0], [0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 0, 32]],
-        [[0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0]], [[1, 0, 0, 0]], [], [2, 4, 4, HALF],
-    )
-)  # fmt: skip
-
-# Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
-# per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
-# are read in 8-byte pairs by lanes over 4 word rows and 4 pairs, value words one by one over 4 word rows and 8
-# channels (both: 8-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
-K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
-V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
-K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
-V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # [stage, 2 h, 64 x, 4 groups]
-NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 2 h, 64 x]
-# the copies' layouts over both warps: 16 bytes per lane and copy where the source is contiguous (8 for value
-# parameters, 4 for norms)
-WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [2, 1], [1, 0]))  # [8, D]
-K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [2, 1], [1, 0]))  # [4, 64]
-V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [2, 1, 1], [2, 1, 0]))  # [2, 64, 4]
-NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # [2, 64]
 
 
 @gluon.jit
@@ -445,6 +394,34 @@ def _gluon_split_kernel(
     p_ml = part_ml_ptr + ((bh * num_parts + 2 * split + o_hs) * ROWS_USED + o_rs) * 2
     gl.store(p_ml, m_i, mask=o_rs < ROWS_USED)
     gl.store(p_ml + 1, l_i, mask=o_rs < ROWS_USED)
+
+
+def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
+    """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16
+    scales, query tiles of 8 rows per KV head, the storage's channels contiguous."""
+    if query.device.type != "cuda" or interpreting():
+        return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
+        return False, f"{torch.cuda.get_device_name(query.device)} predates compute capability 8.0 (mma.sync)"
+    got = (query.shape[3], config.bits, config.group_size, config.scale_torch_dtype)
+    if got != (D.value, 2, 32, torch.float16):
+        return False, f"compiled for head_dim 128, 2 bits, groups of 32, fp16 scales; got {got}"
+    if block_m != ROWS.value:
+        return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
+    codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)
+    if any(t.stride(-1) != 1 or t.storage_offset() % 2 for t in codes_and_pairs):  # int32 views of fp16 pairs
+        return False, "the codes' and key parameters' channels must be contiguous, the parameters at even offsets"
+    if quantized.key_norms is not None and quantized.key_norms.stride(-1) != 1:
+        return False, "the key norms must be contiguous over tokens"
+    return True, ""
+
+
+def programs_per_head(batch_heads: int, full_blocks: int, tuning, device: torch.device) -> int:
+    """Programs per KV head: all in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~212
+    registers allow 4), at least two blocks each (a second, partly filled wave would add its whole time)."""
+    wave = tuning.gluon_programs_per_sm * num_sms(device)
+    return max(1, min(wave // batch_heads, full_blocks // 2))
 
 
 def launch(
