@@ -31,8 +31,8 @@ def unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl
         lo = x.to(tl.int16).to(tl.float16, bitcast=True)
         hi = (x >> 16).to(tl.int16).to(tl.float16, bitcast=True)
     else:  # the same in PTX (lop3 0xea: (a & b) | c), the register handed out as its two fp16 halves, which saves
-        # the 16-bit shuffles Triton emits to split and re-pair them (H200: 2-3 % of the kernel; test_unpack_codes_order
-        # checks this path against the storage layout's unpacker on the GPU)
+        # the 16-bit shuffles Triton emits to split and re-pair them (test_unpack_codes_order checks this path against
+        # the storage layout's unpacker on the GPU)
         lo, hi = tl.inline_asm_elementwise(
             f"{{ .reg .b32 t; shr.u32 t, $2, $3; lop3.b32 t, t, {MASK}, 0x64006400, 0xea; mov.b32 {{$0, $1}}, t; }}",
             "=h,=h,r,r",
@@ -204,8 +204,7 @@ def quantized_blocks(
     of the splits. HAS_MASK: whether a step applies the key padding mask.
     PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
     The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
-    fewer registers (counted with Triton 3.6 for sm_90, D=128, 4 warps, 128-token steps: 56 bytes of spills per thread
-    instead of 272)."""
+    fewer registers (and spills none or fewer)."""
     W: tl.constexpr = 32 // BITS
     H: tl.constexpr = W // 2
     ROWS: tl.constexpr = BLOCK_N // W
