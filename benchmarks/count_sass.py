@@ -61,7 +61,7 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
         def launch(*args, **kwargs):
             recorded[kernel] = dict(zip(kernel.arg_names, args)) | kwargs
 
-        return mock.Mock(__getitem__=lambda self, grid: launch)
+        return mock.Mock(__getitem__=lambda self, grid: launch, arg_names=kernel.arg_names, fn=kernel.fn)
 
     gluon_kernel = decode_gluon._gluon_split_kernel
     with (

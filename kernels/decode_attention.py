@@ -46,6 +46,7 @@ from .common import MODEL_DTYPES, interpreting
 from .decode_merge import merge_kernel
 from .decode_triton import split_kernel
 from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, num_splits
+from .launching import BoundKernel
 from .quantize_pack import check_key_rotated
 
 # Gluon (Triton's layout-explicit dialect, still `experimental`, its API changing between releases) reads the full
@@ -61,17 +62,14 @@ _MAX_PLANS = 256  # plans kept (oldest dropped first): a decode makes one per st
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What one set of launch facts launches: grids, sizes, constants and strides of the three kernels."""
+    """What one set of launch facts launches: the three kernels with their grids, sizes, constants and strides bound."""
 
     num_quantized: int  # quantized tokens (with a device length: the storage's capacity); 0: none
     tuning: DecodeTuning
-    split_grid: tuple[int, int]
-    split_args: dict  # the split kernel's arguments but its tensors and `qk_scale`
-    gluon_grid: tuple[int, int] | None  # None: the Triton split kernel reads every quantized token ...
+    split: BoundKernel  # the Triton split kernel: the residual window, the quantized tokens the Gluon one leaves
+    gluon: BoundKernel | None  # the Gluon kernel over the full 128-token blocks; None: the split kernel reads all ...
     why_not_gluon: str  # ... for this reason
-    gluon_args: tuple  # `decode_gluon.launch`'s arguments after the tensors
-    merge_grid: tuple[int]
-    merge_args: dict  # the merge kernel's arguments but its tensors
+    merge: BoundKernel
     part_shape: tuple[int, int, int, int]  # partial outputs [B * Hkv, partials, g * Tq, D]
     q_op_shape: tuple[int, ...]  # the query operand the Gluon kernel reads ((0,) without it)
 
@@ -98,23 +96,17 @@ def decode_attention_triton(
     device = query.device
     if not plan.num_quantized:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
         quantized = _no_storage(query, residual_keys, config)
-    tensors = _operands(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
+    inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     part_o = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
     part_ml = torch.empty((*plan.part_shape[:3], 2), dtype=torch.float32, device=device)
     q_op = torch.empty(plan.q_op_shape, dtype=torch.float16, device=device)
-    q_scale = torch.empty(plan.q_op_shape[0] if plan.gluon_grid else 0, dtype=torch.float32, device=device)
+    q_scale = torch.empty(plan.q_op_shape[0] if plan.gluon else 0, dtype=torch.float32, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        split_kernel[plan.split_grid](
-            **tensors, part_o_ptr=part_o, part_ml_ptr=part_ml, q_op_ptr=q_op, q_scale_ptr=q_scale,
-            qk_scale=scaling * _LOG2E, **plan.split_args,
-        )  # fmt: skip
-        if plan.gluon_grid:
-            _gluon.launch(
-                plan.gluon_grid, q_op, q_scale, quantized, tensors["kn_ptr"], tensors["mask_ptr"], length, part_o,
-                part_ml, *plan.gluon_args,
-            )  # fmt: skip
-        merge_kernel[plan.merge_grid](part_o_ptr=part_o, part_ml_ptr=part_ml, out_ptr=out, **plan.merge_args)
+        plan.split(*inputs, part_o, part_ml, q_op, q_scale, scaling * _LOG2E)
+        if plan.gluon:
+            _gluon.launch(plan.gluon, q_op, q_scale, quantized, inputs[4], inputs[10], length, part_o, part_ml)
+        plan.merge(part_o, part_ml, out)
     return out
 
 
@@ -148,9 +140,10 @@ _PLANS: dict[tuple, DecodePlan] = {}
 
 
 def _facts(tensor: torch.Tensor) -> tuple:
-    """What validation and a plan read of a tensor: shape, strides, dtype, device, and the parity of its storage offset
-    (the Gluon kernel reads fp16 parameter pairs as int32)."""
-    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.storage_offset() & 1
+    """What validation and a plan read of a tensor: shape, strides, dtype, device, and its address modulo 16 (Triton
+    compiles a kernel for its pointers' alignment, which a plan's `BoundKernel`s keep; the Gluon kernel reads fp16
+    parameter pairs as int32, at even offsets)."""
+    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() & 15
 
 
 def _no_storage(query, residual_keys, config) -> QuantizedKV:
@@ -158,26 +151,23 @@ def _no_storage(query, residual_keys, config) -> QuantizedKV:
     return StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, query.device)
 
 
-def _operands(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length) -> dict:
-    """The split kernel's input pointers (an absent input: an empty stand-in the kernel never reads)."""
+# the split kernel's tensor arguments, in `_inputs`' order, then its buffers and the score scale of each call
+_SPLIT_INPUTS = ("q_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr", "rk_ptr", "rv_ptr",
+                 "mask_ptr", "key_rotated_ptr", "length_ptr")  # fmt: skip
+_SPLIT_PER_CALL = (*_SPLIT_INPUTS, "part_o_ptr", "part_ml_ptr", "q_op_ptr", "q_scale_ptr", "qk_scale")
+_MERGE_PER_CALL = ("part_o_ptr", "part_ml_ptr", "out_ptr")
+
+
+def _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length) -> tuple:
+    """The split kernel's input tensors (`_SPLIT_INPUTS`; an absent one: an empty stand-in the kernel never reads)."""
     device = query.device
     key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
     mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else torch.empty(0, 0, device=device)
-    return dict(
-        q_ptr=query,
-        kc_ptr=quantized.key_codes,
-        ks_ptr=quantized.key_scale,
-        km_ptr=quantized.key_min,
-        kn_ptr=key_norms,
-        vc_ptr=quantized.value_codes,
-        vs_ptr=quantized.value_scale,
-        vm_ptr=quantized.value_min,
-        rk_ptr=residual_keys,
-        rv_ptr=residual_values,
-        mask_ptr=mask,
-        key_rotated_ptr=key_rotated.view(torch.uint8) if key_rotated is not None else mask,
-        length_ptr=length if length is not None else mask,
-    )
+    return (
+        query, quantized.key_codes, quantized.key_scale, quantized.key_min, key_norms, quantized.value_codes,
+        quantized.value_scale, quantized.value_min, residual_keys, residual_values, mask,
+        key_rotated.view(torch.uint8) if key_rotated is not None else mask, length if length is not None else mask,
+    )  # fmt: skip
 
 
 def _strides(prefix: str, tensor: torch.Tensor, axes: str) -> dict[str, int]:
@@ -229,7 +219,8 @@ def _make_plan(
         and torch.cuda.get_device_capability(device) >= (9, 0)
     )
     num_parts = gluon_parts + splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
-    tensors = _operands(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
+    inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
+    key_norms, mask, key_rotated_or_mask = inputs[4], inputs[10], inputs[11]
     split_args = dict(
         num_kv_heads=kv_heads,
         num_quantized=num_quantized,
@@ -242,14 +233,14 @@ def _make_plan(
         **_strides("kc", quantized.key_codes, "bhrd"),
         **_strides("ks", quantized.key_scale, "bhgd"),
         **_strides("km", quantized.key_min, "bhgd"),
-        **_strides("kn", tensors["kn_ptr"], "b_t"),
+        **_strides("kn", key_norms, "b_t"),
         **_strides("vc", quantized.value_codes, "bhrd"),
         **_strides("vs", quantized.value_scale, "bh__"),
         **_strides("vm", quantized.value_min, "bh__"),
         **_strides("rk", residual_keys, "bhtd"),
         **_strides("rv", residual_values, "bhtd"),
-        **_strides("m", tensors["mask_ptr"], "bt"),
-        **_strides("kr", tensors["key_rotated_ptr"], "bh"),
+        **_strides("m", mask, "bt"),
+        **_strides("kr", key_rotated_or_mask, "bh"),
         GQA=gqa,
         TQ=q_len,
         HEAD_DIM=head_dim,
@@ -272,11 +263,12 @@ def _make_plan(
         num_stages=tuning.num_stages,
         **({"maxnreg": tuning.max_registers} if tuning.max_registers else {}),
     )
-    gluon_args = ()
+    gluon = None
     if gluon_splits:
-        gluon_args = (
-            num_quantized, residual, gluon_blocks_per_split, num_parts, rows, config.token_scaling,
-            key_padding_mask is not None, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
+        gluon = _gluon.bind(
+            (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized, residual,
+            gluon_blocks_per_split, num_parts, rows, config.token_scaling, key_padding_mask is not None,
+            tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
         )  # fmt: skip
     merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))
     merge_args = dict(
@@ -300,13 +292,10 @@ def _make_plan(
     return DecodePlan(
         num_quantized=num_quantized,
         tuning=tuning,
-        split_grid=(batch * kv_heads, splits + 1),
-        split_args=split_args,
-        gluon_grid=(batch * kv_heads, gluon_splits) if gluon_splits else None,
+        split=BoundKernel(split_kernel, (batch * kv_heads, splits + 1), split_args, _SPLIT_PER_CALL),
+        gluon=gluon,
         why_not_gluon=why_not_gluon,
-        gluon_args=gluon_args,
-        merge_grid=(batch * kv_heads * rows,),
-        merge_args=merge_args,
+        merge=BoundKernel(merge_kernel, (batch * kv_heads * rows,), merge_args, _MERGE_PER_CALL),
         part_shape=(batch * kv_heads, num_parts, rows, head_dim),
         q_op_shape=(batch * kv_heads, head_dim, block_m) if gluon_splits else (0,),
     )

@@ -1,8 +1,9 @@
 """The Gluon decode kernel's sizes and register, shared-memory and copy layouts (kernels/decode_gluon.py): which lane
-holds which code, parameter and MMA fragment."""
+holds which code, parameter and MMA fragment; and the index helpers over them."""
 
 from __future__ import annotations
 
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 
 D = gl.constexpr(128)  # head dim
@@ -86,3 +87,33 @@ WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [2, 1], [1, 0]))  # 
 K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [2, 1], [1, 0]))  # [4, 64]
 V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [2, 1, 1], [2, 1, 0]))  # [2, 64, 4]
 NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # [2, 64]
+
+
+@gluon.jit
+def stored_token(h, x):
+    """Warp h's logical token x = g + 8 r1 + 16 mt (MMA row of S^T, k of P^T) -> stored token within the 128-token
+    step: position 8 (g % 2) + mt + 4 r1 of word row 4 h + g // 2."""
+    g = x % 8
+    return 16 * (4 * h + g // 2) + 8 * (g % 2) + x // 16 + 4 * ((x // 8) % 2)
+
+
+@gluon.jit
+def tokens(layout: gl.constexpr):
+    """The stored tokens (within the step) of [2 h, 64 x] in `layout`."""
+    o_h = gl.arange(0, 2, layout=gl.SliceLayout(1, layout))
+    o_x = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
+    return stored_token(o_h[:, None], o_x[None, :])
+
+
+@gluon.jit
+def column(x):
+    """[2 h, 64 x] -> [2, 64, 1] broadcastable over the P^T operand's rows."""
+    return gl.convert_layout(x, gl.SliceLayout(2, B_OP), assert_trivial=True)[:, :, None]
+
+
+@gluon.jit
+def expand(x, n: gl.constexpr, LEADING: gl.constexpr):
+    """x with n new leading dims (LEADING: x[None, ..., None, ...]) or trailing ones (x[..., None, ..., None])."""
+    for _ in gl.static_range(n):
+        x = gl.expand_dims(x, 0 if LEADING else x.type.shape.__len__())
+    return x

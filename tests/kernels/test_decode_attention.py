@@ -370,19 +370,22 @@ def test_gluon_full_blocks(case: Case):
     inputs = make_inputs(case, seed=2)
     query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
     plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated)
-    assert plan.gluon_grid is not None, plan.why_not_gluon
+    assert plan.gluon is not None, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
 
 
-def _gluon_partials_in_torch(
-    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
-) -> None:  # fmt: skip
-    """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
-    full 128-token blocks [s * blocks_per_split, ...), its warp w over tokens 64 w .. 64 w + 63 of each block (word
-    rows 4 w .. 4 w + 3), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and
-    the scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
+def _gluon_partials_in_torch(bound, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
+    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the sizes as
+    `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
+    warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
+    2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
+    score scale that the Triton kernel wrote)."""
+    grid, sizes = bound.grid, bound.constants
+    num_quantized, num_residual, blocks_per_split = (
+        sizes[k] for k in ("num_quantized", "num_residual", "blocks_per_split")
+    )
+    rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
@@ -497,3 +500,74 @@ def check_random_case(case: Case, seed: int) -> float:
 def test_fuzz_slice(seed: int):
     """A seeded slice of the GPU fuzzer, at interpreter-friendly sizes."""
     check_random_case(random_case(random.Random(seed), max_tokens=640, max_batch=2, max_kv_heads=2), seed)
+
+
+def _bad_inputs(inputs, kind: str):
+    """`inputs` with one thing a cached plan must not let through."""
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
+    if kind == "query dtype":
+        query = query.to(torch.float32 if query.dtype != torch.float32 else torch.float16)
+    elif kind == "storage of another layout":  # 4-bit storage handed over with the 2-bit config
+        keys, values = (
+            torch.randn(rk.shape[0], rk.shape[1], quantized.key_codes.shape[2] * 16, rk.shape[3]) for _ in "kv"
+        )
+        quantized = quantize_kv(keys.to(DEVICE), values.to(DEVICE), replace(config, bits=4), key_rotated)
+    elif kind == "non-contiguous value parameters":
+        quantized = quantized._replace(
+            value_scale=quantized.value_scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+        )
+    elif kind == "padding mask width":
+        mask = torch.ones(rk.shape[0], mask.shape[1] + 1, dtype=torch.bool, device=DEVICE)
+    return query, quantized, rk, rv, mask, scaling, config, key_rotated
+
+
+BAD_INPUTS = {  # what the error names
+    "query dtype": "dtype",
+    "storage of another layout": "quantized.key_codes",
+    "non-contiguous value parameters": "value_scale must be contiguous",
+    "padding mask width": "key_padding_mask must be bool",
+}
+
+
+def _fresh(seed: int, case: Case):
+    """The inputs of another step of the same shapes: other tensors (other addresses), the same launch facts."""
+    return make_inputs(case, seed=seed)
+
+
+def _check_plan_reuse_and_refusals(case: Case, monkeypatch) -> launcher.DecodePlan:
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    made = []
+    make_plan = launcher._make_plan
+    monkeypatch.setattr(launcher, "_make_plan", lambda *args: made.append(1) or make_plan(*args))
+    for seed in range(3):  # one plan; each step's own tensors read (a stale pointer would match another step's data)
+        inputs = _fresh(seed, case)
+        ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} step {seed}")
+    assert len(made) == 1
+    for kind, message in BAD_INPUTS.items():
+        with pytest.raises(ValueError, match=message):
+            decode_attention_triton(*_bad_inputs(inputs, kind))
+    query, *rest = inputs  # a changed but valid input (a query in a wider buffer): a plan of its own, the right result
+    query = torch.cat((query, torch.randn_like(query)), dim=-1)[..., : query.shape[-1]]
+    ref = decode_attention_reference(query, *rest, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(decode_attention_triton(query, *rest), ref, case.dtype, f"{case.id} strided query")
+    assert len(made) == 2 + len(BAD_INPUTS)  # the refused inputs' plans were begun, never kept
+    return decode_plan(*inputs[:5], inputs[6], inputs[7])
+
+
+def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
+    """A plan (validation included) is made once per set of launch facts; a step with other tensors of the same facts
+    reuses it and reads its own tensors, and an input that breaks the contract after a plan is cached still gets the
+    clear error."""
+    _check_plan_reuse_and_refusals(replace(BASE, left_pad=7), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [replace(GLUON, left_pad=70), replace(BASE, left_pad=7)], ids=lambda c: c.id)
+def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Case, monkeypatch):
+    """On the GPU the plan's kernels launch through their compiled launchers after the first step (`BoundKernel`): the
+    later steps must still read their own tensors, and bad inputs must still be refused."""
+    plan = _check_plan_reuse_and_refusals(case, monkeypatch)
+    assert plan.split._compiled and plan.merge._compiled, "the compiled kernels' own launchers are not used"
+    if case.head_dim == 128:
+        assert plan.gluon is not None and plan.gluon._compiled, plan.why_not_gluon
