@@ -50,7 +50,7 @@ def merge_kernel(
     o_r = tl.load(part_o_ptr + ((bh * num_parts + num_splits) * ROWS_USED + row) * HEAD_DIM + o_d)
 
     # Online over tiles of BLOCK_S quantized partials: each step loads a tile's m, l and o together (one round trip to
-    # memory; BLOCK_S covers all partials up to `_Tuning.merge_tile`), weighs it against the running maximum (the
+    # memory; BLOCK_S covers all partials up to `DecodeTuning.merge_tile`), weighs it against the running maximum (the
     # residual's to start with) and adds its weighted sum to one running [D] row, in the values' stored domain.
     # Empty partials (m = -inf, l = 0) add nothing.
     m_i = m_r
