@@ -43,7 +43,6 @@ from pathlib import Path
 import torch
 import transformers
 import triton
-from oscar_hf.kernels import decode_attention
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -82,8 +81,8 @@ def _files(version: str) -> dict[str, bytes]:
 
 
 def load_arm(version: str):
-    """The `decode_attention` launcher module of `version` (a folder holding a copy of kernels/, or a git revision),
-    loaded as a package of its own, and the git tree hash of its kernels/ files."""
+    """The kernels package of `version` (a folder holding a copy of kernels/, or a git revision), loaded as a package
+    of its own (its `decode_attention_triton` the arm's launcher), and the git tree hash of its kernels/ files."""
     files = _files(version)
     tree = tree_hash(files)
     root = Path(tempfile.mkdtemp()) / f"oscar_ab_kernels_{tree[:12]}"
@@ -96,7 +95,7 @@ def load_arm(version: str):
     package = importlib.util.module_from_spec(spec)
     sys.modules[root.name] = package  # so that the package's relative imports resolve
     spec.loader.exec_module(package)
-    return importlib.import_module(f"{root.name}.decode_attention"), tree
+    return package, tree
 
 
 def shared_across_heads(quantized: QuantizedKV) -> QuantizedKV:
@@ -158,7 +157,7 @@ def main() -> None:
     # A/B records measure a change before it lands; they are not a benchmark's current record (benchmarks/results)
     parser.add_argument("--out", required=True, help="a folder for the record")
     args = parser.parse_args()
-    if not torch.cuda.is_available() or decode_attention._gluon is None:
+    if not torch.cuda.is_available() or importlib.util.find_spec("triton.experimental.gluon") is None:
         raise SystemExit("ab_kernels needs a CUDA GPU and a Triton with Gluon (triton.experimental.gluon)")
 
     arms, versions = {}, {}

@@ -16,7 +16,9 @@ per B. For each shape:
   alternating), which must cost the same as `fused` (issue 9: within 5%).
 
 Every variant is timed with `triton.testing.do_bench` (median, eager launches) and with CUDA-graph replays
-(`do_bench_cudagraph`, median: kernel time without Python launch overhead); ratios use the graph times. Small
+(`do_bench_cudagraph`, median: kernel time without Python launch overhead); ratios use the graph times. Each row also
+carries `host_overhead_us` (eager `us` minus `us_graph`, issue 35's measure) and `host_us` (the host's own time per
+call, from a wall clock around enqueueing one round: what the launcher costs even where the GPU hides it). Small
 shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
 copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
 prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8
@@ -45,7 +47,7 @@ import torch.nn.functional as F
 import transformers
 import triton
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
-from oscar_hf.kernels.decode_attention import _decode_attention, _default_tuning
+from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.testing import do_bench, do_bench_cudagraph
 
 from oscar_hf.config import OscarConfig
@@ -64,14 +66,30 @@ def nbytes(*tensors) -> int:
 
 
 def timed(fn, sets: int) -> dict:
-    """Median microseconds per call of fn (which runs `sets` calls), eager and CUDA-graph replays."""
+    """Median microseconds per call of fn (which runs `sets` calls), eager and CUDA-graph replays; `host_us`: the
+    host's own time per call (wall clock of enqueueing one round, the GPU idle at its start: it does not wait for the
+    GPU), and `host_overhead_us` = us - us_graph (the issue-35 measure: eager launches over graph replays)."""
     out = {"us": do_bench(fn, warmup=25, rep=200, return_mode="median") * 1e3 / sets}
     try:
         out["us_graph"] = do_bench_cudagraph(fn, rep=200, return_mode="median") * 1e3 / sets
     except Exception as exc:  # a variant that cannot be captured still gets its eager time
         out["us_graph"] = None
         out["graph_error"] = repr(exc)[:200]
+    out["host_overhead_us"] = out["us"] - out["us_graph"] if out["us_graph"] is not None else None
+    out["host_us"] = host_time(fn) * 1e6 / sets
     return out
+
+
+def host_time(fn, rounds: int = 11) -> float:
+    """Median seconds the host spends in one call of fn, each round started on an idle GPU."""
+    times = []
+    for _ in range(rounds):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return sorted(times)[rounds // 2]
 
 
 def copy_bandwidth() -> dict:
@@ -115,9 +133,7 @@ def portable(s, config, scale):
 
 
 def fused(s, config, scale, tuning=None):
-    if tuning is None:
-        return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config)
-    return _decode_attention(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, None, tuning=tuning)
+    return decode_attention_triton(s["q"], s["quantized"], s["rk"], s["rv"], None, scale, config, tuning=tuning)
 
 
 MAX_REL_ERR = 2e-3  # fused vs the float32 reference, every benchmark shape (issue 7)
@@ -246,9 +262,9 @@ def quantize_vs_prefill(config, gen) -> dict:
 
 def sweep(config, gen, shapes, changes=None) -> list:
     """Fused-kernel launch variants on a few shapes (graph medians): `changes` to the default launch choices (a
-    list of `_Tuning` field dicts), else the list below."""
+    list of `DecodeTuning` field dicts), else the list below."""
     scale = 1 / math.sqrt(HEAD_DIM)
-    base = _default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
+    base = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, config.scale_torch_dtype)
     variants = [base]
     for change in changes or (
         *(dict(block_n=n, num_warps=w) for n, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8))),
@@ -447,7 +463,7 @@ def main() -> None:
     )
     header = (
         f"{'B':>3} {'context':>8} | {'sdpa us':>9} {'portable us':>11} {'fused us':>9} | {'fused GB/s':>10} "
-        f"{'% copy':>7} | {'x sdpa':>7} {'eager fused/sdpa us':>20}"
+        f"{'% copy':>7} | {'x sdpa':>7} {'eager fused/sdpa us':>20} | {'fused host us':>13} {'eager-graph us':>14}"
     )
     print(header)
     print("-" * len(header))
@@ -465,7 +481,8 @@ def main() -> None:
         print(
             f"{entry['batch']:>3} {entry['context']:>8} | {fmt(sd['us_graph'], 9)} {fmt(po.get('us_graph'), 11)} "
             f"{fmt(fu['us_graph'], 9)} | {fmt(fu['GBps'], 10, 0)} {fmt(copy_pct, 7)} "
-            f"| {fmt(entry['speedup_vs_sdpa_bf16'], 7, 2)} {fu['us']:>9.1f}/{sd['us']:<10.1f}"
+            f"| {fmt(entry['speedup_vs_sdpa_bf16'], 7, 2)} {fu['us']:>9.1f}/{sd['us']:<10.1f} "
+            f"| {fmt(fu['host_us'], 13)} {fmt(fu['host_overhead_us'], 14)}"
         )
     print(f"saved {path}")
 

@@ -27,7 +27,8 @@ from unittest import mock
 
 import torch
 import triton
-from oscar_hf.kernels import decode_attention
+from oscar_hf.kernels import decode_attention, decode_gluon
+from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from triton.compiler.compiler import make_backend
@@ -60,20 +61,21 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
         def launch(*args, **kwargs):
             recorded[kernel] = dict(zip(kernel.arg_names, args)) | kwargs
 
-        return mock.Mock(__getitem__=lambda self, grid: launch)
+        return mock.Mock(__getitem__=lambda self, grid: launch, arg_names=kernel.arg_names, fn=kernel.fn)
 
-    gluon_kernel = decode_attention._gluon._gluon_split_kernel
+    gluon_kernel = decode_gluon._gluon_split_kernel
     with (
-        mock.patch.object(decode_attention, "_split_kernel", recorder(decode_attention._split_kernel)),
-        mock.patch.object(decode_attention, "_merge_kernel", recorder(decode_attention._merge_kernel)),
-        mock.patch.object(decode_attention._gluon, "_gluon_split_kernel", recorder(gluon_kernel)),
-        mock.patch.object(decode_attention, "_gluon_splits", lambda *args: 16 if gluon else 0),
-        mock.patch.object(decode_attention, "_interpreting", lambda: True),
+        mock.patch.object(decode_attention, "split_kernel", recorder(decode_attention.split_kernel)),
+        mock.patch.object(decode_attention, "merge_kernel", recorder(decode_attention.merge_kernel)),
+        mock.patch.object(decode_gluon, "_gluon_split_kernel", recorder(gluon_kernel)),
+        mock.patch.object(decode_attention, "_gluon_splits", lambda *args: (16, "") if gluon else (0, "not asked")),
+        mock.patch.object(decode_attention, "interpreting", lambda: True),
+        mock.patch.object(decode_attention, "_PLANS", {}),  # plans made with these stand-ins are not kept
     ):
-        decode_attention._decode_attention(
+        decode_attention.decode_attention_triton(
             query, quantized, keys, values, mask, head_dim**-0.5, config, key_rotated, tuning=tuning
         )
-    kernel = gluon_kernel if gluon else decode_attention._split_kernel
+    kernel = gluon_kernel if gluon else decode_attention.split_kernel
     return kernel, recorded[kernel]
 
 
@@ -134,13 +136,13 @@ def main() -> None:
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
     args = parser.parse_args()
-    launch = decode_attention._default_tuning(args.head_dim, args.gqa, torch.float16)
+    launch = default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(
         launch, block_n=args.block_n or launch.block_n, num_warps=args.warps or launch.num_warps
     )
     args.block_n, args.warps = launch.block_n, launch.num_warps
     if args.gluon:
-        args.block_n, args.warps = decode_attention._GLUON_BLOCK, decode_attention._gluon.WARPS
+        args.block_n, args.warps = decode_gluon.BLOCK.value, decode_gluon.WARPS
 
     kernel = compile_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon)
     body, opcodes, usage = loop_report(kernel)

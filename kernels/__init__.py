@@ -5,8 +5,9 @@ Launchers only, imported lazily so that `import oscar_hf.kernels` works where Tr
 - `quantize_kv_triton(keys, values, config) -> QuantizedKV` and `flush_residual_triton(residual_keys,
   residual_values, storage, length, config)` (kernels/quantize_pack.py)
 - `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`
-  (kernels/decode_attention.py; on CUDA GPUs the usual decode step's full blocks go through the Gluon kernel of
-  kernels/decode_attention_gluon.py)
+  (kernels/decode_attention.py, the launcher: the Triton split kernel of kernels/decode_triton.py, on CUDA GPUs the
+  usual decode step's full blocks through the Gluon kernel of kernels/decode_gluon.py, the merge of
+  kernels/decode_merge.py; launch choices in kernels/decode_tuning.py)
 
 and the decode kernel's limits, which callers check before choosing it (importing them needs no Triton).
 """

@@ -24,7 +24,6 @@ block's K/V (`oscar_hf.reference.finite_flags`).
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
@@ -34,29 +33,7 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import check_head_dim
 
-_MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-@triton.jit
-def _fwht_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
-    """Normalized Walsh-Hadamard transform of each row of an fp32 [ROWS, D] tile (x H), butterflies in registers.
-
-    Same pairing and order as `oscar_hf.reference.hadamard_transform`: at stride h, (i, i + h) -> (a + b, a - b).
-    """
-    for i in tl.static_range(LOG2_D):
-        y = tl.permute(tl.reshape(x, (ROWS, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
-        a, b = tl.split(y)
-        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
-    return x * (D**-0.5)
-
-
-# Reductions through tl.reduce rather than tl.max/tl.sum: those are @triton.jit functions of Triton itself, decorated
-# once when Triton is imported, so they would stay compiled-mode functions when Triton was imported before
-# TRITON_INTERPRET was set (as under a test suite that imports transformers first); the kernels here are re-decorated
-# by re-importing this module. The combine functions are Triton's own (the ones tl.sum/tl.max/tl.min reduce with):
-# Triton's interpreter recognises those and reduces in numpy, but calls any other one element by element in Python
-# (a head_dim-256 quantize on a CPU: 47 s instead of 0.24 s).
-_add, _maximum, _minimum = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
+from .common import MODEL_DTYPES, add, fwht_rows, interpreting, maximum, minimum
 
 
 @triton.jit
@@ -80,7 +57,7 @@ def _pack_tokens(codes, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     shifts = tl.arange(0, W) * BITS
     # The shifted codes occupy disjoint bits, so their sum is their bitwise or, without a carry or a signed overflow;
     # a sum, unlike an or, is a reduction that Triton's interpreter runs in numpy.
-    return tl.reduce(tl.reshape(codes, (G // W, W, D)) << shifts[None, :, None], 1, _add)
+    return tl.reduce(tl.reshape(codes, (G // W, W, D)) << shifts[None, :, None], 1, add)
 
 
 @triton.jit
@@ -160,7 +137,7 @@ def _quantize_pack_kernel(
     valid = tl.full([GROUP], 1, tl.int1)
     if HAS_VALID:
         valid = tl.load(valid_ptr + pid_b * stride_valid_b + o_t_out, mask=o_t_out < valid_len, other=1) != 0
-    any_valid = tl.reduce(valid.to(tl.int32), 0, _maximum) > 0
+    any_valid = tl.reduce(valid.to(tl.int32), 0, maximum) > 0
 
     if TOKEN_SCALING:
         if NORMS_GIVEN:  # already in the output (tensor parallel: all-reduced over the ranks' heads)
@@ -169,7 +146,7 @@ def _quantize_pack_kernel(
             sum_sq = tl.full([GROUP], 0.0, tl.float32)
             for h in range(num_kv_heads):
                 b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
-                sum_sq += tl.reduce(b_k * b_k, 1, _add)
+                sum_sq += tl.reduce(b_k * b_k, 1, add)
             norms = tl.sqrt_rn(sum_sq)
             norms = tl.where(norms > 0, norms, 1.0)  # NaN > 0 is False
         norms = tl.where(valid, norms, 1.0)  # padding stores norm 1, whatever it held
@@ -181,16 +158,16 @@ def _quantize_pack_kernel(
         if ROTATION:
             if KEY_ROTATION_PER_HEAD:  # method="oscar": this (row, head)'s flag
                 rotated = tl.load(key_rotated_ptr + pid_b * stride_krb + h * stride_krh) != 0
-                b_k = tl.where(rotated, _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D), b_k)
+                b_k = tl.where(rotated, fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D), b_k)
             else:
-                b_k = _fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D)
-            b_v = _fwht_rows(b_v, GROUP, HEAD_DIM, LOG2_D)
+                b_k = fwht_rows(b_k, GROUP, HEAD_DIM, LOG2_D)
+            b_v = fwht_rows(b_v, GROUP, HEAD_DIM, LOG2_D)
         if TOKEN_SCALING:
             b_k = tl.div_rn(b_k, norms[:, None])
 
         # keys: per channel, over the real tokens among the G of this program (none: scale 0, min 0)
-        k_min = tl.reduce(tl.where(valid[:, None], b_k, float("inf")), 0, _minimum)[None, :]
-        k_max = tl.reduce(tl.where(valid[:, None], b_k, float("-inf")), 0, _maximum)[None, :]
+        k_min = tl.reduce(tl.where(valid[:, None], b_k, float("inf")), 0, minimum)[None, :]
+        k_max = tl.reduce(tl.where(valid[:, None], b_k, float("-inf")), 0, maximum)[None, :]
         codes, scale, mn = _quantize(
             b_k, tl.where(any_valid, k_min, 0.0), tl.where(any_valid, k_max, 0.0), LEVELS, SCALE_DTYPE
         )
@@ -203,7 +180,7 @@ def _quantize_pack_kernel(
 
         # values: per token, over groups of G channels (a padding token reads as zeros: scale 0, min 0, codes 0)
         b_v3 = tl.where(tl.reshape(valid, (GROUP, 1, 1)), tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP)), 0.0)
-        v_min, v_max = tl.reduce(b_v3, 2, _minimum)[:, :, None], tl.reduce(b_v3, 2, _maximum)[:, :, None]
+        v_min, v_max = tl.reduce(b_v3, 2, minimum)[:, :, None], tl.reduce(b_v3, 2, maximum)[:, :, None]
         codes, scale, mn = _quantize(b_v3, v_min, v_max, LEVELS, SCALE_DTYPE)
         codes = tl.reshape(codes, (GROUP, HEAD_DIM))
         tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
@@ -212,22 +189,17 @@ def _quantize_pack_kernel(
         tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))
 
 
-def _interpreting() -> bool:
-    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, the CPU CI)."""
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _check_inputs(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> None:
     if keys.dim() != 4 or keys.shape != values.shape:
         raise ValueError(
             f"quantize_kv_triton: keys and values must both be [B, Hkv, N, D], got {tuple(keys.shape)} and "
             f"{tuple(values.shape)}."
         )
-    if keys.dtype not in _MODEL_DTYPES or values.dtype != keys.dtype:
+    if keys.dtype not in MODEL_DTYPES or values.dtype != keys.dtype:
         raise ValueError(
-            f"quantize_kv_triton: keys/values must share one of {_MODEL_DTYPES}, got {keys.dtype} and {values.dtype}."
+            f"quantize_kv_triton: keys/values must share one of {MODEL_DTYPES}, got {keys.dtype} and {values.dtype}."
         )
-    if keys.device != values.device or (keys.device.type != "cuda" and not _interpreting()):
+    if keys.device != values.device or (keys.device.type != "cuda" and not interpreting()):
         raise ValueError(
             f"quantize_kv_triton: keys and values must be on one CUDA device (got {keys.device} and "
             f"{values.device}); use oscar_hf.reference.quantize_kv elsewhere."

@@ -48,12 +48,12 @@ def test_arm_tree_is_gits_for_a_folder_and_a_revision(ab_kernels, tmp_path, monk
     # a folder that differs from every committed version, as a probe would: one kernel file edited
     probe = tmp_path / "kernels"
     shutil.copytree(ROOT / "kernels", probe, ignore=shutil.ignore_patterns("__pycache__"))
-    gluon = probe / "decode_attention_gluon.py"
+    gluon = probe / "decode_gluon.py"
     gluon.write_text(gluon.read_text() + "\n# probe\n")
     launcher, tree = ab_kernels.load_arm(str(probe))
     assert tree == _git_tree_of_folder(probe, tmp_path / "scratch")
-    assert callable(launcher.decode_attention_triton) and launcher._gluon.WARPS == 2
-    assert launcher.__name__ != "oscar_hf.kernels.decode_attention"  # a package of its own, not the installed one
+    assert callable(launcher.decode_attention_triton) and launcher.decode_gluon.WARPS == 2
+    assert launcher.__name__ != "oscar_hf.kernels"  # a package of its own, not the installed one
     # the committed kernels, by revision: git's tree of HEAD's kernels/ (git runs in the repo root, as the tool does)
     monkeypatch.chdir(ROOT)
     _, head_tree = ab_kernels.load_arm("HEAD")

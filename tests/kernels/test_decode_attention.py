@@ -15,15 +15,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention, decode_attention_triton
-from oscar_hf.kernels.decode_attention import (
-    _decode_attention,
-    _default_tuning,
-    _few_heads,
-    _gluon_splits,
-    _num_splits,
-    _unpack_codes_t,
-)
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
+from oscar_hf.kernels import decode_attention as launcher
+from oscar_hf.kernels.decode_attention import decode_plan
+from oscar_hf.kernels.decode_tiles import unpack_codes_t
+from oscar_hf.kernels.decode_tuning import default_tuning, few_heads, num_splits
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -217,7 +213,7 @@ def test_decode_attention_matches_reference(case: Case):
 def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
     o_d = tl.arange(0, D)[:, None]
     words = tl.load(words_ptr + o_d * ROWS + tl.arange(0, ROWS)[None, :])
-    codes = _unpack_codes_t(words, D, ROWS, BITS)
+    codes = unpack_codes_t(words, D, ROWS, BITS)
     tl.store(out_ptr + o_d * (ROWS * 32 // BITS) + tl.arange(0, ROWS * 32 // BITS)[None, :], codes)
 
 
@@ -242,10 +238,10 @@ def test_merge_over_several_steps():
     splits + the residual program (a partial last step), with the first splits fully masked (m = -inf, l = 0)."""
     case = replace(BASE, quantized=544, batch=1, kv_heads=1, left_pad=200)
     inputs = make_inputs(case)
-    tuning = replace(_default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
+    tuning = replace(default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
     blocks = triton.cdiv(case.quantized, tuning.block_n)
-    assert _num_splits(1, blocks, DEVICE, tuning, _few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
-    out = _decode_attention(*inputs, tuning=tuning)
+    assert num_splits(1, blocks, DEVICE, tuning, few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
+    out = decode_attention_triton(*inputs, tuning=tuning)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
@@ -369,24 +365,27 @@ GLUON_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
 def test_gluon_full_blocks(case: Case):
-    """The Gluon kernel reads every full 128-token block of these (kernels/decode_attention_gluon.py; with a device
+    """The Gluon kernel reads every full 128-token block of these (kernels/decode_gluon.py; with a device
     length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
     inputs = make_inputs(case, seed=2)
     query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
-    tuning = _default_tuning(case.head_dim, case.gqa * case.q_len, config.scale_torch_dtype)
-    assert _gluon_splits(query, quantized, config, case.gqa * case.q_len, case.quantized, tuning) > 0
+    plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated)
+    assert plan.gluon is not None, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
 
 
-def _gluon_partials_in_torch(
-    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
-) -> None:  # fmt: skip
-    """What `_gluon_split_kernel` writes, in float64 PyTorch (its launcher's signature): program (bh, s) runs over
-    full 128-token blocks [s * blocks_per_split, ...), its warp w over tokens 64 w .. 64 w + 63 of each block (word
-    rows 4 w .. 4 w + 3), and warp w fills partial slot 2 s + w with (o, m, l): o in the values' stored domain, m and
-    the scores in base 2 (the query operand [D, 8] and score scale that the Triton kernel wrote)."""
+def _gluon_partials_in_torch(bound, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
+    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the sizes as
+    `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
+    warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
+    2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
+    score scale that the Triton kernel wrote)."""
+    grid, sizes = bound.grid, bound.constants
+    num_quantized, num_residual, blocks_per_split = (
+        sizes[k] for k in ("num_quantized", "num_residual", "blocks_per_split")
+    )
+    rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
@@ -403,7 +402,7 @@ def _gluon_partials_in_torch(
     for bh in range(bh_count):
         b, h = divmod(bh, kv_heads)
         q = q_op[bh, :, :rows].double().T
-        for split, warp in itertools.product(range(splits), range(decode_attention._gluon.WARPS)):
+        for split, warp in itertools.product(range(splits), range(launcher._gluon.WARPS)):
             lo = split * blocks_per_split * 128
             hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
             tokens = torch.arange(lo, hi, device=q.device)
@@ -414,7 +413,7 @@ def _gluon_partials_in_torch(
             empty = torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
             m = scores.amax(-1) if len(tokens) else empty
             p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
-            slot = split * decode_attention._gluon.WARPS + warp
+            slot = split * launcher._gluon.WARPS + warp
             part_o[bh, slot] = (p @ values[b, h, tokens]).to(part_o.dtype)
             part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = m, p.sum(-1)
 
@@ -434,8 +433,9 @@ def test_gluon_partial_slots(case: Case, held, monkeypatch):
     program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
     The step must match the reference; a wrong query operand, slot or block offset would not."""
     query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=3)
-    monkeypatch.setattr(decode_attention, "_gluon_splits", lambda *args: 2)
-    monkeypatch.setattr(decode_attention._gluon, "launch", _gluon_partials_in_torch)
+    monkeypatch.setattr(launcher, "_PLANS", {})  # plans made here (with the stand-in) are not kept for other tests
+    monkeypatch.setattr(launcher, "_gluon_splits", lambda *args: (2, ""))
+    monkeypatch.setattr(launcher._gluon, "launch", _gluon_partials_in_torch)
     length = None if held is None else torch.tensor(sum(held), device=DEVICE)
     out = decode_attention_triton(query, quantized, rk, rv, mask, scaling, config, key_rotated, length)
     if held is not None:  # the reference over the tokens held (`test_device_length_reads_only_what_is_held`)
@@ -500,3 +500,74 @@ def check_random_case(case: Case, seed: int) -> float:
 def test_fuzz_slice(seed: int):
     """A seeded slice of the GPU fuzzer, at interpreter-friendly sizes."""
     check_random_case(random_case(random.Random(seed), max_tokens=640, max_batch=2, max_kv_heads=2), seed)
+
+
+def _bad_inputs(inputs, kind: str):
+    """`inputs` with one thing a cached plan must not let through."""
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
+    if kind == "query dtype":
+        query = query.to(torch.float32 if query.dtype != torch.float32 else torch.float16)
+    elif kind == "storage of another layout":  # 4-bit storage handed over with the 2-bit config
+        keys, values = (
+            torch.randn(rk.shape[0], rk.shape[1], quantized.key_codes.shape[2] * 16, rk.shape[3]) for _ in "kv"
+        )
+        quantized = quantize_kv(keys.to(DEVICE), values.to(DEVICE), replace(config, bits=4), key_rotated)
+    elif kind == "non-contiguous value parameters":
+        quantized = quantized._replace(
+            value_scale=quantized.value_scale.transpose(-1, -2).contiguous().transpose(-1, -2)
+        )
+    elif kind == "padding mask width":
+        mask = torch.ones(rk.shape[0], mask.shape[1] + 1, dtype=torch.bool, device=DEVICE)
+    return query, quantized, rk, rv, mask, scaling, config, key_rotated
+
+
+BAD_INPUTS = {  # what the error names
+    "query dtype": "dtype",
+    "storage of another layout": "quantized.key_codes",
+    "non-contiguous value parameters": "value_scale must be contiguous",
+    "padding mask width": "key_padding_mask must be bool",
+}
+
+
+def _fresh(seed: int, case: Case):
+    """The inputs of another step of the same shapes: other tensors (other addresses), the same launch facts."""
+    return make_inputs(case, seed=seed)
+
+
+def _check_plan_reuse_and_refusals(case: Case, monkeypatch) -> launcher.DecodePlan:
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    made = []
+    make_plan = launcher._make_plan
+    monkeypatch.setattr(launcher, "_make_plan", lambda *args: made.append(1) or make_plan(*args))
+    for seed in range(3):  # one plan; each step's own tensors read (a stale pointer would match another step's data)
+        inputs = _fresh(seed, case)
+        ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} step {seed}")
+    assert len(made) == 1
+    for kind, message in BAD_INPUTS.items():
+        with pytest.raises(ValueError, match=message):
+            decode_attention_triton(*_bad_inputs(inputs, kind))
+    query, *rest = inputs  # a changed but valid input (a query in a wider buffer): a plan of its own, the right result
+    query = torch.cat((query, torch.randn_like(query)), dim=-1)[..., : query.shape[-1]]
+    ref = decode_attention_reference(query, *rest, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(decode_attention_triton(query, *rest), ref, case.dtype, f"{case.id} strided query")
+    assert len(made) == 2 + len(BAD_INPUTS)  # the refused inputs' plans were begun, never kept
+    return decode_plan(*inputs[:5], inputs[6], inputs[7])
+
+
+def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
+    """A plan (validation included) is made once per set of launch facts; a step with other tensors of the same facts
+    reuses it and reads its own tensors, and an input that breaks the contract after a plan is cached still gets the
+    clear error."""
+    _check_plan_reuse_and_refusals(replace(BASE, left_pad=7), monkeypatch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [replace(GLUON, left_pad=70), replace(BASE, left_pad=7)], ids=lambda c: c.id)
+def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Case, monkeypatch):
+    """On the GPU the plan's kernels launch through their compiled launchers after the first step (`BoundKernel`): the
+    later steps must still read their own tensors, and bad inputs must still be refused."""
+    plan = _check_plan_reuse_and_refusals(case, monkeypatch)
+    assert plan.split._compiled and plan.merge._compiled, "the compiled kernels' own launchers are not used"
+    if case.head_dim == 128:
+        assert plan.gluon is not None and plan.gluon._compiled, plan.why_not_gluon

@@ -1,6 +1,6 @@
 """The quantized tokens of a 2-bit decode step in Gluon: codes unpacked straight into tensor-core fragments.
 
-`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `_gluon_splits` allows it
+`decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `supports` allows it
 (CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
 block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
 the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
@@ -27,7 +27,7 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
   the subtraction but rounds m - 4 E s to fp16: relative output errors of ~2e-3 at 32K tokens in a float64 simulation
   of the 1.0-based variant, against 1.5e-4 exact.) A lane's tokens lie in one 32-token key group.
 - Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M): lane (g, i) holds rows g + 8 r1 of m-tile mt, the
-  stored token 16 (4 h + g // 2) + 8 (g % 2) + mt + 4 r1 (`_stored_token`), and channel pairs (2 c, 2 c + 1). Their
+  stored token 16 (4 h + g // 2) + 8 (g % 2) + mt + 4 r1 (`stored_token`), and channel pairs (2 c, 2 c + 1). Their
   codes are in two words (one per channel) of word row 4 h + g // 2; one `prmt` joins half g % 2 of both, so that
   one `lop3` then gives a channel pair of one token.
 - Values as O^T = V^T P^T (channels as M), tokens in the same logical order: lane (g, i) holds k = e + 2 i + 8 s +
@@ -41,7 +41,7 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
 
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel and the launch around this one (a float64 stand-in);
 tests/kernels/test_decode_attention.py checks this one against the float64 reference on the GPU, and
-benchmarks/fuzz_kernels.py on random cases. What limits its speed: docs/kernels.md.
+benchmarks/fuzz_kernels.py on random cases. Measured: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -51,122 +51,45 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 
+from .common import interpreting
+from .decode_gluon_layouts import (
+    A_OP,
+    B_OP,
+    BIAS_BY_GROUP,
+    BLOCK,
+    HALF,
+    K_CODES,
+    K_GROUP_PAIRS,
+    K_PAIRS,
+    K_PAIRS_BY_GROUP,
+    K_PARAMS_COPY,
+    K_PARAMS_SMEM,
+    K_WORDS,
+    K_WORDS_SMEM,
+    MMA,
+    NORMS_COPY,
+    NORMS_SMEM,
+    ROWS,
+    V_CODES,
+    V_PARAMS,
+    V_PARAMS_COPY,
+    V_PARAMS_SMEM,
+    V_WORDS,
+    V_WORDS_SMEM,
+    WORDS_COPY,
+    D,
+    column,
+    expand,
+    tokens,
+)
+from .decode_tuning import num_sms
+from .launching import BoundKernel
+
 # Gluon names that changed after Triton 3.6 (the GPU image's): the cp.async copy and the CTA barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _barrier = getattr(gl, "barrier", None) or gl.thread_barrier
 
-D = gl.constexpr(128)  # head dim
-ROWS = gl.constexpr(8)  # query rows per KV head: the MMA's N
-BLOCK = gl.constexpr(128)  # tokens per step: 8 word rows of 16
-HALF = gl.constexpr(64)  # tokens per warp and step
 WARPS = 2  # per program: one partial each
-
-# Two warps per program, one per half of a step's 8 word rows: warp h's tokens are those of rows 4 h .. 4 h + 3; its own
-# online softmax over them (a batched MMA: the batch is the warp), its own partial.
-MMA = gl.constexpr(gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[2, 1, 1], instr_shape=[1, 16, 8]))
-A_OP = gl.constexpr(gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2))
-B_OP = gl.constexpr(gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2))
-
-# key words [8 word rows R, 128 channels d]: lane (g, i) of warp h holds row 4 h + g // 2, d = e + 2 i + 8 s + 16 kt
-# (lanes g and g + 1 read the same words and keep half g % 2 of each)
-K_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 128]
-    )
-)
-K_PAIRS = gl.constexpr(  # [8 R, 64 channel pairs c]
-    gl.DistributedLinearLayout(
-        [[0, 4], [0, 8], [0, 16], [0, 32]], [[0, 1], [0, 2], [0, 0], [1, 0], [2, 0]], [[4, 0]], [], [8, 64]
-    )
-)
-K_CODES = gl.constexpr(  # [R, c, g0, r1, mt]: stored token 16 R + 8 g0 + mt + 4 r1 (g0 = g % 2)
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 1, 0], [0, 4, 0, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 32, 0, 0, 0], [0, 0, 0, 0, 1],
-         [0, 0, 0, 0, 2]],
-        [[0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 0, 1, 0, 0], [1, 0, 0, 0, 0], [2, 0, 0, 0, 0]], [[4, 0, 0, 0, 0]], [],
-        [8, 64, 2, 2, 4],
-    )
-)  # fmt: skip
-# value words of one 32-channel group [8 word rows R, 32 channels]: lane (g, i) of warp h holds row 4 h + i, channel
-# g + 8 r1 + 16 mt
-V_WORDS = gl.constexpr(
-    gl.DistributedLinearLayout([[0, 8], [0, 16]], [[1, 0], [2, 0], [0, 1], [0, 2], [0, 4]], [[4, 0]], [], [8, 32])
-)
-V_CODES = gl.constexpr(  # [R, ch, s, kt]: stored tokens 16 R + 8 e + kt + 4 s of the word's halves e
-    gl.DistributedLinearLayout(
-        [[0, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 2], [0, 8, 0, 0], [0, 16, 0, 0]],
-        [[1, 0, 0, 0], [2, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [[4, 0, 0, 0]], [], [8, 32, 2, 4],
-    )
-)  # fmt: skip
-# value parameters [2 h, 64 logical tokens x, 4 groups] as the P^T operand holds x (lanes over query rows: broadcast)
-V_PARAMS = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 8, 0], [0, 16, 0], [0, 32, 0]],
-        [[0, 2, 0], [0, 4, 0], [0, 0, 0], [0, 0, 0], [0, 0, 0]], [[1, 0, 0]], [], [2, HALF, 4],
-    )
-)  # fmt: skip
-# key scale/min pairs [4 groups j, 2 rows r, 64 pairs c] of word row 2 j + r (its slice over r: the [4, 64] loaded)
-K_PAIRS_BY_GROUP = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 4], [0, 0, 8], [0, 0, 16], [0, 0, 32]], [[0, 0, 1], [0, 0, 2], [0, 0, 0], [0, 1, 0], [1, 0, 0]],
-        [[2, 0, 0]], [], [4, 2, 64],
-    )
-)  # fmt: skip
-K_GROUP_PAIRS = gl.constexpr(gl.SliceLayout(1, K_PAIRS_BY_GROUP))
-# the bias MMA's A operand [2 h, 16, 64 x] as [h, 4 r, 4 groups j, x] (row 4 r + j); its slice over r: the [h, 4, 64]
-# loaded
-BIAS_BY_GROUP = gl.constexpr(
-    gl.DistributedLinearLayout(
-        [[0, 0, 0, 1], [0, 2, 0, 0], [0, 0, 0, 8], [0, 0, 0, 16], [0, 0, 0, 32]],
-        [[0, 0, 0, 2], [0, 0, 0, 4], [0, 0, 1, 0], [0, 0, 2, 0], [0, 1, 0, 0]], [[1, 0, 0, 0]], [], [2, 4, 4, HALF],
-    )
-)  # fmt: skip
-
-# Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
-# per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
-# are read in 8-byte pairs by lanes over 4 word rows and 4 pairs, value words one by one over 4 word rows and 8
-# channels (both: 8-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
-K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
-V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
-K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
-V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # [stage, 2 h, 64 x, 4 groups]
-NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 2 h, 64 x]
-# the copies' layouts over both warps: 16 bytes per lane and copy where the source is contiguous (8 for value
-# parameters, 4 for norms)
-WORDS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [1, 32], [2, 1], [1, 0]))  # [8, D]
-K_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 4], [2, 16], [2, 1], [1, 0]))  # [4, 64]
-V_PARAMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1, 4], [1, 32, 1], [2, 1, 1], [2, 1, 0]))  # [2, 64, 4]
-NORMS_COPY = gl.constexpr(gl.BlockedLayout([1, 1], [1, 32], [2, 1], [1, 0]))  # [2, 64]
-
-
-@gluon.jit
-def _stored_token(h, x):
-    """Warp h's logical token x = g + 8 r1 + 16 mt (MMA row of S^T, k of P^T) -> stored token within the 128-token
-    step: position 8 (g % 2) + mt + 4 r1 of word row 4 h + g // 2."""
-    g = x % 8
-    return 16 * (4 * h + g // 2) + 8 * (g % 2) + x // 16 + 4 * ((x // 8) % 2)
-
-
-@gluon.jit
-def _tokens(layout: gl.constexpr):
-    """The stored tokens (within the step) of [2 h, 64 x] in `layout`."""
-    o_h = gl.arange(0, 2, layout=gl.SliceLayout(1, layout))
-    o_x = gl.arange(0, HALF, layout=gl.SliceLayout(0, layout))
-    return _stored_token(o_h[:, None], o_x[None, :])
-
-
-@gluon.jit
-def _column(x):
-    """[2 h, 64 x] -> [2, 64, 1] broadcastable over the P^T operand's rows."""
-    return gl.convert_layout(x, gl.SliceLayout(2, B_OP), assert_trivial=True)[:, :, None]
-
-
-@gluon.jit
-def _expand(x, n: gl.constexpr, LEADING: gl.constexpr):
-    """x with n new leading dims (LEADING: x[None, ..., None, ...]) or trailing ones (x[..., None, ..., None])."""
-    for _ in gl.static_range(n):
-        x = gl.expand_dims(x, 0 if LEADING else x.type.shape.__len__())
-    return x
 
 
 @gluon.jit
@@ -177,7 +100,7 @@ def _code_pairs(w, CODES: gl.constexpr, M_LAYOUT: gl.constexpr):
     (the mask drops the bits above)."""
     n: gl.constexpr = w.type.shape.__len__() + 1  # the new dim s; m follows it
     p = gl.convert_layout(gl.join(w, w >> 8), gl.SliceLayout(n, CODES), assert_trivial=True)
-    mask, base = _code_bits(_expand(gl.arange(0, 4, layout=M_LAYOUT), n, True))
+    mask, base = _code_bits(expand(gl.arange(0, 4, layout=M_LAYOUT), n, True))
     return gl.expand_dims(p, n), mask, base
 
 
@@ -210,12 +133,12 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
     _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
     _async_load(km_s.index(stage), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
     # value parameters and key norms in each warp's logical token order (the order its MMA fragments hold them in)
-    o_k = block * BLOCK + _tokens(gl.SliceLayout(2, V_PARAMS_COPY))
+    o_k = block * BLOCK + tokens(gl.SliceLayout(2, V_PARAMS_COPY))
     o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_PARAMS_COPY)))
     _async_load(vs_s.index(stage), vs_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
     _async_load(vm_s.index(stage), vm_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
     if TOKEN_SCALING:
-        _async_load(kn_s.index(stage), kn_ptr + block * BLOCK + _tokens(NORMS_COPY))
+        _async_load(kn_s.index(stage), kn_ptr + block * BLOCK + tokens(NORMS_COPY))
 
 
 @gluon.jit
@@ -239,8 +162,8 @@ def _key_operand(words, scale, minimum):
         is_pure=True, pack=1,
     )  # fmt: skip
     pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    s4 = _expand(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3, False)
-    minimum = _expand(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3, False)
+    s4 = expand(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3, False)
+    minimum = expand(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3, False)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
         " mov.b32 {$0, $1}, t; }",
@@ -299,7 +222,7 @@ def _step(
         scale = kn_s.index(stage).load(gl.SliceLayout(2, MMA)) * q_scale
     s = s * scale[:, :, None]
     if MASKED:
-        tok = block * BLOCK + _tokens(gl.SliceLayout(2, MMA))
+        tok = block * BLOCK + tokens(gl.SliceLayout(2, MMA))
         s = gl.where((gl.load(mask_ptr + tok * stride_mt) != 0)[:, :, None], s, float("-inf"))
     m_new = gl.maximum(m_i, gl.max(s, axis=1))
     m_use = gl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing to attend to yet
@@ -327,10 +250,10 @@ def _step(
     zero = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
     bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([2, 16, ROWS], gl.float32, layout=MMA))
     v_s = vw_s.index(stage)
-    acc0 = acc0 * alpha_c + mma_v2(_value_operand(v_s.slice(0, 32, dim=1).load(V_WORDS)), p_op * _column(s0), zero)
-    acc1 = acc1 * alpha_c + mma_v2(_value_operand(v_s.slice(32, 32, dim=1).load(V_WORDS)), p_op * _column(s1), zero)
-    acc2 = acc2 * alpha_c + mma_v2(_value_operand(v_s.slice(64, 32, dim=1).load(V_WORDS)), p_op * _column(s2), zero)
-    acc3 = acc3 * alpha_c + mma_v2(_value_operand(v_s.slice(96, 32, dim=1).load(V_WORDS)), p_op * _column(s3), zero)
+    acc0 = acc0 * alpha_c + mma_v2(_value_operand(v_s.slice(0, 32, dim=1).load(V_WORDS)), p_op * column(s0), zero)
+    acc1 = acc1 * alpha_c + mma_v2(_value_operand(v_s.slice(32, 32, dim=1).load(V_WORDS)), p_op * column(s1), zero)
+    acc2 = acc2 * alpha_c + mma_v2(_value_operand(v_s.slice(64, 32, dim=1).load(V_WORDS)), p_op * column(s2), zero)
+    acc3 = acc3 * alpha_c + mma_v2(_value_operand(v_s.slice(96, 32, dim=1).load(V_WORDS)), p_op * column(s3), zero)
     return acc0, acc1, acc2, acc3, bias, m_new, l_i
 
 
@@ -447,22 +370,67 @@ def _gluon_split_kernel(
     gl.store(p_ml + 1, l_i, mask=o_rs < ROWS_USED)
 
 
-def launch(
-    grid, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_quantized, num_residual,
-    blocks_per_split, num_parts, rows, token_scaling, has_mask, max_registers, ptxas_options, pdl,
-) -> None:  # fmt: skip
-    """Launch `_gluon_split_kernel` over `grid` = (B * Hkv, splits) with the Triton launcher's tensors (`mask` and
-    `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a string,
-    or None for Triton's)."""
+def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
+    """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16
+    scales, query tiles of 8 rows per KV head, the storage's channels contiguous."""
+    if query.device.type != "cuda" or interpreting():
+        return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
+    if torch.cuda.get_device_capability(query.device) < (8, 0):
+        return False, f"{torch.cuda.get_device_name(query.device)} predates compute capability 8.0 (mma.sync)"
+    got = (query.shape[3], config.bits, config.group_size, config.scale_torch_dtype)
+    if got != (D.value, 2, 32, torch.float16):
+        return False, f"compiled for head_dim 128, 2 bits, groups of 32, fp16 scales; got {got}"
+    if block_m != ROWS.value:
+        return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
+    codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)
+    if any(t.stride(-1) != 1 or t.storage_offset() % 2 for t in codes_and_pairs):  # int32 views of fp16 pairs
+        return False, "the codes' and key parameters' channels must be contiguous, the parameters at even offsets"
+    if quantized.key_norms is not None and quantized.key_norms.stride(-1) != 1:
+        return False, "the key norms must be contiguous over tokens"
+    return True, ""
+
+
+def programs_per_head(batch_heads: int, full_blocks: int, tuning, device: torch.device) -> int:
+    """Programs per KV head: all in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~212
+    registers allow 4), at least two blocks each (a second, partly filled wave would add its whole time)."""
+    wave = tuning.gluon_programs_per_sm * num_sms(device)
+    return max(1, min(wave // batch_heads, full_blocks // 2))
+
+
+_TENSORS = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr", "mask_ptr",
+            "length_ptr", "part_o_ptr", "part_ml_ptr")  # fmt: skip
+
+
+def bind(
+    grid, quantized, key_norms, mask, length, num_quantized, num_residual, blocks_per_split, num_parts, rows,
+    token_scaling, has_mask, max_registers, ptxas_options, pdl,
+) -> BoundKernel:  # fmt: skip
+    """`_gluon_split_kernel` over `grid` = (B * Hkv, splits) with these inputs' strides and the launch's sizes (`mask`
+    and `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a
+    string, or None for Triton's); `launch` gives it the tensors of each call."""
     kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
     ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
-    _gluon_split_kernel[grid](
-        q_op, q_scale, kc, ks, km, key_norms, vc, vs, vm, mask, length if length is not None else mask, part_o, part_ml,
-        kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts,
+    strides = (
         *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
         *vm.stride()[:2], *mask.stride(),
+    )  # fmt: skip
+    sizes = (kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts)
+    names = _gluon_split_kernel.arg_names[len(_TENSORS) : len(_TENSORS) + len(sizes) + len(strides)]
+    constants = dict(
+        zip(names, (*sizes, *strides), strict=True),
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
         **({"ptx_options": ptxas_options} if ptxas_options else {}),
+    )  # fmt: skip
+    return BoundKernel(_gluon_split_kernel, grid, constants, _TENSORS)
+
+
+def launch(bound: BoundKernel, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
+    """Launch `bound` (`bind`) on this call's tensors."""
+    bound(
+        q_op, q_scale, quantized.key_codes, quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32),
+        key_norms, quantized.value_codes, quantized.value_scale, quantized.value_min, mask,
+        length if length is not None else mask, part_o, part_ml,
     )  # fmt: skip

@@ -1,0 +1,44 @@
+"""What the quantizer (kernels/quantize_pack.py) and the decode kernels (kernels/decode_*.py) share: the model dtypes
+they accept, whether Triton runs them through its CPU interpreter, the Walsh-Hadamard transform of rows and the
+reduction combine functions."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Triton's CPU interpreter (the CPU CI), as a kernel constant: it multiplies raw bf16 bit patterns in tl.dot (3.9), so
+# dot operands are upcast there, and it cannot run PTX, so codes are unpacked there with plain integer ops.
+INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def interpreting() -> bool:
+    """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, the CPU CI)."""
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@triton.jit
+def fwht_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
+    """Normalized Walsh-Hadamard transform of each row of an fp32 [ROWS, D] tile (x H), butterflies in registers.
+
+    Same pairing and order as `oscar_hf.reference.hadamard_transform`: at stride h, (i, i + h) -> (a + b, a - b).
+    """
+    for i in tl.static_range(LOG2_D):
+        y = tl.permute(tl.reshape(x, (ROWS, D // (2 << i), 2, 1 << i)), (0, 1, 3, 2))
+        a, b = tl.split(y)
+        x = tl.reshape(tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2)), (ROWS, D))
+    return x * (D**-0.5)
+
+
+# Reductions through tl.reduce rather than tl.max/tl.sum: those are @triton.jit functions of Triton itself, decorated
+# once when Triton is imported, so they would stay compiled-mode functions when Triton was imported before
+# TRITON_INTERPRET was set (as under a test suite that imports transformers first); the kernels here are re-decorated
+# by re-importing this module. The combine functions are Triton's own (the ones tl.sum/tl.max/tl.min reduce with):
+# Triton's interpreter recognises those and reduces in numpy, but calls any other one element by element in Python
+# (a head_dim-256 quantize on a CPU: 47 s instead of 0.24 s).
+add, maximum, minimum = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min
