@@ -33,7 +33,8 @@ class DecodePath:
     """What a layer's steps may use, decided at its first update.
 
     fused: blocks are quantized by the Triton kernel and decode steps of up to `query_tokens` tokens attend with the
-        fused kernel (its limit on query rows per KV head divided by the model's GQA group).
+        fused kernel.
+    query_tokens: the kernel's limit on query rows per KV head divided by the model's GQA group.
     head_group: under tensor parallelism, the torch.distributed group over which this process holds a shard of the
         layer's KV heads: the Omni-Token norm (over all heads) is all-reduced over it (eager code only).
     """
@@ -91,20 +92,18 @@ def decide(
 ) -> DecodePath:
     """The path of a layer whose first update brings these K/V. With attention="auto" the portable path runs where
     the kernels do not apply (same storage, same results up to rounding); attention="fused" demands them."""
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or key_states.shape[1]
+    group = getattr(text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
+    query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
     if oscar_config.attention == "portable":
-        return DecodePath(head_group=head_group)
+        return DecodePath(False, query_tokens, head_group)
     reasons = fused_blockers(oscar_config, text_config, offloading, key_states, value_states)
     if reasons and oscar_config.attention == "fused":
         raise ValueError(
             f"OscarConfig(attention='fused') cannot use the Triton kernels: {'; '.join(reasons)}. "
             "Use attention='auto' (kernels where they apply) or 'portable'."
         )
-    if reasons:
-        return DecodePath(head_group=head_group)
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or key_states.shape[1]
-    group = getattr(text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
-    query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
-    return DecodePath(fused=True, query_tokens=query_tokens, head_group=head_group)
+    return DecodePath(not reasons, query_tokens, head_group)
 
 
 def compile_blockers(
