@@ -74,7 +74,7 @@ class OscarCache(DynamicCache):
         # method="auto": the query rule where the model's attention hands the queries over, else the paper's (warned)
         oscar_config = oscar_config.resolve(getattr(text_config, "_attn_implementation", None))
         self.oscar_config = oscar_config
-        self._waiting: OscarLayer | None = None  # the layer whose latest fused step waits for its attention
+        self._waiting: fused_attention.FusedStep | None = None  # the latest fused step, waiting for its attention
         self.tp_group = tp_group
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
@@ -104,12 +104,15 @@ class OscarCache(DynamicCache):
                     self.oscar_config, self._text_config, self.offloading, key_states, value_states, head_group
                 )
             )
-        if self._waiting is not None and self._waiting.fused_step is not None and not self._waiting.fused_step.attended:
+        # Eager code only: a compiled forward (one graph, sdpa and full attention only: `compile_blockers`) always
+        # attends through the sdpa entry, and reading this state there would make dynamo guard on it per step.
+        eager = not torch.compiler.is_compiling()
+        if eager and self._waiting is not None and self._waiting.unattended:
             self._waiting = None
             raise RuntimeError(fused_attention.UNATTENDED_STEP)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
-        if fused_attention.step_of(keys) is not None:
-            self._waiting = layer  # each update is followed by its attention: at most one step waits
+        if eager:
+            self._waiting = fused_attention.step_of(keys)  # each update is followed by its attention: one waits at most
         # transformers >= 5.24 calls `update(..., kwargs=kwargs)` with the dict its attention call then unpacks: the
         # fused step rides along explicitly (integrations/fused_attention.py)
         fused_attention.hand_over(keys, kwargs.get("kwargs"))

@@ -67,6 +67,11 @@ class FusedStep:
         setattr(keys, STEP, step)
         return step
 
+    @property
+    def unattended(self) -> bool:
+        """Whether no attention call used this step yet while it is still its layer's (a reset layer drops it)."""
+        return not self.attended and self.layer.fused_step is self
+
     def check(self, query: torch.Tensor, value: torch.Tensor) -> None:
         """Raise unless the fused kernel answers this call correctly (see the module docstring)."""
         if value is not self.values:
