@@ -21,47 +21,55 @@ class CompiledDecode:
     advanced it past the layer's host-side lengths."""
 
     def __init__(self, layer):
-        self.length = torch.tensor(layer.get_seq_length(), dtype=torch.long, device=layer.device)
+        """Allocate `layer`'s reserved storage once and start the counter; mark the buffers static for CUDA graphs."""
+        storage = layer.storage
+        storage.allocate_reserved()
+        self.length = torch.tensor(storage.total, dtype=torch.long, device=storage.keys.device)
         self.is_newer = False
-        for tensor in (layer.residual_keys, layer.residual_values, self.length, layer.key_rotated, *layer._storage):
-            if tensor is not None:  # static addresses for CUDA graphs
+        for tensor in (storage.keys, storage.values, self.length, layer.key_rotated, *storage.buffers):
+            if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
-    def held(self) -> int | None:
-        """The tokens held, read back from the device (one host synchronisation) when compiled steps advanced them;
-        None when the host-side lengths are current."""
-        if not self.is_newer:
-            return None
-        self.is_newer = False
-        return int(self.length)
+    def read_back(self, storage) -> None:
+        """Bring `storage`'s host-side lengths up to date after compiled steps (one host synchronisation)."""
+        if self.is_newer:
+            storage.set_total(int(self.length))
+            self.is_newer = False
 
     def step(self, layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Store one token per row from the counter alone: a full residual (held a positive multiple of R) goes to
         tokens [held - R, held) first; the kernel reads the counter and returns at once on the other R - 1 steps."""
-        window = layer.config.residual_length
+        storage, window = layer.storage, layer.config.residual_length
         held = self.length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
         torch._assert_async(held < layer.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
-        if layer.layout.num_tokens(layer._storage):
+        if storage.capacity:
             padding = None if layer._padding is None else layer._padding.mask
             kernel_ops.flush_residual(
-                layer.residual_keys, layer.residual_values, layer._storage, held, layer._op_config, padding,
-                layer.key_rotated,
-            )  # fmt: skip
+                storage.keys, storage.values, storage.buffers, held, layer._op_config, padding, layer.key_rotated
+            )
         slot = (held % window).view(1)
-        layer.residual_keys.index_copy_(2, slot, key_states)
-        layer.residual_values.index_copy_(2, slot, value_states)
+        storage.keys.index_copy_(2, slot, key_states)
+        storage.values.index_copy_(2, slot, value_states)
         self.length.add_(1)
         self.is_newer = True
 
     def attention(self, layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float):
         """The fused kernel handed the whole reserved storage and residual window and the counter: it reads the
         tokens held (this step's included) and nothing beyond them. `[B, Hq, Tq, D]`."""
-        stored = layer._storage if layer.layout.num_tokens(layer._storage) else None
+        storage = layer.storage
+        stored = storage.buffers if storage.capacity else None
         padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
         return kernel_ops.decode_attention(
-            query, stored, layer.residual_keys, layer.residual_values, padding, scaling, layer._op_config,
-            layer.key_rotated, self.length,
+            query, stored, storage.keys, storage.values, padding, scaling, layer._op_config, layer.key_rotated,
+            self.length,
         )  # fmt: skip
+
+
+def mask_width(layer) -> int:
+    """The width of a compiled decode step's attention mask: the reserved storage and the window, one shape for the
+    whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's reads reach."""
+    storage = layer.storage
+    return (storage.reserved if storage.buffers is None else storage.capacity) + storage.window
 
 
 def refuse_step(layer, tokens: int) -> None:

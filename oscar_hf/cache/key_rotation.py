@@ -45,18 +45,22 @@ class KeyRotation:
         """Whether queries read alongside `keys` (None: handed by hand) are the ones this layer waits for."""
         return self.wants_queries and (keys is None or keys is self.awaiting_keys)
 
-    def choose(self, moment: torch.Tensor, residual_keys: torch.Tensor, valid_of) -> list:
+    def choose(self, moment: torch.Tensor, storage, valid_of, quantize) -> None:
         """Each (row, KV head) decides from the prompt's keys the layer holds (its first `CHOICE_TOKENS`: the
-        provisional blocks, then the residual window, whole key groups or not) and the second moment of the prompt's
-        queries (`query_rotation_choice`); `valid_of(keys)` is their padding mask (None: none). A row whose prompt is
-        all padding has nothing to decide from: it keeps its keys unrotated. Returns the provisional blocks, to be
-        quantized again with the choice."""
+        provisional blocks, then the residual window of `storage`, whole key groups or not) and the second moment of
+        the prompt's queries (`query_rotation_choice`); `valid_of(keys)` is their padding mask (None: none). A row
+        whose prompt is all padding has nothing to decide from: it keeps its keys unrotated. The provisional blocks
+        are then quantized again (`quantize(keys, values)`), with the choice, in place in `storage`."""
         held = [keys for keys, _ in self.provisional or ()]
-        held.append(residual_keys)
+        held.append(storage.window_keys())
         keys = torch.cat(held, dim=-2)[:, :, :CHOICE_TOKENS]
         self.flags = query_rotation_choice(keys, moment.to(keys.device), self.config, valid_of(keys))
         blocks, self.provisional, self.awaiting_keys = self.provisional, None, None
-        return blocks or []
+        if blocks:
+            end, storage.length = storage.length, 0
+            for keys, values in blocks:
+                storage.store(quantize(keys, values))
+            assert storage.length == end
 
     def apply(self, fn) -> None:
         """Follow a batch-axis (or device) transform of the cache."""

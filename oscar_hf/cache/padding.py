@@ -43,6 +43,11 @@ class Padding:
         return Padding(fn(self.mask), self.end)
 
 
+def valid(padding: Padding | None, start: int, tensor: torch.Tensor) -> torch.Tensor | None:
+    """`padding.valid`, None without padding."""
+    return None if padding is None else padding.valid(start, tensor)
+
+
 def key_padding(attention_mask: torch.Tensor | None, batch: int, width: int | None = None) -> torch.Tensor | None:
     """The fused kernel's key padding mask `[batch, width]` (True where attending) from an attention call's mask
     `[B or 1, 1, Tq, positions]`: its last query row masks exactly the padding (a causal mask hides nothing older from

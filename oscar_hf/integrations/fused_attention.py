@@ -61,11 +61,11 @@ class FusedStep:
     attended: bool = False
 
     @classmethod
-    def of(cls, layer, keys: torch.Tensor, values: torch.Tensor) -> FusedStep:
-        """The step of `layer` that returns `keys`/`values`, attached to `keys`."""
+    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Make the step of `layer` that returns `keys`/`values` its `fused_step`, carried by `keys`."""
         step = cls(layer, values, keys.shape)
         setattr(keys, STEP, step)
-        return step
+        layer.fused_step = step
 
     @property
     def unattended(self) -> bool:
