@@ -89,13 +89,13 @@ class OscarLayer(CacheLayerMixin):
     quantized_length = property(lambda self: self.storage.length, doc="Tokens in the quantized region.")
     _storage = property(lambda self: self.storage.buffers, doc="The quantized region's capacity buffers.")
     key_rotated = property(lambda self: self.rotation.flags, doc="method='oscar': [B, Hkv] bool, or None until chosen")
-
-    # Whether compiled single-token steps can run: the fused path applies and the maximum length is reserved.
-    compiled_decode = property(lambda self: self.use_kernels and self.max_cache_len is not None)
+    compiled_decode = property(  # compiled single-token steps can run: fused path, maximum length reserved
+        lambda self: self.use_kernels and self.max_cache_len is not None
+    )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        check_head_dim(key_states.shape[-1], self.config)
-        check_head_dim(value_states.shape[-1], self.config)
+        for states in (key_states, value_states):
+            check_head_dim(states.shape[-1], self.config)
         self.dtype, self.device = key_states.dtype, key_states.device
         self.storage.allocate(key_states, value_states)
         self.is_initialized = True
@@ -104,9 +104,7 @@ class OscarLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------------------------------------------------
     # transformers' layer API
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
         """Store the new tokens and return the K/V to attend to: the history as stored, then the new tokens; or, on
         a fused step, the new tokens only, carrying the step (`integrations/fused_attention.py`)."""
         if not self.is_initialized:
