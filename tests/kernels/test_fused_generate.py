@@ -131,7 +131,7 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
 
 
 def test_unconsumed_fused_step_is_an_error():
-    """A model whose attention bypasses the wrapped sdpa must not silently attend to the new tokens only."""
+    """A model whose attention bypasses the sdpa entry must not silently attend to the new tokens only."""
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256
     )
