@@ -25,7 +25,9 @@ Anything that would attend to the new tokens only is an error instead of a wrong
 * an sdpa call handed a step (transformers >= 5.24) whose keys are not that step's (the model changed the keys after
   `update`, e.g. MLA latents expanded or K/V padded, or passed another layer's keys); a call with the step's keys and
   other values (DiffLlama's split values), or a query the step was not prepared for (batch, tokens, head_dim, heads);
-* a new update of the cache while a step was never attended (the model's attention does not go through this entry).
+* a new update of the cache while a step was never attended (the model's attention does not go through this entry,
+  or, before transformers 5.24, which hands no step to the attention call, the model changed the keys after `update`:
+  there the error comes at the next update instead of at the attention call).
 """
 
 from __future__ import annotations
