@@ -5,37 +5,20 @@ lm-eval has no plugin entry point for models, so the model has to be registered 
 handled by lm-eval; `--method` and `--cache_config` are folded into `--model_args`, and `--model` defaults to
 `oscar-hf`.
 
-A module outside the `oscar_hf` package, which also holds the methods' table: importing anything under `oscar_hf`
-runs its `__init__`, which registers the cache with transformers (seconds of torch and transformers imports), so
-`--help` would not be quick. Only an evaluation imports oscar_hf and lm-eval.
+A module outside the `oscar_hf` package: importing anything under `oscar_hf` runs its `__init__`, which registers the
+cache with transformers (seconds of torch and transformers imports), so `--help` would not be quick. It reads the
+methods' table (`oscar_hf/methods.py`, plain data) from its file instead; only an evaluation imports oscar_hf and
+lm-eval.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import sys
-
-# The KV cache methods the evaluations compare (lm-eval model `oscar-hf`, `oscar-eval`, benchmarks/run_accuracy.py):
-# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
-# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
-METHODS: dict[str, tuple[str | None, dict]] = {
-    "bf16": (None, {}),
-    # the default (method="auto"): the query rule (each KV head's key rotation chosen from the prompt's queries) on a
-    # model with sdpa attention, as transformers loads one by default; the paper's method elsewhere, with a warning
-    "oscar-int2": ("oscar", {"bits": 2}),
-    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
-    "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
-    "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
-    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
-    # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
-    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
-    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
-    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
-    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
-}
+from pathlib import Path
 
 NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
 EXAMPLE = """\
@@ -49,15 +32,30 @@ pretrained= takes a local model folder, a hub id, or an offline model of oscar_h
 `oscar-eval --lm-eval-help` (e.g. --tasks, --limit, --batch_size, --output_path, --include_path, --device)."""
 
 
+INSTALL = 'oscar-eval needs lm-eval: install the evaluation extra, `pip install -e ".[eval]"` in the repository.'
+
+
+def methods() -> dict[str, tuple[str | None, dict]]:
+    """`oscar_hf.methods.METHODS`, read from its file without importing the oscar_hf package (see the docstring)."""
+    package = importlib.util.find_spec("oscar_hf")
+    spec = importlib.util.spec_from_file_location(
+        "_oscar_eval_methods", Path(package.submodule_search_locations[0]) / "methods.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.METHODS
+
+
 def _parser() -> argparse.ArgumentParser:
-    methods = "\n".join(f"  {name:26} {_describe(*METHODS[name])}" for name in METHODS)
+    table = methods()
+    methods_help = "\n".join(f"  {name:26} {_describe(*options)}" for name, options in table.items())
     parser = argparse.ArgumentParser(
         prog="oscar-eval",
-        description=f"{__doc__.splitlines()[0][14:]}\n\nmethods (--method):\n{methods}",
+        description=f"{__doc__.splitlines()[0][14:]}\n\nmethods (--method):\n{methods_help}",
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--method", choices=sorted(METHODS), help="the KV cache to evaluate (default: oscar-int2)")
+    parser.add_argument("--method", choices=sorted(table), help="the KV cache to evaluate (default: oscar-int2)")
     parser.add_argument(
         "--cache_config",
         type=json.loads,
@@ -79,7 +77,12 @@ def _describe(implementation: str | None, options: dict) -> str:
 def main(argv: list[str] | None = None) -> None:
     ours, rest = _parser().parse_known_args(sys.argv[1:] if argv is None else argv)
     # Imported only now: lm-eval's CLI and oscar_hf take seconds to import.
-    from lm_eval.__main__ import cli_evaluate
+    try:
+        from lm_eval.__main__ import cli_evaluate
+    except ModuleNotFoundError as error:
+        if error.name is None or error.name.split(".")[0] != "lm_eval":
+            raise
+        raise SystemExit(f"{INSTALL} ({error})") from error
 
     import oscar_hf.integrations.lm_eval  # noqa: F401  (registers the lm-eval model `oscar-hf`)
 

@@ -30,7 +30,8 @@ from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from oscar_hf import OscarConfig, cache_kwargs
-from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM, PrefillStore
+from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore
+from oscar_hf.methods import METHODS
 from oscar_hf.offline_models import load_model
 
 matplotlib.use("Agg")

@@ -16,11 +16,14 @@ from transformers import (
     T5ForConditionalGeneration,
 )
 from transformers.generation import configuration_utils
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.testing_utils import CaptureLogger
 
 import oscar_hf
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf import config as config_module
+from oscar_hf.integrations import fused_attention
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.reference import query_rotation_choice
 
@@ -282,13 +285,40 @@ def test_register_is_idempotent_and_unregister_restores_transformers(tiny_llama)
         oscar_hf.unregister()
         assert "oscar" not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS
         assert not hasattr(GenerationMixin._prepare_cache_for_generation, "_oscar_original")
+        assert ALL_ATTENTION_FUNCTIONS["sdpa"] is sdpa_attention_forward
         with pytest.raises(ValueError, match="cache_implementation"):
             model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar")
     finally:
         oscar_hf.register()
     assert GenerationMixin._prepare_cache_for_generation is not wrapped  # a fresh wrapper of the original
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is fused_attention.fused_sdpa
     out = model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar", **GREEDY)
     assert isinstance(out.past_key_values, OscarCache)
+
+
+class _Attention(torch.nn.Module):
+    """What transformers' sdpa reads from an attention module."""
+
+    is_causal = True
+    layer_idx, num_key_value_groups = 0, 2
+
+
+def test_the_sdpa_entry_traces_in_one_graph():
+    """The registered sdpa entry is a plain function that dynamo traces whole, as a compiled forward (a chunked
+    prefill, a decode step) calls it: a `functools.wraps(functools.partial(...))` wrapper made
+    `generate(prefill_chunk_size=...)` under compile fail with "can't trace functools.wraps" (issue 37). Calls whose
+    keys carry no fused step give transformers' own sdpa."""
+    module = _Attention()
+    query, keys, values = torch.randn(1, 4, 5, 16), torch.randn(1, 2, 5, 16), torch.randn(1, 2, 5, 16)
+
+    def attend(query, keys, values):
+        return ALL_ATTENTION_FUNCTIONS["sdpa"](module, query, keys, values, None, scaling=0.25)[0]
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, fullgraph=True, backend="eager")
+    expected = sdpa_attention_forward(module, query, keys, values, None, scaling=0.25)[0]
+    torch.testing.assert_close(compiled(query, keys, values), expected, atol=0, rtol=0)
+    assert ALL_ATTENTION_FUNCTIONS["sdpa"] is fused_attention.fused_sdpa
 
 
 def test_bad_generate_arguments_are_refused(tiny_llama):

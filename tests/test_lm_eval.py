@@ -178,6 +178,15 @@ def test_oscar_eval_help_is_its_own_lists_the_methods_and_imports_nothing_heavy(
     assert "--model MODEL" not in result.stdout  # lm-eval's own usage is behind --lm-eval-help
 
 
+def test_oscar_eval_without_lm_eval_names_the_install(monkeypatch):
+    """Issue 38: lm-eval is an extra; without it, oscar-eval says how to install it instead of a bare import error."""
+    import oscar_eval
+
+    monkeypatch.setitem(sys.modules, "lm_eval.__main__", None)  # `import lm_eval.__main__` fails as if not installed
+    with pytest.raises(SystemExit, match=r'lm-eval.*pip install -e "\.\[eval\]"'):
+        oscar_eval.main(["--tasks", "oscar_passkey_1k"])
+
+
 def test_oscar_eval_hides_lm_eval_advice_that_does_not_apply(monkeypatch, caplog):
     import logging
 

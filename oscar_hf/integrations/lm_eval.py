@@ -38,10 +38,9 @@ from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
 
-from oscar_eval import METHODS
-
 from ..cache import OscarCache, OscarLayer
 from ..config import OscarConfig
+from ..methods import METHODS
 from ..offline_models import MODELS, model_path
 from .fused_attention import recording_query_moments
 from .transformers import CACHE_KWARG  # past_key_values up to transformers 5.23, cache from 5.24

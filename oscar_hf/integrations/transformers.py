@@ -5,9 +5,10 @@ module-level tuple `ALL_CACHE_IMPLEMENTATIONS` (read at call time), and `Generat
 is a hard-coded if/else that would silently fall back to a DynamicCache for an unknown name. `register()` therefore
 extends the tuple and wraps that method; every other cache name goes to the original method untouched. The wrapper
 also hands the prompt's attention mask to whichever OscarCache generate will use (built here or passed as
-`past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). Both steps are
-idempotent and undone by `unregister()`. Nothing is written into a model's `generation_config`, so a saved
-generation_config.json never names "oscar".
+`past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). `register()` also makes
+`fused_attention.fused_sdpa` the `sdpa` attention entry (fused decode steps and the query rule's queries; every other
+call is transformers' sdpa, untouched). All steps are idempotent and undone by `unregister()`. Nothing is written
+into a model's `generation_config`, so a saved generation_config.json never names "oscar".
 
 generate keeps the cache in its `model_kwargs` under the first of its `ALL_CACHE_NAMES`: "past_key_values" up to
 transformers 5.23, "cache" from 5.24 (where `past_key_values=` became the deprecated spelling of `cache=`). The wrapper
@@ -93,7 +94,9 @@ def _wrap(original):
 
 
 def register() -> None:
-    """Make `cache_implementation="oscar"` available to `generate` (idempotent; `import oscar_hf` calls it)."""
+    """Make `cache_implementation="oscar"` available to `generate` and install the fused `sdpa` entry (idempotent;
+    `import oscar_hf` calls it)."""
+    fused_attention.register()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
     if not hasattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK):
@@ -101,11 +104,10 @@ def register() -> None:
 
 
 def unregister() -> None:
-    """Undo `register()` (and the fused-sdpa wrapper, if an OscarCache installed it): transformers behaves exactly
-    as before."""
+    """Undo `register()`: transformers behaves exactly as before."""
     names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(n for n in names if n != CACHE_IMPLEMENTATION)
     original = getattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK, None)
     if original is not None:
         GenerationMixin._prepare_cache_for_generation = original
-    fused_attention.uninstall()
+    fused_attention.unregister()

@@ -10,15 +10,8 @@ from transformers import LlamaConfig
 from transformers.generation import CompileConfig
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
-from oscar_hf.integrations import fused_attention
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@pytest.fixture(autouse=True)
-def _restore_sdpa():
-    yield
-    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
 
 
 def _sdpa_llama_config(**overrides):

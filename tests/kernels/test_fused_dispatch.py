@@ -7,10 +7,10 @@ import weakref
 import pytest
 import torch
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
-from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -19,12 +19,6 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # rotation from: the paper's method (the dispatch is the same for both).
 OPTIONS = dict(attention=FUSED, residual_length=32, method="paper")
 HISTORY = 40
-
-
-@pytest.fixture(autouse=True)
-def _restore_sdpa():
-    yield
-    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
 
 
 class _Attention(torch.nn.Module):
@@ -50,25 +44,28 @@ def _cache_with_history(layers=2, batch=1):
 
 
 def _decode_update(cache, layer, batch=1):
+    """A decode step's update as transformers >= 5.24 calls it: `kwargs` is the dict that the attention call then
+    unpacks (older versions pass none; the step still travels with the keys)."""
     kv = torch.randn(2, batch, 2, 1, 64, device=DEVICE, dtype=torch.bfloat16)
-    keys, values = cache.update(kv[0], kv[1], layer)
+    attention_kwargs = {}
+    keys, values = cache.update(kv[0], kv[1], layer, kwargs=attention_kwargs)
     assert keys.shape[2] == 1, "a fused step returns the new tokens only"
-    return keys, values
+    return keys, values, attention_kwargs
 
 
 def _query(batch=1, tokens=1):
     return torch.randn(batch, 4, tokens, 64, device=DEVICE, dtype=torch.bfloat16)
 
 
-def _sdpa(layer, query, keys, values):
-    return ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(layer), query, keys, values, None, scaling=0.125)[0]
+def _sdpa(layer, query, keys, values, **kwargs):
+    return ALL_ATTENTION_FUNCTIONS["sdpa"](_Attention(layer), query, keys, values, None, scaling=0.125, **kwargs)[0]
 
 
 def test_every_consumer_of_the_returned_tensors_attends_over_the_whole_history():
     cache = _cache_with_history()
-    keys, values = _decode_update(cache, 0)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
     query = _query()
-    first = _sdpa(0, query, keys, values)
+    first = _sdpa(0, query, keys, values, **attention_kwargs)
     # Dense attention over everything the layer stores (what the portable path attends to).
     history_keys, history_values = cache.layers[0].dense_history()
     assert history_keys.shape[2] == HISTORY + 1
@@ -81,46 +78,44 @@ def test_every_consumer_of_the_returned_tensors_attends_over_the_whole_history()
 def test_changed_keys_are_an_error():
     """MLA (latents expanded after `update`), padded or concatenated K/V: the call does not carry the step's keys."""
     cache = _cache_with_history()
-    keys, values = _decode_update(cache, 0)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
     with pytest.raises(RuntimeError, match="not the ones the cache returned.*attention='portable'"):
-        _sdpa(0, _query(), keys.clone(), values)
+        _sdpa(0, _query(), keys.clone(), values, **attention_kwargs)
 
 
 def test_changed_values_are_an_error():
     """DiffLlama's two calls pass the step's keys with values rearranged across heads."""
     cache = _cache_with_history()
-    keys, values = _decode_update(cache, 0)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
     with pytest.raises(RuntimeError, match="other values"):
-        _sdpa(0, _query(), keys, values.flip(1))
+        _sdpa(0, _query(), keys, values.flip(1), **attention_kwargs)
 
 
 def test_another_layers_step_while_one_waits_is_an_error():
     cache = _cache_with_history()
-    keys0, values0 = _decode_update(cache, 0)
-    _sdpa(0, _query(), keys0, values0)
-    _decode_update(cache, 1)  # layer 1's step waits for its attention
+    keys0, values0, kwargs0 = _decode_update(cache, 0)
+    _sdpa(0, _query(), keys0, values0, **kwargs0)
+    _, _, kwargs1 = _decode_update(cache, 1)  # layer 1's step waits for its attention
     with pytest.raises(RuntimeError, match="another layer's decode step"):
-        _sdpa(1, _query(), keys0, values0)
+        _sdpa(1, _query(), keys0, values0, **kwargs1)
 
 
 @pytest.mark.parametrize("query_shape", [(2, 4, 1, 64), (1, 4, 2, 64), (1, 3, 1, 64)], ids=["batch", "tokens", "heads"])
 def test_a_query_the_step_was_not_prepared_for_is_an_error(query_shape):
     cache = _cache_with_history()
-    keys, values = _decode_update(cache, 0)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
     query = torch.randn(query_shape, device=DEVICE, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="does not match the fused decode step"):
-        _sdpa(0, query, keys, values)
+        _sdpa(0, query, keys, values, **attention_kwargs)
 
 
 def test_other_calls_pass_through_untouched():
     cache = _cache_with_history()
-    keys, values = _decode_update(cache, 0)
-    _sdpa(0, _query(), keys, values)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
+    _sdpa(0, _query(), keys, values, **attention_kwargs)
     query, other_keys, other_values = _query(), torch.randn_like(keys), torch.randn_like(values)
     got = _sdpa(0, query, other_keys, other_values)
-    expected = fused_attention.AttentionInterface._global_mapping["sdpa"]._oscar_original(
-        _Attention(0), query, other_keys, other_values, None, scaling=0.125
-    )[0]
+    expected = sdpa_attention_forward(_Attention(0), query, other_keys, other_values, None, scaling=0.125)[0]
     torch.testing.assert_close(got, expected, atol=0, rtol=0)
 
 
@@ -173,11 +168,11 @@ def test_deepseek_v3_latents_are_refused():
 
 
 def test_the_dispatch_keeps_no_cache_alive():
-    """The wrapped sdpa finds steps through the cache of the latest update, without holding its storage."""
+    """The sdpa entry finds steps through the keys it receives, without holding a cache."""
     cache = _cache_with_history(layers=1)
-    keys, values = _decode_update(cache, 0)
-    _sdpa(0, _query(), keys, values)
+    keys, values, attention_kwargs = _decode_update(cache, 0)
+    _sdpa(0, _query(), keys, values, **attention_kwargs)
     collected = weakref.ref(cache)
-    del cache, keys, values
+    del cache, keys, values, attention_kwargs
     gc.collect()
     assert collected() is None

@@ -6,8 +6,7 @@ import torch
 from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
-from oscar_hf import cache as cache_module
-from oscar_hf.integrations import fused_attention
+from oscar_hf.cache import key_rotation
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -79,7 +78,7 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     pinned to a mixed pattern (the rule's own choice on random weights could be uniform, hiding a flag ignored)."""
     model = model_on_device(torch.bfloat16, num_key_value_heads=2)
     monkeypatch.setattr(
-        cache_module,
+        key_rotation,
         "query_rotation_choice",
         lambda keys, moment, config, valid=None: torch.tensor([[True, False], [False, True]], device=keys.device),
     )
@@ -132,7 +131,7 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
 
 
 def test_unconsumed_fused_step_is_an_error():
-    """A model whose attention bypasses the wrapped sdpa must not silently attend to the new tokens only."""
+    """A model whose attention bypasses the sdpa entry must not silently attend to the new tokens only."""
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=64, hidden_size=256
     )
@@ -148,8 +147,7 @@ def test_unconsumed_fused_step_is_an_error():
     fresh = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))
     fresh.update(kv[0], kv[1], 0)
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
-    assert fused_attention._dispatch.waiting is fresh.layers[0]
-    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
+    assert fresh.layers[0].fused_step is not None and not fresh.layers[0].fused_step.attended
 
 
 def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
@@ -164,7 +162,6 @@ def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8
     keys, _ = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: portable
-    assert keys.shape[2] == 149 and fused_attention._dispatch.waiting is None
+    assert keys.shape[2] == 149 and cache.layers[0].fused_step is None
     keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused, only the new ones back
-    assert keys.shape[2] == 8 and fused_attention._dispatch.waiting is cache.layers[0]
-    fused_attention.uninstall()  # restore transformers' sdpa for the other tests
+    assert keys.shape[2] == 8 and cache.layers[0].fused_step is not None

@@ -1,0 +1,9 @@
+"""The OScaR KV cache: `OscarCache` (cache.py) and its `OscarLayer`s (layer.py), with one module per job of a layer:
+the quantized region (storage.py), compiled decode (compiled.py), method="oscar"'s query rule (key_rotation.py), the
+deferred finite check (finite.py), padding (padding.py) and memory accounting (memory.py)."""
+
+from .cache import OscarCache
+from .layer import OscarLayer
+from .memory import KVMemory, kv_memory
+
+__all__ = ["KVMemory", "OscarCache", "OscarLayer", "kv_memory"]

@@ -1,0 +1,189 @@
+"""`OscarCache`: a transformers `Cache` whose full-attention layers are `OscarLayer`s (`layer.py`), which store K/V in
+OScaR's 2-bit format. The cache decides each layer's decode path at its first update (`oscar_hf.decode_path`) and
+hands it over; compiled decode, the query rule, padding and memory accounting have their own modules here.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache, PretrainedConfig
+from transformers.cache_utils import DynamicLayer
+
+from .. import decode_path
+from ..config import OscarConfig
+from ..integrations import fused_attention
+from ..reference import check_head_dim
+from .layer import OscarLayer
+from .memory import KVMemory, kv_memory
+from .padding import Padding
+
+
+def _refuse_latent_attention(text_config: PretrainedConfig) -> None:
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi, MiniCPM3, LongCat, Mistral Large 3...) caches a compressed
+    latent shared by all heads (and a rotary part) in place of per-head keys and values; quantizing it per channel and
+    per token as K/V would be silently wrong. Such configs name the latent's rank (`kv_lora_rank`) or the rotary part's
+    width (`qk_rope_head_dim`)."""
+    markers = {name: getattr(text_config, name, None) for name in ("kv_lora_rank", "qk_rope_head_dim")}
+    markers = {name: value for name, value in markers.items() if value is not None}
+    if markers:
+        details = ", ".join(f"{name}={value}" for name, value in markers.items())
+        raise ValueError(
+            f"OscarCache does not support multi-head latent attention: this {type(text_config).__name__} ({details}) "
+            "caches a compressed latent, not per-head keys and values, so OScaR's K/V quantization does not apply. "
+            "Use the model's default cache (drop cache_implementation='oscar')."
+        )
+
+
+def _refuse_cross_attention(text_config: PretrainedConfig) -> None:
+    """Mllama's text model reads `past_key_values.layers[i].keys` of every layer to find its cross-attention layers'
+    image K/V; an `OscarLayer` keeps no dense `keys` tensor to show it."""
+    layers = getattr(text_config, "cross_attention_layers", None)
+    if layers:
+        raise ValueError(
+            f"OscarCache does not support models with cross-attention layers: this {type(text_config).__name__} "
+            f"(cross_attention_layers={list(layers)}) reads every cache layer's dense `keys` tensor, which 2-bit "
+            "layers do not hold. Use the model's default cache (drop cache_implementation='oscar')."
+        )
+
+
+class OscarCache(DynamicCache):
+    """A `DynamicCache` whose full-attention layers are `OscarLayer`s; other layer types (sliding window, linear
+    attention, KV-sharing) keep transformers' own layers.
+
+    Args:
+        config: the model's config (`model.config`); the layer types come from it, and its attention implementation
+            resolves method="auto" (`OscarConfig.resolve`).
+        oscar_config: an `OscarConfig`, or a dict of its fields (unknown keys are an error), or None for defaults;
+            `self.oscar_config` is it resolved (method "oscar" or "paper").
+        tp_group: under tensor parallelism, the torch.distributed group over which the KV heads are sharded (default:
+            the whole world, as with `torchrun` and `tp_plan="auto"`; `generate` passes the model's own). A layer that
+            sees fewer KV heads than the config names while torch.distributed is initialized all-reduces its token
+            norms over this group, so they cover every head of the layer, as on one GPU.
+
+    Example:
+        >>> cache = OscarCache(model.config, OscarConfig(bits=2))
+        >>> model.generate(**inputs, past_key_values=cache)
+    """
+
+    layer_class: type[OscarLayer] = OscarLayer
+
+    def __init__(self, config: PretrainedConfig, oscar_config: OscarConfig | dict | None = None, tp_group=None):
+        if not isinstance(oscar_config, OscarConfig):
+            oscar_config = OscarConfig.from_dict(oscar_config)
+        text_config = config.get_text_config(decoder=True)
+        # method="auto": the query rule where the model's attention hands the queries over, else the paper's (warned)
+        oscar_config = oscar_config.resolve(getattr(text_config, "_attn_implementation", None))
+        self.oscar_config = oscar_config
+        self._waiting: fused_attention.FusedStep | None = None  # the latest fused step, waiting for its attention
+        self.tp_group = tp_group
+        self._text_config = text_config
+        if getattr(text_config, "is_encoder_decoder", False):
+            raise ValueError("OscarCache supports decoder-only models; this model is an encoder-decoder.")
+        _refuse_latent_attention(text_config)
+        _refuse_cross_attention(text_config)
+        head_dim = getattr(text_config, "head_dim", None)
+        if isinstance(head_dim, int):
+            check_head_dim(head_dim, oscar_config)
+        super().__init__(config=config)
+        self.layers = [
+            self.layer_class(oscar_config) if type(layer) is DynamicLayer else layer for layer in self.layers
+        ]
+        if not any(isinstance(layer, OscarLayer) for layer in self.layers):
+            raise ValueError(
+                f"OscarCache found no standard full-attention layer in this {type(config).__name__} (layer types: "
+                f"{sorted({type(layer).__name__ for layer in self.layers})}); nothing would be quantized. Use the "
+                "model's default cache."
+            )
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        if isinstance(layer, OscarLayer) and not layer.is_initialized:
+            head_group = self._head_shard_group(key_states)
+            layer.configure(
+                decode_path.decide(
+                    self.oscar_config, self._text_config, self.offloading, key_states, value_states, head_group
+                )
+            )
+        # Eager code only: a compiled forward (one graph, sdpa and full attention only: `compile_blockers`) always
+        # attends through the sdpa entry, and reading this state there would make dynamo guard on it per step.
+        eager = not torch.compiler.is_compiling()
+        if eager and self._waiting is not None and self._waiting.unattended:
+            self._waiting = None
+            raise RuntimeError(fused_attention.UNATTENDED_STEP)
+        keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
+        if eager:
+            self._waiting = fused_attention.step_of(keys)  # each update is followed by its attention: one waits at most
+        # transformers >= 5.24 calls `update(..., kwargs=kwargs)` with the dict its attention call then unpacks: the
+        # fused step rides along explicitly (integrations/fused_attention.py)
+        fused_attention.hand_over(keys, kwargs.get("kwargs"))
+        return keys, values
+
+    def set_padding(self, attention_mask: torch.Tensor | None) -> None:
+        """Tell the cache which positions hold padding, so that quantization leaves them out: `attention_mask` is the
+        2D mask `[B, positions]` a model takes (1 for real tokens, 0 for padding), its first column the cache's first
+        position; positions past its end count as real. Padding keys then enter no key group's min/max nor
+        method="oscar"'s rotation choice (`reference.quantize_kv`, `valid`); a group of padding only decodes to zeros.
+
+        `generate(cache_implementation="oscar")` calls it with the prompt's mask. By hand, call it before the forward
+        that brings padded tokens (e.g. a left-padded prompt batch): `cache.set_padding(inputs["attention_mask"])`.
+        None (or a mask without zeros) means no padding. Tokens already quantized keep their codes.
+        """
+        if attention_mask is not None and attention_mask.ndim != 2:
+            raise ValueError(
+                f"OscarCache.set_padding takes the 2D attention mask [batch, positions] (1 = token, 0 = padding), "
+                f"got shape {tuple(attention_mask.shape)}."
+            )
+        padding = None if attention_mask is None else Padding.of(attention_mask)
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                layer.set_padding(padding)
+
+    def _head_shard_group(self, key_states: torch.Tensor):
+        """The process group over which a layer seeing these keys has its KV heads sharded, or None when this
+        process holds all of them (one device, `device_map`, or no torch.distributed)."""
+        total, held = getattr(self._text_config, "num_key_value_heads", None), key_states.shape[1]
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not isinstance(total, int) or held >= total or not distributed:
+            return None
+        group = self.tp_group if self.tp_group is not None else torch.distributed.group.WORLD
+        ranks = torch.distributed.get_world_size(group)
+        if held * ranks != total:
+            raise ValueError(
+                f"OscarCache: a layer holds {held} of the model's {total} KV heads, but the tensor-parallel group has "
+                f"{ranks} ranks ({held} x {ranks} != {total}), so the Omni-Token norm over all heads cannot be "
+                "assembled. Pass the group that shards the heads: OscarCache(config, tp_group=...)."
+            )
+        return group
+
+    @property
+    def is_compileable(self) -> bool:
+        """Whether decode steps may run compiled (`generate`'s automatic compile checks this, with the device): see
+        `compile_blockers`."""
+        return not self.compile_blockers()
+
+    def compile_blockers(self) -> list[str]:
+        """Why compiled decode cannot run with this model and configuration (empty when it can;
+        `decode_path.compile_blockers`): it needs the fused path by the model's config (sdpa, head dims the kernel
+        supports, only full-attention layers: no sliding window, KV sharing or linear attention) and the maximum
+        length reserved (`generate` reserves it; by hand, `reserve(max_length)`). The device (CUDA) is checked by
+        `generate` before the prefill, and by each layer at its first update (after which this reports it)."""
+        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
+        return decode_path.compile_blockers(
+            self.oscar_config,
+            self._text_config,
+            only_full_attention=len(layers) == len(self.layers),
+            offloading=self.offloading,
+            tensor_parallel=self.tp_group is not None or any(layer.head_group for layer in layers),
+            paths=[layer.path for layer in layers if layer.is_initialized],
+            reserved=all(layer.max_cache_len is not None for layer in layers),
+        )
+
+    def memory_footprint(self) -> KVMemory:
+        """Bytes this cache holds now, and the ratio to a bf16 cache of the same tokens."""
+        return kv_memory(self)
+
+    def reserve(self, tokens: int) -> None:
+        """Pre-allocate quantized storage for `tokens` tokens in every initialized OScaR layer."""
+        for layer in self.layers:
+            if isinstance(layer, OscarLayer):
+                layer.reserve(tokens)

@@ -1,0 +1,84 @@
+"""Compiled decode (`torch.compile`, CUDA graphs) of an `OscarLayer`.
+
+Where the fused path applies and the maximum length is reserved (`generate` does it; `OscarCache.reserve` by hand),
+storage is allocated once at full size and the layer keeps its length in a device counter. A compiled single-token
+step writes the token at the residual slot and flushes a complete block from that counter alone (the flush kernel
+is launched every step and returns at once until the block is complete), and the fused kernel, handed the whole
+reserved storage and the counter, attends over the tokens held: shapes and addresses never change, there is no host
+synchronisation and no Python branch on a tensor value. Eager code then reads the lengths back from the counter.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels import ops as kernel_ops
+from .padding import key_padding
+
+
+class CompiledDecode:
+    """The device counter of a layer whose steps may run compiled: `length` tokens held, and whether compiled steps
+    advanced it past the layer's host-side lengths."""
+
+    def __init__(self, layer):
+        """Allocate `layer`'s reserved storage once and start the counter; mark the buffers static for CUDA graphs."""
+        storage = layer.storage
+        storage.allocate_reserved()
+        self.length = torch.tensor(storage.total, dtype=torch.long, device=storage.keys.device)
+        self.is_newer = False
+        for tensor in (storage.keys, storage.values, self.length, layer.key_rotated, *storage.buffers):
+            if tensor is not None:
+                torch._dynamo.mark_static_address(tensor)
+
+    def read_back(self, storage) -> None:
+        """Bring `storage`'s host-side lengths up to date after compiled steps (one host synchronisation)."""
+        if self.is_newer:
+            storage.set_total(int(self.length))
+            self.is_newer = False
+
+    def step(self, layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Store one token per row from the counter alone: a full residual (held a positive multiple of R) goes to
+        tokens [held - R, held) first; the kernel reads the counter and returns at once on the other R - 1 steps."""
+        storage, window = layer.storage, layer.config.residual_length
+        held = self.length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
+        torch._assert_async(held < layer.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
+        if storage.capacity:
+            padding = None if layer._padding is None else layer._padding.mask
+            kernel_ops.flush_residual(
+                storage.keys, storage.values, storage.buffers, held, layer._op_config, padding, layer.key_rotated
+            )
+        slot = (held % window).view(1)
+        storage.keys.index_copy_(2, slot, key_states)
+        storage.values.index_copy_(2, slot, value_states)
+        self.length.add_(1)
+        self.is_newer = True
+
+    def attention(self, layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float):
+        """The fused kernel handed the whole reserved storage and residual window and the counter: it reads the
+        tokens held (this step's included) and nothing beyond them. `[B, Hq, Tq, D]`."""
+        storage = layer.storage
+        stored = storage.buffers if storage.capacity else None
+        padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
+        return kernel_ops.decode_attention(
+            query, stored, storage.keys, storage.values, padding, scaling, layer._op_config, layer.key_rotated,
+            self.length,
+        )  # fmt: skip
+
+
+def mask_width(layer) -> int:
+    """The width of a compiled decode step's attention mask: the reserved storage and the window, one shape for the
+    whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's reads reach."""
+    storage = layer.storage
+    return (storage.reserved if storage.buffers is None else storage.capacity) + storage.window
+
+
+def refuse_step(layer, tokens: int) -> None:
+    """Raise unless a compiled forward's update of `tokens` tokens can run compiled on `layer`."""
+    if layer.compiled_decode and tokens == 1:
+        return
+    raise RuntimeError(
+        "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "
+        "sdpa model, supported head dims) with the maximum length reserved (`generate` reserves it; by hand: "
+        f"`cache.reserve(max_length)` before the prefill). Got {tokens} tokens, fused path "
+        f"{'on' if layer.use_kernels else 'off'}, reserved length {layer.max_cache_len}. Run this step eagerly."
+    )

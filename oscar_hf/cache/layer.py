@@ -1,0 +1,303 @@
+"""`OscarLayer`: one full-attention layer's storage in OScaR's 2-bit format.
+
+A layer holds two regions of its history, oldest first:
+
+* the quantized region: `quantized_length` tokens (a multiple of `residual_length`) in the storage contract of
+  `oscar_hf.reference` (packed codes, scales/mins, token norms), in buffers that grow by doubling so that a
+  flush copies one block, never the whole history;
+* the residual window: the latest 1 to `residual_length` tokens, exact, in the model dtype, as the model produced
+  them (post-RoPE, neither rotated nor scaled), in a fixed buffer of `residual_length` tokens.
+
+Appending tokens fills the residual; complete blocks of R = residual_length tokens are rotated, scaled, quantized and
+moved to the quantized region, the newest block once the next update begins (after a prefill of S tokens,
+`(S - 1) // R * R` are quantized). Every attention call therefore sees all complete blocks of its history quantized,
+the rest of the history exact, and its own tokens exact; the fused decode kernel finds a step's own tokens at the end
+of the residual.
+
+`OscarLayer` is transformers' layer API over objects with one job each: the two regions (`storage.KVStorage`), how
+its steps attend (`decode_path.DecodePath`, handed over by `OscarCache` at the first update), the query rule's state
+(`key_rotation.KeyRotation`), the device counter of compiled decode (`compiled.CompiledDecode`), the deferred finite
+check (`finite.FiniteCheck`) and the padding (`padding.Padding`). It owns how a block is quantized and read back.
+
+Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
+the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
+chunked prefill, scoring) attends to the dequantized history plus its own exact tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from ..config import OscarConfig
+from ..decode_path import DecodePath
+from ..integrations import fused_attention
+from ..kernels import ops as kernel_ops
+from ..layout import QuantizedKV, StorageLayout
+from ..reference import (
+    check_head_dim,
+    dequantize_kv,
+    finite_flags,
+    quantize_kv,
+    query_moment,
+    raise_unless_finite,
+    token_norms,
+)
+from .compiled import CompiledDecode, mask_width, refuse_step
+from .finite import FiniteCheck
+from .key_rotation import KeyRotation
+from .memory import KVMemory
+from .padding import Padding, key_padding, valid
+from .storage import KVStorage
+
+
+class OscarLayer(CacheLayerMixin):
+    """One full-attention layer of an `OscarCache` (see the module docstring for the two regions)."""
+
+    is_sliding = False
+    is_croppable = True
+    max_cache_len: int | None = None  # set by `reserve`: the most tokens this layer will hold (generate's max length)
+
+    def __init__(self, config: OscarConfig):
+        super().__init__()
+        self.config = config
+        self.layout = StorageLayout.of(config)
+        self._op_config = kernel_ops.config_key(config)  # the config as the custom ops take it
+        self.path = DecodePath()  # decided by `OscarCache` at the first update (`configure`)
+        self.storage = KVStorage(self.layout, config.residual_length, self._quantize, self._dequantize)
+        self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
+        self._compiled: CompiledDecode | None = None  # compiled decode only
+        self.rotation = KeyRotation(config)
+        self._padding: Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
+        self._finite = FiniteCheck(config)
+
+    def configure(self, path: DecodePath) -> None:
+        """Take the decode path `OscarCache` decided for this layer (before its first update)."""
+        self.path = path
+
+    def set_padding(self, padding: Padding | None) -> None:
+        """Which positions hold padding, from `OscarCache.set_padding` (quantization leaves them out)."""
+        self._padding = padding
+
+    # What the layer holds, and how it decodes, as tests, benchmarks and transformers read them.
+    use_kernels = property(lambda self: self.path.fused, doc="Whether the Triton kernels quantize and attend.")
+    fused_query_tokens = property(lambda self: self.path.query_tokens)
+    head_group = property(lambda self: self.path.head_group)
+    residual_keys = property(lambda self: self.storage.keys, doc="[B, Hkv, residual_length, Dk], model dtype")
+    residual_values = property(lambda self: self.storage.values)
+    residual_length = property(lambda self: self.storage.held, doc="Tokens in the residual window.")
+    quantized_length = property(lambda self: self.storage.length, doc="Tokens in the quantized region.")
+    _storage = property(lambda self: self.storage.buffers, doc="The quantized region's capacity buffers.")
+    key_rotated = property(lambda self: self.rotation.flags, doc="method='oscar': [B, Hkv] bool, or None until chosen")
+    compiled_decode = property(  # compiled single-token steps can run: fused path, maximum length reserved
+        lambda self: self.use_kernels and self.max_cache_len is not None
+    )
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        for states in (key_states, value_states):
+            check_head_dim(states.shape[-1], self.config)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.storage.allocate(key_states, value_states)
+        self.is_initialized = True
+        if self.compiled_decode:
+            self._compiled = CompiledDecode(self)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # transformers' layer API
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
+        """Store the new tokens and return the K/V to attend to: the history as stored, then the new tokens; or, on
+        a fused step, the new tokens only, carrying the step (`integrations/fused_attention.py`)."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.storage.check_batch(key_states, value_states)
+        if torch.compiler.is_compiling():
+            refuse_step(self, key_states.shape[-2])
+            if self.wants_queries:
+                raise RuntimeError(self.rotation.no_queries_message())
+            self._compiled.step(self, key_states, value_states)
+            fused_attention.FusedStep.start(self, key_states, value_states)
+            return key_states, value_states
+        self._finite.read(wait=False)
+        self.fused_step = None  # valid until this update
+        keys, values = self._eager_update(key_states, value_states)
+        if self._compiled is not None:
+            self._compiled.length.fill_(self.get_seq_length())
+        return keys, values
+
+    def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        storage = self.storage
+        if storage.total == 0:
+            if self.wants_queries:
+                self.rotation.start_prefill(key_states)
+                fused_attention.await_queries(self, key_states)
+            storage.append(key_states, value_states)
+            return key_states, value_states
+        if self.wants_queries:  # the prefill's attention never handed its queries over
+            raise RuntimeError(self.rotation.no_queries_message())
+        storage.flush()  # a complete block: quantized before it is read
+        if self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
+            # Fused decode: the kernel reads the storage itself, so only the new tokens are returned, carrying the
+            # step that the sdpa entry recognises (integrations/fused_attention.py).
+            storage.append(key_states, value_states)
+            fused_attention.FusedStep.start(self, key_states, value_states)
+            return key_states, value_states
+        past_keys, past_values = storage.history()
+        # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
+        keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
+        storage.append(key_states, value_states)
+        return keys, values
+
+    def get_seq_length(self) -> int | torch.Tensor:
+        if torch.compiler.is_compiling() and self._compiled is not None:
+            return self._compiled.length  # a tensor, as transformers' StaticLayer returns: no recompilation per step
+        if self._compiled is not None:
+            self._compiled.read_back(self.storage)
+        return self.storage.total
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        # Decode steps of a cache that can run compiled get one mask shape for the whole generation (`mask_width`).
+        if self.compiled_decode and query_length == 1:
+            if torch.compiler.is_compiling():
+                return mask_width(self), 0
+            if self.get_seq_length():
+                return max(mask_width(self), self.get_seq_length() + 1), 0
+        return self.get_seq_length() + query_length, 0
+
+    def get_max_length(self) -> int:
+        return -1
+
+    def reset(self) -> None:
+        self.storage.clear()
+        self.fused_step = self._compiled = self._padding = None
+        self.rotation.reset()
+        self._finite.reset()
+        self.is_initialized = False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        """Remove the last `-tokens_to_remove` tokens (assisted decoding rolls back rejected candidates); tokens of
+        the quantized region that survive return to the window as the values they decode to (`KVStorage.crop`)."""
+        if tokens_to_remove > 0:
+            raise ValueError(
+                f"crop({tokens_to_remove}): pass a negative number of tokens to remove, as transformers does."
+            )
+        if tokens_to_remove == 0 or not self.is_initialized:
+            return
+        keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        if self._compiled is not None:
+            self._compiled.length.fill_(keep)
+        self.storage.crop(keep)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # Reordering packed codes is lossless, so beam search reorders eagerly (no deferred dequantization).
+        self._apply(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self._apply(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self._apply(lambda t: t[indices])
+
+    def offload(self) -> None:
+        self._apply(lambda t: t.to("cpu", non_blocking=True))
+
+    def prefetch(self) -> None:
+        self._apply(lambda t: t.to(self.device, non_blocking=True))
+
+    def _apply(self, fn) -> None:
+        """Apply a batch-axis (or device) transform to every stored tensor."""
+        if not self.is_initialized:
+            return
+        self.storage.apply(fn)
+        self.rotation.apply(fn)
+        if self._padding is not None:
+            self._padding = self._padding.apply(fn)
+
+    def reserve(self, tokens: int) -> None:
+        """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length)."""
+        self.max_cache_len = tokens
+        self.storage.reserved = tokens - tokens % self.config.residual_length
+        if self.is_initialized and self.compiled_decode:
+            self._compiled = CompiledDecode(self)
+        elif self.is_initialized and self.storage.buffers is not None:
+            self.storage.grow(self.storage.reserved)
+
+    def memory(self) -> KVMemory:
+        """Bytes this layer holds now (`memory.kv_memory` sums them over a cache)."""
+        if not self.is_initialized:
+            return KVMemory()
+        self.get_seq_length()  # lengths read back after compiled steps
+        return self.storage.memory()
+
+    # ----------------------------------------------------------------------------------------------------------
+    # quantizing and reading blocks
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV:
+        """Quantize the tokens that follow the quantized region, refusing non-finite blocks: at once (one host
+        synchronisation), or, for a block that a decode step flushes on CUDA (`decoding`), from a later update
+        without waiting (`FiniteCheck`)."""
+        mask = valid(self._padding, self.quantized_length, keys)
+        key_rotated = self.rotation.flags_for(keys, values)
+        norms = None
+        if self.head_group is not None and self.config.token_scaling:
+            norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
+        if self.use_kernels:
+            from ..kernels import quantize_kv_triton
+
+            block = quantize_kv_triton(keys, values, self.config, key_rotated, norms=norms, valid=mask)
+        else:
+            block = quantize_kv(keys, values, self.config, key_rotated, norms=norms, valid=mask)
+        flags = finite_flags(block, keys, values, mask)
+        if decoding and flags.is_cuda:
+            self._finite.defer(flags)
+        else:
+            raise_unless_finite(flags, self.config)
+        return block
+
+    def _dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype."""
+        math_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
+        keys, values = dequantize_kv(self.storage.rows(start, end), self.config, math_dtype, self.key_rotated)
+        return keys.to(self.dtype), values.to(self.dtype)
+
+    def quantized(self) -> QuantizedKV | None:
+        """Views of the quantized region (`quantized_length` tokens), or None when it is empty."""
+        return self.storage.quantized()
+
+    def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything stored, as dense K/V in the model dtype: dequantized region, then the exact residual."""
+        return self.storage.history()
+
+    def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
+        the fused Triton kernel: `[B, Hq, Tq, D]`."""
+        if torch.compiler.is_compiling():
+            return self._compiled.attention(self, query, attention_mask, scaling)
+        from ..kernels import decode_attention_triton
+
+        padding = key_padding(attention_mask, query.shape[0], self.get_seq_length())
+        keys, values, stored = self.storage.window_keys(), self.storage.window_values(), self.storage.quantized()
+        return decode_attention_triton(query, stored, keys, values, padding, scaling, self.config, self.key_rotated)
+
+    # ----------------------------------------------------------------------------------------------------------
+    # method="oscar"'s query rule (its state and choice: `KeyRotation`)
+    wants_queries = property(lambda self: self.rotation.wants_queries, doc="Whether the prefill's queries are awaited.")
+
+    def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
+        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read the prefill (this
+        layer's first update), the newest Tq positions. The sdpa entry (integrations/fused_attention.py) calls it
+        with the keys it received, which must be the ones that update returned (a call for another layer or cache
+        is ignored); by hand, call it after the first update of a cache filled without the model's attention."""
+        if not self.rotation.is_for(keys):
+            return
+        mask = valid(self._padding, self.get_seq_length() - query.shape[-2], query)
+        self.observe_query_moment(query_moment(query, self.residual_keys.shape[1], mask))
+
+    def observe_query_moment(self, moment: torch.Tensor) -> None:
+        """`observe_queries` given their second moment (`reference.query_moment`, padding left out): what a cache
+        filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill).
+        Made at the end of the prefill even when no block is full yet, so that a flush inside a compiled decode step
+        finds the flags fixed."""
+        if not self.wants_queries:
+            return
+        self.rotation.choose(moment, self.storage, lambda keys: valid(self._padding, 0, keys), self._quantize)
+        if self._compiled is not None:  # compiled decode reads the flags: a fixed address, as its other buffers
+            torch._dynamo.mark_static_address(self.key_rotated)

@@ -1,0 +1,81 @@
+"""Bytes a KV cache holds, and its ratios to a bf16 cache and to one in the model's dtype."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+import torch
+from transformers.cache_utils import Cache
+
+
+@dataclass(frozen=True)
+class KVMemory:
+    """Bytes held by a cache (summed over layers), and what a DynamicCache would hold for the same tokens, in the
+    model's dtype and in bf16. `print(memory)` shows the whole cache's ratios to both.
+
+    `quantized_*` covers the 2-bit region of the OScaR layers; `exact_*` everything kept in full precision (residual
+    windows, and the layers OScaR leaves alone, e.g. sliding-window layers). `allocated_bytes` includes spare
+    capacity (buffers grow by doubling; `generate` reserves its maximum length up front).
+    """
+
+    quantized_bytes: int = 0
+    quantized_bf16_bytes: int = 0
+    exact_bytes: int = 0
+    exact_bf16_bytes: int = 0
+    allocated_bytes: int = 0
+    model_dtype_bytes: int = 0  # the same tokens in the model's dtype (a DynamicCache)
+
+    def __add__(self, other: KVMemory) -> KVMemory:
+        return KVMemory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(KVMemory)))
+
+    @property
+    def total_bytes(self) -> int:
+        return self.quantized_bytes + self.exact_bytes
+
+    @property
+    def bf16_bytes(self) -> int:
+        return self.quantized_bf16_bytes + self.exact_bf16_bytes
+
+    @property
+    def ratio_vs_bf16(self) -> float:
+        """How many times smaller than bf16 the whole cache is (residual windows and other layers included)."""
+        return self.bf16_bytes / self.total_bytes if self.total_bytes else float("nan")
+
+    @property
+    def ratio_vs_model_dtype(self) -> float:
+        """How many times smaller the whole cache is than a DynamicCache of the same tokens in the model's dtype."""
+        return self.model_dtype_bytes / self.total_bytes if self.total_bytes else float("nan")
+
+    @property
+    def quantized_ratio_vs_bf16(self) -> float:
+        """How many times smaller than bf16 the quantized region is (about 5.3x at 2 bits, D=128, fp16 scales)."""
+        return self.quantized_bf16_bytes / self.quantized_bytes if self.quantized_bytes else float("nan")
+
+    def __str__(self) -> str:
+        def mib(n: int) -> str:
+            return f"{n / 2**20:.2f} MiB"
+
+        text = f"KV cache {mib(self.total_bytes)}"
+        if self.quantized_bytes:
+            text += f" ({mib(self.quantized_bytes)} quantized + {mib(self.exact_bytes)} exact)"
+        text += (
+            f"; compression {self.ratio_vs_model_dtype:.2f}x vs the model's dtype ({mib(self.model_dtype_bytes)}), "
+            f"{self.ratio_vs_bf16:.2f}x vs bf16 ({mib(self.bf16_bytes)})"
+        )
+        if self.quantized_bytes:
+            text += f"; the quantized region alone: {self.quantized_ratio_vs_bf16:.2f}x vs bf16"
+        return text
+
+
+def kv_memory(cache: Cache) -> KVMemory:
+    """Bytes a cache holds now (any transformers `Cache`; OScaR layers report their quantized region separately)."""
+    total = KVMemory()
+    for layer in cache.layers:
+        if callable(getattr(layer, "memory", None)):  # an OscarLayer (transformers' layers have no `memory`)
+            total += layer.memory()
+            continue
+        tensors = [t for t in (getattr(layer, "keys", None), getattr(layer, "values", None)) if torch.is_tensor(t)]
+        held = sum(t.nbytes for t in tensors)
+        bf16 = sum(2 * t.numel() for t in tensors)
+        total += KVMemory(exact_bytes=held, exact_bf16_bytes=bf16, allocated_bytes=held, model_dtype_bytes=held)
+    return total

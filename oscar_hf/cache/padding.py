@@ -1,0 +1,60 @@
+"""Which cache positions of each row hold padding (`OscarCache.set_padding`), and the padding mask an attention call
+hands the fused kernel."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Padding:
+    """Which cache positions of each row hold padding, as the layers read it."""
+
+    mask: torch.Tensor  # [B, P] bool, True for real tokens; positions from P on are real
+    end: int  # no row has padding at or after this position: blocks starting there need no mask (host-side)
+
+    @classmethod
+    def of(cls, attention_mask: torch.Tensor) -> Padding | None:
+        mask = attention_mask.bool()
+        positions = torch.arange(mask.shape[1], device=mask.device)
+        end = int(torch.where(mask, 0, positions + 1).amax()) if mask.numel() else 0  # one host sync per call
+        if end == 0:
+            return None
+        return cls(mask, end)
+
+    def valid(self, start: int, keys: torch.Tensor) -> torch.Tensor | None:
+        """`[B, N]` bool for the N tokens of `keys` at positions `start..start + N - 1` (on their device), or None
+        when they hold no padding."""
+        if start >= self.end:
+            return None
+        batch, tokens = keys.shape[0], keys.shape[-2]
+        if self.mask.shape[0] != batch:
+            raise ValueError(
+                f"OscarCache: the padding mask given to set_padding has {self.mask.shape[0]} rows but the cache "
+                f"holds a batch of {batch}; pass the attention mask of this batch."
+            )
+        part = self.mask[:, start : start + tokens]
+        return torch.cat([part, part.new_ones(batch, tokens - part.shape[1])], dim=1).to(keys.device)
+
+    def apply(self, fn) -> Padding:
+        """This padding after a batch-axis (or device) transform of the cache."""
+        return Padding(fn(self.mask), self.end)
+
+
+def valid(padding: Padding | None, start: int, tensor: torch.Tensor) -> torch.Tensor | None:
+    """`padding.valid`, None without padding."""
+    return None if padding is None else padding.valid(start, tensor)
+
+
+def key_padding(attention_mask: torch.Tensor | None, batch: int, width: int | None = None) -> torch.Tensor | None:
+    """The fused kernel's key padding mask `[batch, width]` (True where attending) from an attention call's mask
+    `[B or 1, 1, Tq, positions]`: its last query row masks exactly the padding (a causal mask hides nothing older from
+    it). `width`: the first positions only (eager steps read the tokens held; compiled steps every position)."""
+    if attention_mask is None:
+        return None
+    padding = attention_mask[:, 0, -1] if width is None else attention_mask[:, 0, -1, :width]
+    if padding.dtype != torch.bool:  # an additive float mask: 0 where attending
+        padding = padding == 0
+    return padding.expand(batch, -1)

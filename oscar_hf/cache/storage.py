@@ -1,0 +1,204 @@
+"""What an `OscarLayer` holds: the residual window and the quantized region (see layer.py's docstring).
+
+The quantized region is packed blocks in the storage contract of `oscar_hf.layout`, in capacity buffers that grow by
+doubling (or are reserved once at full size), so that a flush copies one block, never the history. The window is a
+fixed buffer of `residual_length` tokens, exact, in the model dtype. How a block is quantized and dequantized (the
+key rotation, kernels, token norms, finite checks) is the layer's: `KVStorage` takes it as two functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from ..layout import QuantizedKV, StorageLayout
+from .memory import KVMemory
+
+# Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
+QUANTIZE_CHUNK_TOKENS = 4096
+
+
+class KVStorage:
+    """`length` quantized tokens (a multiple of the window size R) in `buffers`, then `held` exact tokens (1..R once
+    anything is stored) at the start of the window buffers `keys`/`values` (`[B, Hkv, R, D]`).
+
+    quantize(keys, values, decoding): the block of the tokens that follow the quantized region.
+    dequantize(start, end): dense K/V, in the model dtype, of quantized tokens `[start, end)` (block-aligned).
+    """
+
+    def __init__(
+        self,
+        layout: StorageLayout,
+        window: int,
+        quantize: Callable[..., QuantizedKV],
+        dequantize: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+    ):
+        self.layout, self.window = layout, window
+        self.quantize, self.dequantize = quantize, dequantize
+        self.keys: torch.Tensor | None = None
+        self.values: torch.Tensor | None = None
+        self.held = 0
+        self.buffers: QuantizedKV | None = None  # capacity; the first `length` tokens are valid
+        self.length = 0
+        self.reserved = 0  # tokens reserved up front (`OscarLayer.reserve`), whole blocks
+
+    def clear(self) -> None:
+        """Hold nothing (the reservation stays)."""
+        self.keys = self.values = self.buffers = None
+        self.held = self.length = 0
+
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """The window buffers, for K/V like these. Zeros: compiled steps read (masked) unused slots, which must never
+        hold NaN garbage."""
+        self.keys = key_states.new_zeros(*key_states.shape[:2], self.window, key_states.shape[-1])
+        self.values = value_states.new_zeros(*value_states.shape[:2], self.window, value_states.shape[-1])
+
+    def check_batch(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Refuse K/V whose batch, heads or head_dim differ from what is held (a cache reused for another batch),
+        naming the fix, rather than failing inside a kernel or concatenating mismatched histories."""
+        held = (self.keys.shape[:2], self.keys.shape[-1], self.values.shape[-1])
+        if (key_states.shape[:2], key_states.shape[-1], value_states.shape[-1]) == held:
+            return
+        (batch, heads), _, _ = held
+        raise ValueError(
+            f"OscarCache holds K/V of batch size {batch} with {heads} KV heads (head dims {held[1]}/{held[2]}), but "
+            f"an update brought keys {tuple(key_states.shape)} and values {tuple(value_states.shape)}: a cache "
+            "serves one batch of sequences. Call `cache.reset()` before reusing it for another batch, or create a "
+            "new OscarCache."
+        )
+
+    @property
+    def total(self) -> int:
+        return self.length + self.held
+
+    def set_total(self, total: int) -> None:
+        """The lengths of `total` tokens stored by compiled steps: the window holds the last 1..R."""
+        self.length = (total - 1) // self.window * self.window
+        self.held = total - self.length
+
+    # ----------------------------------------------------------------------------------------------------------
+    # writing
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """Add tokens to the window, quantizing whole blocks but the newest: the window keeps the last 1..R tokens (a
+        complete last block is quantized when the next update begins, `flush`), so a fused decode step finds its own
+        tokens in the window."""
+        held, new = self.held, key_states.shape[-2]
+        to_quantize = (held + new - 1) // self.window * self.window
+        if to_quantize == 0:
+            self.keys[:, :, held : held + new] = key_states
+            self.values[:, :, held : held + new] = value_states
+            self.held += new
+            return
+        if held:
+            key_states = torch.cat([self.keys[:, :, :held], key_states], dim=-2)
+            value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
+        for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
+            end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
+            self.store(self.quantize(key_states[:, :, start:end], value_states[:, :, start:end]))
+        self.held = key_states.shape[-2] - to_quantize
+        self.keys[:, :, : self.held] = key_states[:, :, to_quantize:]
+        self.values[:, :, : self.held] = value_states[:, :, to_quantize:]
+
+    def flush(self) -> None:
+        """Quantize a complete window before it is read (a decode step's flush)."""
+        if self.held == self.window:
+            self.store(self.quantize(self.keys, self.values, decoding=True))
+            self.held = 0
+
+    def store(self, block: QuantizedKV) -> None:
+        """Append a quantized block to the quantized region."""
+        start = self.length
+        end = start + self.layout.num_tokens(block)
+        self.grow(end)
+        for buf, part in zip(self.rows(start, end), block):
+            if buf is not None:
+                buf.copy_(part)
+        self.length = end
+
+    def crop(self, keep: int) -> None:
+        """Keep the first `keep` tokens. Cropping into the quantized region moves the surviving tokens of the last
+        blocks back into the window as the values they decode to, so attention sees exactly what it saw before."""
+        if keep >= self.length:
+            self.held = keep - self.length
+            return
+        block_start = keep - keep % self.window
+        keys, values = self.dequantize(block_start, self.length)
+        survivors = keep - block_start
+        self.keys[:, :, :survivors] = keys[:, :, :survivors]
+        self.values[:, :, :survivors] = values[:, :, :survivors]
+        self.length, self.held = block_start, survivors
+
+    # ----------------------------------------------------------------------------------------------------------
+    # reading
+    def rows(self, start: int, end: int) -> QuantizedKV:
+        """Views of quantized tokens `[start, end)` (block-aligned)."""
+        return self.layout.rows(self.buffers, start, end)
+
+    def quantized(self) -> QuantizedKV | None:
+        """Views of the quantized region, or None when it is empty."""
+        return self.rows(0, self.length) if self.length else None
+
+    def window_keys(self) -> torch.Tensor:
+        return self.keys[:, :, : self.held]
+
+    def window_values(self) -> torch.Tensor:
+        return self.values[:, :, : self.held]
+
+    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything stored, as dense K/V in the model dtype: dequantized region, then the exact window."""
+        keys, values = self.window_keys(), self.window_values()
+        if self.length:
+            old_keys, old_values = self.dequantize(0, self.length)
+            keys, values = torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2)
+        return keys, values
+
+    # ----------------------------------------------------------------------------------------------------------
+    # capacity
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffers is None else self.layout.num_tokens(self.buffers)
+
+    def grow(self, tokens: int) -> None:
+        """Make room for `tokens` quantized tokens: capacity doubles, so appending is amortized O(block)."""
+        capacity = self.capacity
+        if tokens <= capacity and self.buffers is not None:
+            return
+        capacity = -(-max(tokens, 2 * capacity, self.reserved) // self.window) * self.window
+        (batch, key_heads, _, key_dim), (_, value_heads, _, value_dim) = self.keys.shape, self.values.shape
+        new = self.layout.empty(batch, key_heads, key_dim, value_heads, value_dim, capacity, self.keys.device)
+        if self.buffers is not None:
+            for buf, old in zip(self.layout.rows(new, 0, self.capacity), self.buffers):
+                if buf is not None:
+                    buf.copy_(old)
+        self.buffers = new
+
+    def allocate_reserved(self) -> None:
+        """Storage for the reserved tokens, zero beyond those stored (compiled steps read it, masked)."""
+        self.grow(self.reserved)
+        for buf, rows in zip(self.buffers, self.layout.tokens_per_row):
+            if buf is not None:
+                buf[:, :, self.length // rows :] = 0
+
+    def apply(self, fn) -> None:
+        """Apply a batch-axis (or device) transform to every stored tensor."""
+        self.keys, self.values = fn(self.keys), fn(self.values)
+        if self.buffers is not None:
+            self.buffers = QuantizedKV(*(None if t is None else fn(t) for t in self.buffers))
+
+    def memory(self) -> KVMemory:
+        """Bytes held now, and what a cache of the same tokens in the model's dtype and in bf16 would hold."""
+        per_token = self.keys[:, :, 0].numel() + self.values[:, :, 0].numel()
+        element_size = self.keys.element_size()
+        return KVMemory(
+            quantized_bytes=_nbytes(self.quantized()),
+            quantized_bf16_bytes=2 * per_token * self.length,
+            exact_bytes=element_size * per_token * self.held,
+            exact_bf16_bytes=2 * per_token * self.held,
+            allocated_bytes=self.keys.nbytes + self.values.nbytes + _nbytes(self.buffers),
+            model_dtype_bytes=element_size * per_token * self.total,
+        )
+
+
+def _nbytes(tensors: QuantizedKV | None) -> int:
+    return 0 if tensors is None else sum(t.nbytes for t in tensors if t is not None)

@@ -1,0 +1,148 @@
+"""How an OScaR layer's steps attend, decided in one place: portable, fused or compiled, each "no" with its reason.
+
+* portable: `update` returns dense K/V (the dequantized history, then the exact tokens) to the model's attention;
+* fused: decode steps of up to `DecodePath.query_tokens` tokens attend with the Triton kernel, which reads the packed
+  storage in place (`integrations/fused_attention.py`); blocks are quantized by the Triton kernel;
+* compiled: fused single-token steps inside `torch.compile` / CUDA graphs, from a device counter over storage
+  reserved up front (`cache/compiled.py`).
+
+Each check returns the reasons it fails (empty: it applies), like fla's backend verifiers, so that an error or
+`OscarCache.compile_blockers()` names every one. `OscarCache` makes the decision at a layer's first update
+(`decide`) and hands the layer the resulting `DecodePath`.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import PretrainedConfig
+
+from .config import OscarConfig
+from .kernels import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+# Attention features the fused kernel does not implement; a call using them attends over the dense history instead.
+UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
+
+
+@dataclass(frozen=True)
+class DecodePath:
+    """What a layer's steps may use, decided at its first update.
+
+    fused: blocks are quantized by the Triton kernel and decode steps of up to `query_tokens` tokens attend with the
+        fused kernel.
+    query_tokens: the kernel's limit on query rows per KV head divided by the model's GQA group.
+    head_group: under tensor parallelism, the torch.distributed group over which this process holds a shard of the
+        layer's KV heads: the Omni-Token norm (over all heads) is all-reduced over it (eager code only).
+    """
+
+    fused: bool = False
+    query_tokens: int = 0
+    head_group: object = None
+
+    def fused_step(self, held: int, new: int, window: int) -> bool:
+        """Whether `new` tokens arriving at a residual window holding `held` of `window` take the fused kernel."""
+        return self.fused and new <= self.query_tokens and held + new <= window
+
+
+def _failed(*checks: tuple[bool, str]) -> list[str]:
+    return [reason for failed, reason in checks if failed]
+
+
+def _implementation(text_config: PretrainedConfig) -> str | None:
+    return getattr(text_config, "_attn_implementation", None)
+
+
+def fused_blockers(
+    oscar_config: OscarConfig,
+    text_config: PretrainedConfig,
+    offloading: bool,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+) -> list[str]:
+    """Why a layer seeing these K/V cannot use the Triton kernels (empty: it can). attention='portable' is not a
+    reason: it is a choice (`decide`)."""
+    interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors
+    implementation = _implementation(text_config)
+    return _failed(
+        (offloading, "cache offloading is on"),
+        (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
+        (
+            not (key_states.is_cuda or (oscar_config.attention == "fused" and interpreting)),
+            f"K/V are on {key_states.device} (CUDA needed; CPU only under TRITON_INTERPRET=1)",
+        ),
+        (
+            not key_states.shape[-1] == value_states.shape[-1] in DECODE_HEAD_DIMS,
+            f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
+        ),
+        (not HAS_TRITON, "triton is not installed"),
+    )
+
+
+def decide(
+    oscar_config: OscarConfig,
+    text_config: PretrainedConfig,
+    offloading: bool,
+    key_states: torch.Tensor,
+    value_states: torch.Tensor,
+    head_group=None,
+) -> DecodePath:
+    """The path of a layer whose first update brings these K/V. With attention="auto" the portable path runs where
+    the kernels do not apply (same storage, same results up to rounding); attention="fused" demands them."""
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or key_states.shape[1]
+    group = getattr(text_config, "num_attention_heads", kv_heads) // kv_heads  # the same on every shard
+    query_tokens = min(DECODE_MAX_QUERY_TOKENS, DECODE_MAX_QUERY_ROWS // max(group, 1))
+    if oscar_config.attention == "portable":
+        return DecodePath(False, query_tokens, head_group)
+    reasons = fused_blockers(oscar_config, text_config, offloading, key_states, value_states)
+    if reasons and oscar_config.attention == "fused":
+        raise ValueError(
+            f"OscarConfig(attention='fused') cannot use the Triton kernels: {'; '.join(reasons)}. "
+            "Use attention='auto' (kernels where they apply) or 'portable'."
+        )
+    return DecodePath(not reasons, query_tokens, head_group)
+
+
+def compile_blockers(
+    oscar_config: OscarConfig,
+    text_config: PretrainedConfig,
+    *,
+    only_full_attention: bool,
+    offloading: bool,
+    tensor_parallel: bool,
+    paths: list[DecodePath | None],
+    reserved: bool,
+) -> list[str]:
+    """Why compiled decode cannot run (empty: it can): it needs the fused path by the model's config (sdpa, head dims
+    the kernel supports, only full-attention layers), no offloading or tensor parallelism, every initialized layer on
+    the fused path (`paths`: None for a layer not initialized yet) and the maximum length reserved."""
+    heads = getattr(text_config, "num_attention_heads", None) or 1
+    head_dim = getattr(text_config, "head_dim", None) or getattr(text_config, "hidden_size", 0) // heads
+    group = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
+    implementation = _implementation(text_config)
+    return _failed(
+        (oscar_config.attention == "portable", "attention='portable'"),
+        (not HAS_TRITON, "triton is not installed"),
+        (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
+        (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
+        (group > DECODE_MAX_QUERY_ROWS, f"{group} query heads per KV head exceed {DECODE_MAX_QUERY_ROWS}"),
+        (not only_full_attention, "the model has layers other than full attention"),
+        (offloading, "cache offloading is on"),
+        (tensor_parallel, "tensor parallel: the token norms' all-reduce over the ranks' KV heads runs in eager code"),
+        (
+            any(path is not None and not path.fused for path in paths),
+            "the fused kernels do not apply to the K/V this cache holds (see OscarConfig.attention)",
+        ),
+        (not reserved, "no maximum length is reserved"),
+    )
+
+
+def attention_blockers(dropout: float, kwargs: dict) -> list[str]:
+    """Why an attention call on a fused step's K/V cannot be answered by the fused kernel (empty: it can)."""
+    return _failed(
+        (bool(dropout), "dropout"),
+        *((kwargs.get(name) is not None, name) for name in UNSUPPORTED_ATTENTION_KWARGS),
+    )

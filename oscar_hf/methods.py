@@ -1,0 +1,26 @@
+"""The named KV cache methods the evaluations compare (lm-eval model `oscar-hf`, `oscar-eval`,
+benchmarks/run_accuracy.py).
+
+Plain data, importing nothing: `oscar-eval --help` reads this file without importing the oscar_hf package (whose
+`__init__` registers with transformers, seconds of imports).
+"""
+
+# The KV cache methods the evaluations compare (lm-eval model `oscar-hf`, `oscar-eval`, benchmarks/run_accuracy.py):
+# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
+# "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
+METHODS: dict[str, tuple[str | None, dict]] = {
+    "bf16": (None, {}),
+    # the default (method="auto"): the query rule (each KV head's key rotation chosen from the prompt's queries) on a
+    # model with sdpa attention, as transformers loads one by default; the paper's method elsewhere, with a warning
+    "oscar-int2": ("oscar", {"bits": 2}),
+    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
+    "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
+    "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
+    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
+    # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
+    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
+    "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
+    "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
+    "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
+}
