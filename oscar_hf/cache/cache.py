@@ -62,7 +62,7 @@ class OscarCache(DynamicCache):
 
     Example:
         >>> cache = OscarCache(model.config, OscarConfig(bits=2))
-        >>> model.generate(**inputs, past_key_values=cache)
+        >>> model.generate(**inputs, **cache_kwargs(cache))
     """
 
     layer_class: type[OscarLayer] = OscarLayer
