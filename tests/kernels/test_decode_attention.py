@@ -19,7 +19,7 @@ from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
 from oscar_hf.kernels import decode_attention as launcher
 from oscar_hf.kernels.decode_attention import decode_plan
 from oscar_hf.kernels.decode_tiles import unpack_codes_t
-from oscar_hf.kernels.decode_tuning import default_tuning, few_heads, num_splits
+from oscar_hf.kernels.decode_tuning import DecodeTuning, default_tuning, few_heads, num_splits
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -369,10 +369,17 @@ def test_gluon_full_blocks(case: Case):
     length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
     inputs = make_inputs(case, seed=2)
     query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
-    plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated)
+    tuning = _gluon_tuning(case)
+    plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated, tuning=tuning)
     assert plan.gluon is not None, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
-    assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, case.id)
+    assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
+
+
+def _gluon_tuning(case: Case) -> DecodeTuning:
+    """The launch choices that run the Gluon kernel for `case`: the long-context ones (these cases are short, and
+    over few KV heads `default_tuning` picks the Triton kernel's 128-token steps for them, running no Gluon kernel)."""
+    return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
 
 
 def _gluon_partials_in_torch(bound, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
@@ -534,7 +541,7 @@ def _fresh(seed: int, case: Case):
     return make_inputs(case, seed=seed)
 
 
-def _check_plan_reuse_and_refusals(case: Case, monkeypatch) -> launcher.DecodePlan:
+def _check_plan_reuse_and_refusals(case: Case, monkeypatch, tuning: DecodeTuning | None = None) -> launcher.DecodePlan:
     monkeypatch.setattr(launcher, "_PLANS", {})
     made = []
     make_plan = launcher._make_plan
@@ -542,17 +549,19 @@ def _check_plan_reuse_and_refusals(case: Case, monkeypatch) -> launcher.DecodePl
     for seed in range(3):  # one plan; each step's own tensors read (a stale pointer would match another step's data)
         inputs = _fresh(seed, case)
         ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
-        assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} step {seed}")
+        out = decode_attention_triton(*inputs, tuning=tuning)
+        assert_close_to_reference(out, ref, case.dtype, f"{case.id} step {seed}")
     assert len(made) == 1
     for kind, message in BAD_INPUTS.items():
         with pytest.raises(ValueError, match=message):
-            decode_attention_triton(*_bad_inputs(inputs, kind))
+            decode_attention_triton(*_bad_inputs(inputs, kind), tuning=tuning)
     query, *rest = inputs  # a changed but valid input (a query in a wider buffer): a plan of its own, the right result
     query = torch.cat((query, torch.randn_like(query)), dim=-1)[..., : query.shape[-1]]
     ref = decode_attention_reference(query, *rest, compute_dtype=torch.float64, out_dtype=torch.float64)
-    assert_close_to_reference(decode_attention_triton(query, *rest), ref, case.dtype, f"{case.id} strided query")
+    out = decode_attention_triton(query, *rest, tuning=tuning)
+    assert_close_to_reference(out, ref, case.dtype, f"{case.id} strided query")
     assert len(made) == 2 + len(BAD_INPUTS)  # the refused inputs' plans were begun, never kept
-    return decode_plan(*inputs[:5], inputs[6], inputs[7])
+    return decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=tuning)
 
 
 def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
@@ -567,7 +576,7 @@ def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
 def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Case, monkeypatch):
     """On the GPU the plan's kernels launch through their compiled launchers after the first step (`BoundKernel`): the
     later steps must still read their own tensors, and bad inputs must still be refused."""
-    plan = _check_plan_reuse_and_refusals(case, monkeypatch)
+    plan = _check_plan_reuse_and_refusals(case, monkeypatch, _gluon_tuning(case) if case.head_dim == 128 else None)
     assert plan.split._compiled and plan.merge._compiled, "the compiled kernels' own launchers are not used"
     if case.head_dim == 128:
         assert plan.gluon is not None and plan.gluon._compiled, plan.why_not_gluon
