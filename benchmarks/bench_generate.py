@@ -20,8 +20,9 @@ Caches (`--variants`), each row for every batch x context:
 - `oscar-compiled`: OScaR with generate's automatic compile, run only where `OscarCache.compile_blockers()` is empty
   (otherwise skipped with the blockers).
 
-Timing: before its first row, each cache runs one short warm-up generate (2048-token prompt, same batch, eager) so
-that Triton/cuBLAS first-call costs stay out of the rows. A streamer synchronises the device at every token:
+Timing: before each row, its cache runs one eager warm-up generate of the row's shape (same batch and prompt length,
+a few new tokens), so that Triton/cuBLAS first-call costs and the caching allocator's first growth to that shape stay
+out of the rows (a warm process, as a server is). A streamer synchronises the device at every token:
 `prefill_s` is the time to the first new token, `step_ms` the median over the second half of the decode steps (the
 first ones compile and capture CUDA graphs), `peak_gib` the peak allocated memory of the whole `generate` call.
 `graphs_compiled` counts the graphs torch.compile built during the row (0: the row ran eager). An out-of-memory row
@@ -119,7 +120,7 @@ VARIANTS = {
     "oscar": Variant("oscar", "oscar", False, {"attention": "auto"}),
     "oscar-compiled": Variant("oscar", "oscar", True, {"attention": "auto"}),
 }
-WARMUP_CONTEXT, WARMUP_TOKENS = 2048, 4
+WARMUP_TOKENS = 4
 
 
 class _TokenClock:
@@ -326,7 +327,7 @@ def main(argv: list[str] | None = None) -> Path:
         "model": args.model,
         "model_config": MODELS[args.model][2],
         "new_tokens": args.new_tokens,
-        "warmup": f"one eager generate per cache and batch: {WARMUP_CONTEXT}-token prompt, {WARMUP_TOKENS} new tokens",
+        "warmup": f"one eager generate of each row's cache and shape, {WARMUP_TOKENS} new tokens",
         "argv": sys.argv[1:] if argv is None else argv,
     }
     skipped = {}
@@ -336,7 +337,6 @@ def main(argv: list[str] | None = None) -> Path:
         skipped["quantized-quanto-int2"] = missing
     print(f"run {run}: {args.model} on {header['device']} -> {path}", flush=True)
 
-    warmed = set()
     rows = []
     for batch in args.batches:
         for context in args.contexts:
@@ -362,9 +362,7 @@ def main(argv: list[str] | None = None) -> Path:
                 else:
                     try:
                         eager = generate_options(dataclasses.replace(variant, compiled=False))
-                        if (variant.implementation, batch) not in warmed:
-                            timed_generate(model, batch, min(context, WARMUP_CONTEXT), WARMUP_TOKENS, eager)
-                            warmed.add((variant.implementation, batch))
+                        timed_generate(model, batch, context, WARMUP_TOKENS, eager)
                         row.update(timed_generate(model, batch, context, args.new_tokens, generate_options(variant)))
                     except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
                         row.update(failure(error))
