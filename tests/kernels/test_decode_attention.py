@@ -382,16 +382,16 @@ def _gluon_tuning(case: Case) -> DecodeTuning:
     return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
 
 
-def _gluon_partials_in_torch(bound, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
-    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the sizes as
+def _gluon_partials_in_torch(
+    bound, stream, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_residual
+) -> None:
+    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the other sizes as
     `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
     warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
     2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
     score scale that the Triton kernel wrote)."""
     grid, sizes = bound.grid, bound.constants
-    num_quantized, num_residual, blocks_per_split = (
-        sizes[k] for k in ("num_quantized", "num_residual", "blocks_per_split")
-    )
+    num_quantized, blocks_per_split = sizes["num_quantized"], sizes["blocks_per_split"]
     rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
     bh_count, splits = grid
     if length is not None:
