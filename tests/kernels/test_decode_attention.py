@@ -580,3 +580,69 @@ def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Ca
     assert plan.split._compiled and plan.merge._compiled, "the compiled kernels' own launchers are not used"
     if case.head_dim == 128:
         assert plan.gluon is not None and plan.gluon._compiled, plan.why_not_gluon
+
+
+def test_the_steps_that_fill_a_residual_window_share_a_plan(monkeypatch):
+    """An eager decode step adds a token to the residual window and to the attention mask: the plan (made once for
+    the window's views and the mask's dtype, batch and alignment) takes the tokens held and the mask's width and row
+    stride per call, each step reading exactly its own; a window the plan cannot read is still refused."""
+    case = replace(BASE, views=True, quantized=160, q_len=2, residual=9, left_pad=7)
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=5)
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    made = []
+    make_plan = launcher._make_plan
+    monkeypatch.setattr(launcher, "_make_plan", lambda *args: made.append(1) or make_plan(*args))
+    for held in (2, 9, 3):
+        step_mask = mask[:, : case.quantized + held].clone()  # a new mask per step: width and row stride change
+        step = (query, quantized, rk[:, :, :held], rv[:, :, :held], step_mask, scaling, config, key_rotated)
+        ref = decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*step), ref, case.dtype, f"{case.id} held {held}")
+    assert len(made) == 1
+    refused = {  # what the error names
+        "Tq=2 must be in 1..min\\(R=1": (rk[:, :, :1], rv[:, :, :1], mask[:, : case.quantized + 1]),
+        "residual keys/values must both be": (rk[:, :, :4], rv[:, :, :3], mask[:, : case.quantized + 4]),
+        "key_padding_mask must be bool": (rk[:, :, :4], rv[:, :, :4], mask[:, : case.quantized + 5]),
+    }
+    for message, (keys, values, step_mask) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            decode_attention_triton(query, quantized, keys, values, step_mask, scaling, config, key_rotated)
+
+
+@pytest.mark.gpu
+def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypatch):
+    """Calls reuse their stream's partial buffers (`decode_attention._workspace`): calls queued on two streams at once
+    and a CUDA graph replayed between eager calls each get their own right answer, and capturing the graph takes none
+    of the eager calls' buffers."""
+    case = replace(GLUON, left_pad=70)
+    tuning = _gluon_tuning(case)
+    steps = [make_inputs(case, seed=seed) for seed in range(3)]
+    refs = [decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64) for step in steps]
+    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    decode_attention_triton(*steps[0], tuning=tuning)  # compiles and binds the plan's kernels
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)
+    on_main, on_side = [], []
+    for _ in range(8):  # queued without waiting: a shared buffer would be overwritten by the other stream's kernels
+        on_main.append(decode_attention_triton(*steps[0], tuning=tuning))
+        with torch.cuda.stream(side):
+            on_side.append(decode_attention_triton(*steps[1], tuning=tuning))
+    main.wait_stream(side)
+    torch.cuda.synchronize()
+    for out in on_main:
+        assert_close_to_reference(out, refs[0], case.dtype, "main stream")
+    for out in on_side:
+        assert_close_to_reference(out, refs[1], case.dtype, "side stream")
+    assert len(launcher._WORKSPACES) == 2, "one workspace per stream"
+    eager_buffers = dict(launcher._WORKSPACES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_attention_triton(*steps[2], tuning=tuning)
+    assert {key: [id(t) for t in buffers] for key, buffers in launcher._WORKSPACES.items()} == {
+        key: [id(t) for t in buffers] for key, buffers in eager_buffers.items()
+    }, "the capture took or replaced a workspace"
+    for _ in range(4):
+        graph.replay()
+        eager = decode_attention_triton(*steps[0], tuning=tuning)
+    torch.cuda.synchronize()
+    assert_close_to_reference(captured, refs[2], case.dtype, "graph replay")
+    assert_close_to_reference(eager, refs[0], case.dtype, "eager between replays")
