@@ -48,7 +48,7 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS, launching
-from .common import MODEL_DTYPES, interpreting
+from .common import MODEL_DTYPES, announce_first_launch, interpreting, on_device
 from .decode_merge import merge_kernel
 from .decode_triton import split_kernel
 from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, num_splits
@@ -106,10 +106,7 @@ def decode_attention_triton(
         quantized = _no_storage(query, residual_keys, config)
     inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    if device.type == "cuda" and device.index != torch.cuda.current_device():
-        with torch.cuda.device(device):  # a kernel launches on the current device
-            _launch(plan, inputs, quantized, length, scaling, out)
-    else:
+    with on_device(device):
         _launch(plan, inputs, quantized, length, scaling, out)
     return out
 
@@ -277,6 +274,8 @@ def _make_plan(
         key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
     )
     device = query.device
+    if device.type == "cuda":
+        announce_first_launch()
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, residual = residual_keys.shape[1], residual_keys.shape[2]
     gqa = q_heads // kv_heads
