@@ -114,7 +114,7 @@ def decode_attention_triton(
 def _launch(plan: DecodePlan, inputs: tuple, quantized: QuantizedKV, length, scaling: float, out: torch.Tensor):
     """The plan's three launches on the current stream of `out`'s device, the current device."""
     stream = launching.current_stream(out.device)
-    part_o, part_ml, q_op, q_scale = _workspace(plan, out.device, stream)
+    part_o, part_ml, q_op, q_scale = _workspace(plan, out.device, stream, length is not None)
     direct = None if launching.hooks_set() else stream  # with launch hooks (a profiler's), through Triton's launch
     residual, mask = inputs[8].shape[2], inputs[10]
     plan.split(direct, *inputs, part_o, part_ml, q_op, q_scale, residual, scaling * _LOG2E, mask.stride(0))
@@ -123,16 +123,23 @@ def _launch(plan: DecodePlan, inputs: tuple, quantized: QuantizedKV, length, sca
     plan.merge(direct, part_o, part_ml, out)
 
 
-def _workspace(plan: DecodePlan, device: torch.device, stream: int | None) -> tuple[torch.Tensor, ...]:
-    """The partial outputs, their (m, l) and the Gluon kernel's query operand and scale of one call on `stream`.
+def _workspace(
+    plan: DecodePlan, device: torch.device, stream: int | None, compiled: bool
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The partial outputs, their (m, l) and the Gluon kernel's query operand and scale of one call on `stream`:
+    kept from call to call for eager calls, new for a `compiled` one (a device length: the custom op under
+    torch.compile) or one a CUDA graph captures.
 
-    Why they can be reused from call to call: the split and Gluon kernels write them and the merge kernel reads them
-    within one call, all three on `stream`; the next call that takes the same buffers is on the same stream (the key),
-    so CUDA runs its kernels after this call's merge. Calls on other streams or devices take other buffers. A CUDA
-    graph being captured gets buffers of its own (from the graph's memory pool, as before), never these: its replays
-    may run on any stream, unordered with eager calls. A dropped workspace goes back to the caching allocator, which
-    reuses its memory only for work ordered after it on the stream it was allocated on."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    Why eager calls can share them: the split and Gluon kernels write them and the merge kernel reads them within one
+    call, all three on `stream`; the next call that takes the same buffers is on the same stream (the key), so CUDA
+    runs its kernels after this call's merge. Calls on other streams or devices take other buffers. A dropped
+    workspace goes back to the caching allocator, which reuses its memory only for work ordered after it on the stream
+    it was allocated on.
+    Why the others get new ones (as every call did before): a captured graph's replays may run on any stream,
+    unordered with eager calls, so its buffers are its own (from the graph's memory pool); and CUDA-graph trees
+    (torch.compile's "reduce-overhead") run a compiled step's warm-up calls with the allocator routed to their pool,
+    whose state they later rewind, which could hand a buffer kept here to another tensor."""
+    if compiled or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return _allocate_workspace(plan, device)
     key = (device.index, stream, plan.part_shape, plan.q_op_shape)
     buffers = _WORKSPACES.get(key)

@@ -646,3 +646,19 @@ def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypa
     torch.cuda.synchronize()
     assert_close_to_reference(captured, refs[2], case.dtype, "graph replay")
     assert_close_to_reference(eager, refs[0], case.dtype, "eager between replays")
+
+
+def test_eager_calls_share_a_workspace_and_compiled_ones_do_not(monkeypatch):
+    """Eager calls of one plan reuse their stream's partial buffers; calls with a device length (compiled decode's
+    op, whose CUDA-graph warm-ups allocate from a pool torch rewinds) allocate their own, and stay right."""
+    case = replace(BASE, quantized=128, residual=8, left_pad=7)  # a device length reads (length - 1) // R * R tokens
+    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    for seed in range(2):
+        inputs = make_inputs(case, seed=seed)
+        ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} eager {seed}")
+    (buffers,) = launcher._WORKSPACES.values()
+    length = torch.tensor(case.quantized + case.residual, device=DEVICE)
+    out = decode_attention_triton(*inputs, length)
+    assert_close_to_reference(out, ref, case.dtype, f"{case.id} device length")
+    assert list(launcher._WORKSPACES.values()) == [buffers], "a call with a device length took a kept workspace"
