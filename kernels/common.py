@@ -4,11 +4,15 @@ reduction combine functions."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
 import triton
 import triton.language as tl
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -20,6 +24,30 @@ INTERPRETER: tl.constexpr = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0")
 def interpreting() -> bool:
     """True when Triton runs kernels on CPU tensors through its interpreter (TRITON_INTERPRET=1, the CPU CI)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device(device: torch.device):
+    """The context a launch on `device` runs in: the device made current (Triton launches on the current one), or
+    nothing where it is current already (the usual case: switching costs microseconds per call)."""
+    if device.type == "cuda" and device.index != torch.cuda.current_device():
+        return torch.cuda.device(device)
+    return contextlib.nullcontext()
+
+
+# Said once per process, at the first launch on a GPU (README, Troubleshooting): the first prefill and the first
+# decode step of a process compile the kernels they use, each shape of launch facts once (or load them from Triton's
+# on-disk cache), so the first request waits seconds more than the next. Not warmed up in advance: what Triton
+# specialises (the integer arguments equal to 1 or divisible by 16, the pointers' alignment, the constants a launch
+# picks from the context length, the batch, the padding and the query rule) is only known at the first real call.
+FIRST_LAUNCH = (
+    "oscar_hf: the first prefill and the first decode step of this process compile their Triton kernels (once per "
+    "process and kernel variant; Triton keeps them in its on-disk cache): expect a few seconds more before the first "
+    "token. A server can warm up with one short generate() of the same batch and padding before its first request."
+)
+
+
+def announce_first_launch() -> None:
+    logger.warning_once(FIRST_LAUNCH)
 
 
 @triton.jit

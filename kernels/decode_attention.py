@@ -27,12 +27,18 @@ One call is three launches, which `DecodePlan` names:
   128-token blocks of the quantized region;
 - the merge kernel (kernels/decode_merge.py): every partial, by log-sum-exp.
 A plan is made (and the inputs validated) once per set of launch facts (shapes, strides, dtypes, devices, config,
-tuning): the steps of a decode that repeat them (the layers of one step, every compiled step) reuse it.
+tuning) but for the two a decode changes every step, the residual tokens held and the padding mask's width (checked
+per call, passed per call to kernels that do not specialise on them): the layers of a step and the steps that add to
+the same residual window (an eager decode makes a plan every R steps), every compiled step, reuse it.
+
+Host cost of a call with a cached plan: the lookup, the output's allocation and three launches through the compiled
+kernels' own launchers (`launching.BoundKernel`); the partial outputs and the query operand, consumed within the
+call, live in a workspace per (device, stream) (`_workspace`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -41,8 +47,8 @@ import triton
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 
-from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS
-from .common import MODEL_DTYPES, interpreting
+from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS, launching
+from .common import MODEL_DTYPES, announce_first_launch, interpreting, on_device
 from .decode_merge import merge_kernel
 from .decode_triton import split_kernel
 from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, num_splits
@@ -57,7 +63,8 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
     from . import decode_gluon as _gluon
 
 _LOG2E = 1.4426950408889634
-_MAX_PLANS = 256  # plans kept (oldest dropped first): a decode makes one per step and reuses it over its layers
+_MAX_PLANS = 256  # plans kept (oldest dropped first): an eager decode makes one per R steps, a compiled one one
+_MAX_WORKSPACES = 8  # workspaces kept (oldest dropped first): one per stream and plan size in use
 
 
 @dataclass(frozen=True)
@@ -65,6 +72,7 @@ class DecodePlan:
     """What one set of launch facts launches: the three kernels with their grids, sizes, constants and strides bound."""
 
     num_quantized: int  # quantized tokens (with a device length: the storage's capacity); 0: none
+    device_length: bool  # the tokens held are a device tensor (`length`): the mask may be wider than what is read
     tuning: DecodeTuning
     split: BoundKernel  # the Triton split kernel: the residual window, the quantized tokens the Gluon one leaves
     gluon: BoundKernel | None  # the Gluon kernel over the full 128-token blocks; None: the split kernel reads all ...
@@ -98,16 +106,59 @@ def decode_attention_triton(
         quantized = _no_storage(query, residual_keys, config)
     inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    with on_device(device):
+        _launch(plan, inputs, quantized, length, scaling, out)
+    return out
+
+
+def _launch(plan: DecodePlan, inputs: tuple, quantized: QuantizedKV, length, scaling: float, out: torch.Tensor):
+    """The plan's three launches on the current stream of `out`'s device, the current device."""
+    stream = launching.current_stream(out.device)
+    part_o, part_ml, q_op, q_scale = _workspace(plan, out.device, stream, length is not None)
+    direct = None if launching.hooks_set() else stream  # with launch hooks (a profiler's), through Triton's launch
+    residual, mask = inputs[8].shape[2], inputs[10]
+    plan.split(direct, *inputs, part_o, part_ml, q_op, q_scale, residual, scaling * _LOG2E, mask.stride(0))
+    if plan.gluon:
+        _gluon.launch(plan.gluon, direct, q_op, q_scale, quantized, inputs[4], mask, length, part_o, part_ml, residual)
+    plan.merge(direct, part_o, part_ml, out)
+
+
+def _workspace(
+    plan: DecodePlan, device: torch.device, stream: int | None, compiled: bool
+) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """The partial outputs, their (m, l) and the Gluon kernel's query operand and scale of one call on `stream`:
+    kept from call to call for eager calls, new for a `compiled` one (a device length: the custom op under
+    torch.compile) or one a CUDA graph captures.
+
+    Why eager calls can share them: the split and Gluon kernels write them and the merge kernel reads them within one
+    call, all three on `stream`; the next call that takes the same buffers is on the same stream (the key), so CUDA
+    runs its kernels after this call's merge. Calls on other streams or devices take other buffers. A dropped
+    workspace goes back to the caching allocator, which reuses its memory only for work ordered after it on the stream
+    it was allocated on.
+    Why the others get new ones (as every call did before): a captured graph's replays may run on any stream,
+    unordered with eager calls, so its buffers are its own (from the graph's memory pool); and CUDA-graph trees
+    (torch.compile's "reduce-overhead") run a compiled step's warm-up calls with the allocator routed to their pool,
+    whose state they later rewind, which could hand a buffer kept here to another tensor."""
+    if compiled or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+        return _allocate_workspace(plan, device)
+    key = (device.index, stream, plan.part_shape, plan.q_op_shape)
+    buffers = _WORKSPACES.get(key)
+    if buffers is None:
+        if len(_WORKSPACES) >= _MAX_WORKSPACES:
+            del _WORKSPACES[next(iter(_WORKSPACES))]
+        buffers = _WORKSPACES[key] = _allocate_workspace(plan, device)
+    return buffers
+
+
+_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...]] = {}
+
+
+def _allocate_workspace(plan: DecodePlan, device: torch.device) -> tuple[torch.Tensor, ...]:
     part_o = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
     part_ml = torch.empty((*plan.part_shape[:3], 2), dtype=torch.float32, device=device)
     q_op = torch.empty(plan.q_op_shape, dtype=torch.float16, device=device)
     q_scale = torch.empty(plan.q_op_shape[0] if plan.gluon else 0, dtype=torch.float32, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        plan.split(*inputs, part_o, part_ml, q_op, q_scale, scaling * _LOG2E)
-        if plan.gluon:
-            _gluon.launch(plan.gluon, q_op, q_scale, quantized, inputs[4], inputs[10], length, part_o, part_ml)
-        plan.merge(part_o, part_ml, out)
-    return out
+    return part_o, part_ml, q_op, q_scale
 
 
 def decode_plan(
@@ -122,11 +173,16 @@ def decode_plan(
     tuning: DecodeTuning | None = None,
 ) -> DecodePlan:
     """The launch plan of these inputs: made (the inputs validated: a ValueError names what is wrong) the first time
-    their launch facts are seen, then looked up."""
-    tensors = (query, residual_keys, residual_values, key_padding_mask, key_rotated, length, *(quantized or ()))
-    facts = (config, tuning, quantized is None, *(None if t is None else _facts(t) for t in tensors))
+    their launch facts are seen, then looked up (the residual tokens and the mask's width checked against it)."""
+    facts = (
+        config, tuning, quantized is None, _facts(query), _window_facts(residual_keys), _window_facts(residual_values),
+        None if key_padding_mask is None else _mask_facts(key_padding_mask),
+        *(None if t is None else _facts(t) for t in (key_rotated, length, *(quantized or ()))),
+    )  # fmt: skip
     plan = _PLANS.get(facts)
-    if plan is None:
+    if plan is None or not _fits(plan, query, residual_keys, residual_values, key_padding_mask):
+        # new facts, or a residual window or mask width the cached plan cannot read: made again (which refuses
+        # inputs that break the contract, naming the problem)
         plan = _make_plan(
             query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length, tuning
         )
@@ -140,29 +196,70 @@ _PLANS: dict[tuple, DecodePlan] = {}
 
 
 def _facts(tensor: torch.Tensor) -> tuple:
-    """What validation and a plan read of a tensor: shape, strides, dtype, device, and its address modulo 16 (Triton
-    compiles a kernel for its pointers' alignment, which a plan's `BoundKernel`s keep; the Gluon kernel reads fp16
-    parameter pairs as int32, at even offsets)."""
-    return tensor.shape, tensor.stride(), tensor.dtype, tensor.device, tensor.data_ptr() & 15
+    """What validation and a plan read of a tensor: shape, strides, dtype, device (`get_device`: the index, -1 for
+    the CPU; cheaper than `.device`), and its address modulo 16 (Triton compiles a kernel for its pointers' alignment,
+    which a plan's `BoundKernel`s keep; the Gluon kernel reads fp16 parameter pairs as int32, at even offsets)."""
+    return tensor.shape, tensor.stride(), tensor.dtype, tensor.get_device(), tensor.data_ptr() & 15
+
+
+def _window_facts(tensor: torch.Tensor) -> tuple:
+    """`_facts` of residual keys or values [B, Hkv, R, D] but their tokens R, which a plan takes per call (`_fits`)."""
+    shape = tensor.shape
+    if len(shape) != 4:  # never planned: validation refuses it
+        return _facts(tensor)
+    return shape[0], shape[1], shape[3], tensor.stride(), tensor.dtype, tensor.get_device(), tensor.data_ptr() & 15
+
+
+def _mask_facts(mask: torch.Tensor) -> tuple:
+    """`_facts` of a key padding mask [B, W] but its width and row stride, which a plan takes per call (`_fits`)."""
+    if mask.dim() != 2:  # never planned: validation refuses it
+        return _facts(mask)
+    return mask.shape[0], mask.stride(1), mask.dtype, mask.get_device(), mask.data_ptr() & 15
+
+
+def _fits(plan: DecodePlan, query, residual_keys, residual_values, key_padding_mask) -> bool:
+    """Whether a plan found by facts that leave out the residual tokens and the mask's width reads these: what
+    `_validate` requires of them (1 <= Tq <= R, as many values as keys, a mask over what is read)."""
+    residual = residual_keys.shape[2]
+    if residual_values.shape[2] != residual or residual < query.shape[2]:
+        return False
+    if key_padding_mask is None:
+        return True
+    width, slots = key_padding_mask.shape[1], plan.num_quantized + residual
+    return width >= slots if plan.device_length else width == slots
 
 
 def _no_storage(query, residual_keys, config) -> QuantizedKV:
     batch, kv_heads, _, head_dim = residual_keys.shape
-    return StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, query.device)
+    return _empty_storage(StorageLayout.of(config), batch, kv_heads, head_dim, query.device)
 
 
-# the split kernel's tensor arguments, in `_inputs`' order, then its buffers and the score scale of each call
+@functools.lru_cache(maxsize=16)
+def _empty_storage(layout: StorageLayout, batch: int, kv_heads: int, head_dim: int, device) -> QuantizedKV:
+    """A storage of no tokens (no element: shared by every call, never written)."""
+    return layout.empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
+
+
+@functools.cache
+def _nothing(device: torch.device, dims: int) -> torch.Tensor:
+    """An empty float32 tensor of `dims` dims on `device`: a stand-in for an absent input (no element: shared)."""
+    return torch.empty((0,) * dims, device=device)
+
+
+# the split kernel's tensor arguments, in `_inputs`' order, then its buffers, the residual tokens, the score scale and
+# the padding mask's row stride of each call (the sizes a decode changes every step: not specialised on)
 _SPLIT_INPUTS = ("q_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr", "rk_ptr", "rv_ptr",
                  "mask_ptr", "key_rotated_ptr", "length_ptr")  # fmt: skip
-_SPLIT_PER_CALL = (*_SPLIT_INPUTS, "part_o_ptr", "part_ml_ptr", "q_op_ptr", "q_scale_ptr", "qk_scale")
+_SPLIT_PER_CALL = (*_SPLIT_INPUTS, "part_o_ptr", "part_ml_ptr", "q_op_ptr", "q_scale_ptr", "num_residual", "qk_scale",
+                   "stride_mb")  # fmt: skip
 _MERGE_PER_CALL = ("part_o_ptr", "part_ml_ptr", "out_ptr")
 
 
 def _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length) -> tuple:
     """The split kernel's input tensors (`_SPLIT_INPUTS`; an absent one: an empty stand-in the kernel never reads)."""
     device = query.device
-    key_norms = quantized.key_norms if quantized.key_norms is not None else torch.empty(0, 0, 0, device=device)
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else torch.empty(0, 0, device=device)
+    key_norms = quantized.key_norms if quantized.key_norms is not None else _nothing(device, 3)
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else _nothing(device, 2)
     return (
         query, quantized.key_codes, quantized.key_scale, quantized.key_min, key_norms, quantized.value_codes,
         quantized.value_scale, quantized.value_min, residual_keys, residual_values, mask,
@@ -184,6 +281,8 @@ def _make_plan(
         key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
     )
     device = query.device
+    if device.type == "cuda":
+        announce_first_launch()
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads, residual = residual_keys.shape[1], residual_keys.shape[2]
     gqa = q_heads // kv_heads
@@ -224,7 +323,6 @@ def _make_plan(
     split_args = dict(
         num_kv_heads=kv_heads,
         num_quantized=num_quantized,
-        num_residual=residual,
         blocks_per_split=blocks_per_split,
         num_splits=splits,
         first_slot=gluon_parts,
@@ -239,7 +337,7 @@ def _make_plan(
         **_strides("vm", quantized.value_min, "bh__"),
         **_strides("rk", residual_keys, "bhtd"),
         **_strides("rv", residual_values, "bhtd"),
-        **_strides("m", mask, "bt"),
+        **_strides("m", mask, "_t"),  # stride_mb per call
         **_strides("kr", key_rotated_or_mask, "bh"),
         GQA=gqa,
         TQ=q_len,
@@ -266,7 +364,7 @@ def _make_plan(
     gluon = None
     if gluon_splits:
         gluon = _gluon.bind(
-            (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized, residual,
+            (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized,
             gluon_blocks_per_split, num_parts, rows, config.token_scaling, key_padding_mask is not None,
             tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
         )  # fmt: skip
@@ -291,6 +389,7 @@ def _make_plan(
     )
     return DecodePlan(
         num_quantized=num_quantized,
+        device_length=length is not None,
         tuning=tuning,
         split=BoundKernel(split_kernel, (batch * kv_heads, splits + 1), split_args, _SPLIT_PER_CALL),
         gluon=gluon,

@@ -268,7 +268,7 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
-@gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts"])
+@gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts", "stride_mb"])
 def _gluon_split_kernel(
     q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
     part_o_ptr, part_ml_ptr,
@@ -398,39 +398,49 @@ def programs_per_head(batch_heads: int, full_blocks: int, tuning, device: torch.
     return max(1, min(wave // batch_heads, full_blocks // 2))
 
 
-_TENSORS = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr", "mask_ptr",
-            "length_ptr", "part_o_ptr", "part_ml_ptr")  # fmt: skip
+# what `launch` passes per call: the tensors, then the sizes a decode changes every step (the residual tokens held, the
+# padding mask's row stride: the attention mask grows by a token per step), which the kernel does not specialise on
+_PER_CALL = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr",
+             "mask_ptr", "length_ptr", "part_o_ptr", "part_ml_ptr", "num_residual", "stride_mb")  # fmt: skip
 
 
 def bind(
-    grid, quantized, key_norms, mask, length, num_quantized, num_residual, blocks_per_split, num_parts, rows,
-    token_scaling, has_mask, max_registers, ptxas_options, pdl,
+    grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, token_scaling,
+    has_mask, max_registers, ptxas_options, pdl,
 ) -> BoundKernel:  # fmt: skip
     """`_gluon_split_kernel` over `grid` = (B * Hkv, splits) with these inputs' strides and the launch's sizes (`mask`
     and `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a
-    string, or None for Triton's); `launch` gives it the tensors of each call."""
+    string, or None for Triton's); `launch` gives it the tensors and sizes of each call (`_PER_CALL`)."""
     kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
     ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
-    strides = (
-        *kc.stride()[:3], *ks.stride()[:3], *km.stride()[:3], key_norms.stride(0), *vc.stride()[:3], *vs.stride()[:2],
-        *vm.stride()[:2], *mask.stride(),
-    )  # fmt: skip
-    sizes = (kc.shape[1], num_quantized, num_residual, blocks_per_split, num_parts)
-    names = _gluon_split_kernel.arg_names[len(_TENSORS) : len(_TENSORS) + len(sizes) + len(strides)]
+    strides = dict(
+        zip(("stride_kcb", "stride_kch", "stride_kcr"), kc.stride()[:3]),
+        **dict(zip(("stride_ksb", "stride_ksh", "stride_ksg"), ks.stride()[:3])),
+        **dict(zip(("stride_kmb", "stride_kmh", "stride_kmg"), km.stride()[:3])),
+        stride_knb=key_norms.stride(0),
+        **dict(zip(("stride_vcb", "stride_vch", "stride_vcr"), vc.stride()[:3])),
+        **dict(zip(("stride_vsb", "stride_vsh"), vs.stride()[:2])),
+        **dict(zip(("stride_vmb", "stride_vmh"), vm.stride()[:2])),
+        stride_mt=mask.stride(1),
+    )
     constants = dict(
-        zip(names, (*sizes, *strides), strict=True),
+        num_kv_heads=kc.shape[1], num_quantized=num_quantized, blocks_per_split=blocks_per_split, num_parts=num_parts,
+        **strides,
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
         **({"ptx_options": ptxas_options} if ptxas_options else {}),
     )  # fmt: skip
-    return BoundKernel(_gluon_split_kernel, grid, constants, _TENSORS)
+    return BoundKernel(_gluon_split_kernel, grid, constants, _PER_CALL)
 
 
-def launch(bound: BoundKernel, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
-    """Launch `bound` (`bind`) on this call's tensors."""
+def launch(
+    bound: BoundKernel, stream, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_residual
+) -> None:  # fmt: skip
+    """Launch `bound` (`bind`) on this call's tensors, on `stream` (`BoundKernel.__call__`)."""
     bound(
-        q_op, q_scale, quantized.key_codes, quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32),
-        key_norms, quantized.value_codes, quantized.value_scale, quantized.value_min, mask,
-        length if length is not None else mask, part_o, part_ml,
+        stream, q_op, q_scale, quantized.key_codes, quantized.key_scale.view(torch.int32),
+        quantized.key_min.view(torch.int32), key_norms, quantized.value_codes, quantized.value_scale,
+        quantized.value_min, mask, length if length is not None else mask, part_o, part_ml, num_residual,
+        mask.stride(0),
     )  # fmt: skip

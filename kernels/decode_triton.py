@@ -57,9 +57,11 @@ def _residual_part(
     return acc, m_i, l_i
 
 
-@triton.jit(
-    do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_splits", "first_slot", "num_parts"]
-)
+_NOT_SPECIALISED = ("num_quantized", "num_residual", "blocks_per_split", "num_splits", "first_slot", "num_parts",
+                    "stride_mb")  # fmt: skip
+
+
+@triton.jit(do_not_specialize=_NOT_SPECIALISED)
 def split_kernel(
     # pointers
     q_ptr,

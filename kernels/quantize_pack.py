@@ -23,8 +23,6 @@ block's K/V (`oscar_hf.reference.finite_flags`).
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
@@ -33,7 +31,7 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import check_head_dim
 
-from .common import MODEL_DTYPES, add, fwht_rows, interpreting, maximum, minimum
+from .common import MODEL_DTYPES, add, announce_first_launch, fwht_rows, interpreting, maximum, minimum, on_device
 
 
 @triton.jit
@@ -329,7 +327,9 @@ def _launch(
     if tokens == 0 or batch == 0:
         return
     device = keys.device
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    if device.type == "cuda":
+        announce_first_launch()
+    with on_device(device):
         _quantize_pack_kernel[(tokens // config.group_size, batch)](
             keys,
             values,

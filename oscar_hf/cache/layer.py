@@ -50,6 +50,8 @@ from .memory import KVMemory
 from .padding import Padding, key_padding, valid
 from .storage import KVStorage
 
+_NO_VIEWS = (None, 0, None)
+
 
 class OscarLayer(CacheLayerMixin):
     """One full-attention layer of an `OscarCache` (see the module docstring for the two regions)."""
@@ -70,6 +72,7 @@ class OscarLayer(CacheLayerMixin):
         self.rotation = KeyRotation(config)
         self._padding: Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
         self._finite = FiniteCheck(config)
+        self._stored_views: tuple = _NO_VIEWS  # (buffers, length, views of them): what eager fused steps read
 
     def configure(self, path: DecodePath) -> None:
         """Take the decode path `OscarCache` decided for this layer (before its first update)."""
@@ -169,6 +172,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.storage.clear()
         self.fused_step = self._compiled = self._padding = None
+        self._stored_views = _NO_VIEWS
         self.rotation.reset()
         self._finite.reset()
         self.is_initialized = False
@@ -207,6 +211,7 @@ class OscarLayer(CacheLayerMixin):
         """Apply a batch-axis (or device) transform to every stored tensor."""
         if not self.is_initialized:
             return
+        self._stored_views = _NO_VIEWS  # views of the buffers `fn` replaces
         self.storage.apply(fn)
         self.rotation.apply(fn)
         if self._padding is not None:
@@ -215,6 +220,7 @@ class OscarLayer(CacheLayerMixin):
     def reserve(self, tokens: int) -> None:
         """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length)."""
         self.max_cache_len = tokens
+        self._stored_views = _NO_VIEWS  # views of buffers the reservation may replace
         self.storage.reserved = tokens - tokens % self.config.residual_length
         if self.is_initialized and self.compiled_decode:
             self._compiled = CompiledDecode(self)
@@ -274,8 +280,20 @@ class OscarLayer(CacheLayerMixin):
         from ..kernels import decode_attention_triton
 
         padding = key_padding(attention_mask, query.shape[0], self.get_seq_length())
-        keys, values, stored = self.storage.window_keys(), self.storage.window_values(), self.storage.quantized()
-        return decode_attention_triton(query, stored, keys, values, padding, scaling, self.config, self.key_rotated)
+        keys, values = self.storage.window_keys(), self.storage.window_values()
+        return decode_attention_triton(
+            query, self._quantized_views(), keys, values, padding, scaling, self.config, self.key_rotated
+        )
+
+    def _quantized_views(self) -> QuantizedKV | None:
+        """`quantized()`, made again only when the quantized region grew or its buffers changed: the decode steps
+        between two flushes read the same views (seven slicing ops less per layer and step)."""
+        storage = self.storage
+        buffers, length, views = self._stored_views
+        if buffers is not storage.buffers or length != storage.length:
+            views = storage.quantized()
+            self._stored_views = (storage.buffers, storage.length, views)
+        return views
 
     # ----------------------------------------------------------------------------------------------------------
     # method="oscar"'s query rule (its state and choice: `KeyRotation`)

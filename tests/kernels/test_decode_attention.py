@@ -382,16 +382,16 @@ def _gluon_tuning(case: Case) -> DecodeTuning:
     return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
 
 
-def _gluon_partials_in_torch(bound, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml) -> None:
-    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the sizes as
+def _gluon_partials_in_torch(
+    bound, stream, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_residual
+) -> None:
+    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the other sizes as
     `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
     warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
     2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
     score scale that the Triton kernel wrote)."""
     grid, sizes = bound.grid, bound.constants
-    num_quantized, num_residual, blocks_per_split = (
-        sizes[k] for k in ("num_quantized", "num_residual", "blocks_per_split")
-    )
+    num_quantized, blocks_per_split = sizes["num_quantized"], sizes["blocks_per_split"]
     rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
     bh_count, splits = grid
     if length is not None:
@@ -580,3 +580,85 @@ def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Ca
     assert plan.split._compiled and plan.merge._compiled, "the compiled kernels' own launchers are not used"
     if case.head_dim == 128:
         assert plan.gluon is not None and plan.gluon._compiled, plan.why_not_gluon
+
+
+def test_the_steps_that_fill_a_residual_window_share_a_plan(monkeypatch):
+    """An eager decode step adds a token to the residual window and to the attention mask: the plan (made once for
+    the window's views and the mask's dtype, batch and alignment) takes the tokens held and the mask's width and row
+    stride per call, each step reading exactly its own; a window the plan cannot read is still refused."""
+    case = replace(BASE, views=True, quantized=160, q_len=2, residual=9, left_pad=7)
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=5)
+    monkeypatch.setattr(launcher, "_PLANS", {})
+    made = []
+    make_plan = launcher._make_plan
+    monkeypatch.setattr(launcher, "_make_plan", lambda *args: made.append(1) or make_plan(*args))
+    for held in (2, 9, 3):
+        step_mask = mask[:, : case.quantized + held].clone()  # a new mask per step: width and row stride change
+        step = (query, quantized, rk[:, :, :held], rv[:, :, :held], step_mask, scaling, config, key_rotated)
+        ref = decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*step), ref, case.dtype, f"{case.id} held {held}")
+    assert len(made) == 1
+    refused = {  # what the error names
+        "Tq=2 must be in 1..min\\(R=1": (rk[:, :, :1], rv[:, :, :1], mask[:, : case.quantized + 1]),
+        "residual keys/values must both be": (rk[:, :, :4], rv[:, :, :3], mask[:, : case.quantized + 4]),
+        "key_padding_mask must be bool": (rk[:, :, :4], rv[:, :, :4], mask[:, : case.quantized + 5]),
+    }
+    for message, (keys, values, step_mask) in refused.items():
+        with pytest.raises(ValueError, match=message):
+            decode_attention_triton(query, quantized, keys, values, step_mask, scaling, config, key_rotated)
+
+
+@pytest.mark.gpu
+def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypatch):
+    """Calls reuse their stream's partial buffers (`decode_attention._workspace`): calls queued on two streams at once
+    and a CUDA graph replayed between eager calls each get their own right answer, and capturing the graph takes none
+    of the eager calls' buffers."""
+    case = replace(GLUON, left_pad=70)
+    tuning = _gluon_tuning(case)
+    steps = [make_inputs(case, seed=seed) for seed in range(3)]
+    refs = [decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64) for step in steps]
+    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    decode_attention_triton(*steps[0], tuning=tuning)  # compiles and binds the plan's kernels
+    main, side = torch.cuda.current_stream(), torch.cuda.Stream()
+    side.wait_stream(main)
+    on_main, on_side = [], []
+    for _ in range(8):  # queued without waiting: a shared buffer would be overwritten by the other stream's kernels
+        on_main.append(decode_attention_triton(*steps[0], tuning=tuning))
+        with torch.cuda.stream(side):
+            on_side.append(decode_attention_triton(*steps[1], tuning=tuning))
+    main.wait_stream(side)
+    torch.cuda.synchronize()
+    for out in on_main:
+        assert_close_to_reference(out, refs[0], case.dtype, "main stream")
+    for out in on_side:
+        assert_close_to_reference(out, refs[1], case.dtype, "side stream")
+    assert len(launcher._WORKSPACES) == 2, "one workspace per stream"
+    eager_buffers = dict(launcher._WORKSPACES)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = decode_attention_triton(*steps[2], tuning=tuning)
+    assert {key: [id(t) for t in buffers] for key, buffers in launcher._WORKSPACES.items()} == {
+        key: [id(t) for t in buffers] for key, buffers in eager_buffers.items()
+    }, "the capture took or replaced a workspace"
+    for _ in range(4):
+        graph.replay()
+        eager = decode_attention_triton(*steps[0], tuning=tuning)
+    torch.cuda.synchronize()
+    assert_close_to_reference(captured, refs[2], case.dtype, "graph replay")
+    assert_close_to_reference(eager, refs[0], case.dtype, "eager between replays")
+
+
+def test_eager_calls_share_a_workspace_and_compiled_ones_do_not(monkeypatch):
+    """Eager calls of one plan reuse their stream's partial buffers; calls with a device length (compiled decode's
+    op, whose CUDA-graph warm-ups allocate from a pool torch rewinds) allocate their own, and stay right."""
+    case = replace(BASE, quantized=128, residual=8, left_pad=7)  # a device length reads (length - 1) // R * R tokens
+    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    for seed in range(2):
+        inputs = make_inputs(case, seed=seed)
+        ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} eager {seed}")
+    (buffers,) = launcher._WORKSPACES.values()
+    length = torch.tensor(case.quantized + case.residual, device=DEVICE)
+    out = decode_attention_triton(*inputs, length)
+    assert_close_to_reference(out, ref, case.dtype, f"{case.id} device length")
+    assert list(launcher._WORKSPACES.values()) == [buffers], "a call with a device length took a kept workspace"
