@@ -31,7 +31,7 @@ from .quantize_pack import check_key_rotated
 
 @triton.jit
 def _unpack(words_ptr, rows, d, row_stride, d_stride, tokens, BITS: tl.constexpr):
-    """fp32 codes `[BLOCK_T, D]` of tokens `tokens` from their packed words (token t: row t // W, bits (t % W) * BITS)."""
+    """fp32 codes `[BLOCK_T, D]` of `tokens` from their packed words (token t: row t // W, bits (t % W) * BITS)."""
     W: tl.constexpr = 32 // BITS
     words = tl.load(words_ptr + rows[:, None] * row_stride + d[None, :] * d_stride)
     shifts = (tokens % W) * BITS

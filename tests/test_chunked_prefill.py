@@ -62,5 +62,6 @@ def test_generate_chunked_prefill_with_the_real_quantizer_runs_every_model(model
     the cache holds the prompt and the generated tokens."""
     ids = torch.randint(3, 97, (2, PROMPT))
     cache = OscarCache(model.config)
-    out = model.generate(ids, **cache_kwargs(cache), prefill_chunk_size=100, max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    options = dict(prefill_chunk_size=100, max_new_tokens=5, min_new_tokens=5, **GREEDY)
+    out = model.generate(ids, **cache_kwargs(cache), **options)
     assert out.sequences.shape == (2, PROMPT + 5) and cache.get_seq_length() == PROMPT + 4

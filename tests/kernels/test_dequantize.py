@@ -4,9 +4,9 @@ larger capacity buffers and written into a slice of a larger dense buffer, as th
 
 import pytest
 import torch
+from oscar_hf.kernels import dequantize_kv_triton
 
 from oscar_hf import OscarConfig
-from oscar_hf.kernels import dequantize_kv_triton
 from oscar_hf.layout import StorageLayout
 from oscar_hf.reference import dequantize_kv, quantize_kv
 
@@ -55,9 +55,8 @@ def test_dequantize_matches_the_float64_reference(bits, head_dim, method, token_
     )
     # The cache's dense buffer: quantized tokens, then window and new tokens (left poisoned here)
     dense = torch.full((2, B, H, tokens + 40, head_dim), float("nan"), device=DEVICE)
-    keys, values = dequantize_kv_triton(
-        stored, config, None if flags is None else flags.to(DEVICE), out=(dense[0, :, :, :tokens], dense[1, :, :, :tokens])
-    )
+    flags = None if flags is None else flags.to(DEVICE)
+    keys, values = dequantize_kv_triton(stored, config, flags, out=(dense[0, :, :, :tokens], dense[1, :, :, :tokens]))
     assert dense[:, :, :, tokens:].isnan().all()  # nothing past the quantized tokens is written
     # float32 math: code * scale + min, the norm and log2(D) butterfly stages each round to float32 (2^-24)
     for got, want in ((keys, want_keys), (values, want_values)):
