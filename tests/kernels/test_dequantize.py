@@ -5,8 +5,9 @@ larger capacity buffers and written into a slice of a larger dense buffer, as th
 import pytest
 import torch
 from oscar_hf.kernels import dequantize_kv_triton
+from transformers import LlamaConfig
 
-from oscar_hf import OscarConfig
+from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.layout import StorageLayout
 from oscar_hf.reference import dequantize_kv, quantize_kv
 
@@ -98,3 +99,37 @@ def test_dequantize_refuses_a_missing_rotation_flag():
     config = OscarConfig(method="oscar")
     with pytest.raises(ValueError, match="needs key_rotated"):
         dequantize_kv_triton(_random_storage(config, 64, 32), config)
+
+
+@pytest.mark.parametrize("method", ["oscar", "paper"])
+def test_a_chunk_with_history_attends_to_the_kernels_dense_history(method):
+    """On the fused path (CUDA; Triton's interpreter on CPU) a chunk arriving with history gets one dense buffer:
+    its quantized region dequantized by the kernel (the reference's values, float32 rounding), the exact window and
+    the chunk itself (bit for bit), for chunk sizes that move the window boundary inside chunks."""
+    model_config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=2 * H, num_key_value_heads=H, head_dim=64, hidden_size=2 * H * 64
+    )
+    model_config._attn_implementation = "sdpa"
+    config = OscarConfig(method=method, attention="auto" if DEVICE.type == "cuda" else "fused")
+    cache = OscarCache(model_config, config)
+    layer = cache.layers[0]
+    for step, size in enumerate([70, 200, 57, 128]):
+        new_keys, new_values = torch.randn(2, B, H, size, 64, device=DEVICE).unbind(0)
+        if step:
+            stored, window = layer.quantized(), (layer.storage.window_keys(), layer.storage.window_values())
+            window = tuple(t.clone() for t in window)  # `update` rewrites the window buffer
+        keys, values = cache.update(new_keys, new_values, 0)
+        if step == 0:
+            assert layer.use_kernels
+            if method == "oscar":
+                layer.observe_queries(torch.randn(B, 2 * H, size, 64, device=DEVICE), keys)
+            continue
+        length = 0 if stored is None else stored.value_scale.shape[2]
+        assert keys.shape[2] == length + window[0].shape[2] + size
+        if stored is not None:
+            want = dequantize_kv(stored, config.resolve("sdpa"), torch.float64, layer.key_rotated)
+            for got, exact in zip((keys, values), want):
+                torch.testing.assert_close(got[:, :, :length].double(), exact, rtol=1e-5, atol=1e-5 * exact.abs().max())
+        for got, exact in zip((keys, values), window):
+            assert torch.equal(got[:, :, length : length + exact.shape[2]], exact)
+        assert torch.equal(keys[:, :, -size:], new_keys) and torch.equal(values[:, :, -size:], new_values)
