@@ -8,10 +8,10 @@ history, its exact window and the chunk, so that the only transient is the layer
     codes -> code * scale + min (fp32) -> times the token norm (keys, token scaling) -> un-rotate (x H, fp32
     butterflies in registers: keys of the heads that rotate, every value) -> model dtype
 
-One program per (tile of BLOCK_T tokens, batch row x KV head) writes that tile's keys and values. Every read is a
-gather of rows the layout (`oscar_hf.layout`) defines: the packed word row `t // W`, the key scale row `t // G`, the
-value scale column `d // G`. The math is the reference's in float32 (the order of the butterflies included); the
-results differ from it by float32 rounding (fused multiply-adds) only.
+One program per (tile of BLOCK_T tokens inside one key group, batch row x KV head) writes that tile's keys and
+values, reading each packed word, key scale/min row and value scale/min once (`oscar_hf.layout` defines them).
+The math is the reference's in float32 (the order of the butterflies included); the results differ from it by
+float32 rounding (fused multiply-adds) only.
 """
 
 from __future__ import annotations
@@ -30,12 +30,21 @@ from .quantize_pack import check_key_rotated
 
 
 @triton.jit
-def _unpack(words_ptr, rows, d, row_stride, d_stride, tokens, BITS: tl.constexpr):
-    """fp32 codes `[BLOCK_T, D]` of `tokens` from their packed words (token t: row t // W, bits (t % W) * BITS)."""
+def _unpack(words_ptr, first_row, d, row_stride, d_stride, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """fp32 codes `[BLOCK_T, D]` of the tokens whose packed words are rows `first_row ...` (W = 32 // BITS tokens a
+    row, token r * W + j at bits [j * BITS, (j + 1) * BITS)): each word is loaded once and shifted W ways."""
     W: tl.constexpr = 32 // BITS
+    rows = first_row + tl.arange(0, BLOCK_T // W)
     words = tl.load(words_ptr + rows[:, None] * row_stride + d[None, :] * d_stride)
-    shifts = (tokens % W) * BITS
-    return ((words >> shifts[:, None]) & ((1 << BITS) - 1)).to(tl.float32)  # arithmetic shift; the mask drops sign
+    shifts = tl.arange(0, W) * BITS
+    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # arithmetic shift; the mask drops sign
+    return tl.reshape(codes, (BLOCK_T, D)).to(tl.float32)
+
+
+@triton.jit
+def _per_channel(params, BLOCK_T: tl.constexpr, D: tl.constexpr, G: tl.constexpr):
+    """`[BLOCK_T, D // G]` parameters of groups of G channels -> fp32 `[BLOCK_T, D]`, each repeated over its group."""
+    return tl.reshape(tl.broadcast_to(params[:, :, None], (BLOCK_T, D // G, G)), (BLOCK_T, D)).to(tl.float32)
 
 
 @triton.jit
@@ -51,7 +60,6 @@ def _dequantize_kernel(
     out_keys_ptr,
     out_values_ptr,
     num_heads,
-    num_tokens,
     # strides: [b, h, row, d] of the codes, key scale/min and value scale/min (each pair shares its strides), the
     # norms' [b, t], the flags' [b, h] and the outputs' [b, h, t, d]
     kc_b, kc_h, kc_r, kc_d,
@@ -73,16 +81,16 @@ def _dequantize_kernel(
 ):  # fmt: skip
     b = tl.program_id(1) // num_heads
     h = tl.program_id(1) % num_heads
-    # A last partial tile recomputes the tokens before it (clamped indices) instead of masking: every load stays in
-    # bounds and the stores write the same values twice.
-    tokens = tl.minimum(tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T), num_tokens - 1)
+    start = tl.program_id(0) * BLOCK_T  # BLOCK_T divides G, which divides the number of tokens: no partial tile
+    tokens = start + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
     W: tl.constexpr = 32 // BITS
 
-    # keys: per channel, per group of G tokens
-    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, tokens // W, d, kc_r, kc_d, tokens, BITS)
-    params = b * ks_b + h * ks_h + (tokens // G)[:, None] * ks_r + d[None, :] * ks_d
-    k = codes * tl.load(key_scale_ptr + params).to(tl.float32) + tl.load(key_min_ptr + params).to(tl.float32)
+    # keys: per channel, per group of G tokens (one group per tile)
+    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, start // W, d, kc_r, kc_d, BLOCK_T, D, BITS)
+    params = b * ks_b + h * ks_h + (start // G) * ks_r + d * ks_d
+    k = codes * tl.load(key_scale_ptr + params).to(tl.float32)[None, :]
+    k = k + tl.load(key_min_ptr + params).to(tl.float32)[None, :]
     if TOKEN_SCALING:
         k = k * tl.load(key_norms_ptr + b * n_b + tokens * n_t)[:, None]
     if ROTATION:
@@ -93,10 +101,12 @@ def _dequantize_kernel(
     out = out_keys_ptr + b * ok_b + h * ok_h + tokens[:, None] * ok_t + d[None, :] * ok_d
     tl.store(out, k.to(out_keys_ptr.dtype.element_ty))
 
-    # values: per token, per group of G channels
-    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, tokens // W, d, vc_r, vc_d, tokens, BITS)
-    params = b * vs_b + h * vs_h + tokens[:, None] * vs_r + (d // G)[None, :] * vs_d
-    v = codes * tl.load(value_scale_ptr + params).to(tl.float32) + tl.load(value_min_ptr + params).to(tl.float32)
+    # values: per token, per group of G channels (each parameter loaded once, broadcast over its group)
+    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, start // W, d, vc_r, vc_d, BLOCK_T, D, BITS)
+    groups = tl.arange(0, D // G)
+    params = b * vs_b + h * vs_h + tokens[:, None] * vs_r + groups[None, :] * vs_d
+    v = codes * _per_channel(tl.load(value_scale_ptr + params), BLOCK_T, D, G)
+    v = v + _per_channel(tl.load(value_min_ptr + params), BLOCK_T, D, G)
     if ROTATION:
         v = fwht_rows(v, BLOCK_T, D, LOG2_D)
     out = out_values_ptr + b * ov_b + h * ov_h + tokens[:, None] * ov_t + d[None, :] * ov_d
@@ -141,11 +151,12 @@ def dequantize_kv_triton(
     keys, values = out
     norms = quantized.key_norms
     flags = key_rotated.view(torch.uint8) if key_rotated is not None else None
-    block = 4096 // head_dim  # [BLOCK_T, D] fp32 tiles of 16 KiB: the butterflies stay in registers
-    _dequantize_kernel[(triton.cdiv(tokens, block), batch * heads)](
+    # [BLOCK_T, D] fp32 tiles of at most 16 KiB (the butterflies stay in registers), inside one key group
+    block = min(4096 // head_dim, config.group_size)
+    _dequantize_kernel[(tokens // block, batch * heads)](
         quantized.key_codes, quantized.key_scale, quantized.key_min, norms,
         quantized.value_codes, quantized.value_scale, quantized.value_min, flags, keys, values,
-        heads, tokens,
+        heads,
         *quantized.key_codes.stride(), *quantized.key_scale.stride(),
         *quantized.value_codes.stride(), *quantized.value_scale.stride(),
         *((norms.stride(0), norms.stride(2)) if norms is not None else (0, 0)),

@@ -42,10 +42,12 @@ def _flags(config):
 @pytest.mark.parametrize("bits", [2, 4])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 @pytest.mark.parametrize("method", ["oscar", "paper"])
-@pytest.mark.parametrize("token_scaling, scale_dtype", [(True, "float16"), (False, "float32")])
-def test_dequantize_matches_the_float64_reference(bits, head_dim, method, token_scaling, scale_dtype):
-    config = OscarConfig(bits=bits, method=method, token_scaling=token_scaling, scale_dtype=scale_dtype)
-    tokens = 96  # three groups of 32: a last partial tile at head_dim 64 (tiles of 64 tokens)
+@pytest.mark.parametrize("token_scaling, scale_dtype, group_size", [(True, "float16", 32), (False, "float32", 64)])
+def test_dequantize_matches_the_float64_reference(bits, head_dim, method, token_scaling, scale_dtype, group_size):
+    config = OscarConfig(
+        bits=bits, method=method, token_scaling=token_scaling, scale_dtype=scale_dtype, group_size=group_size
+    )
+    tokens = 3 * group_size
     stored = _random_storage(config, head_dim, tokens)
     flags = _flags(config)
     want_keys, want_values = dequantize_kv(
