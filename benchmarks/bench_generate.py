@@ -3,6 +3,7 @@
     python -P benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
     python -P benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
     python -P benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
+    python -P benchmarks/bench_generate.py --batches 4 --variants dynamic oscar oscar-compiled --prefill-chunk-size 4096
     PYTHONPATH=/tmp/q python -P benchmarks/bench_generate.py   # /tmp/q: optimum-quanto (pip install --target)
 
 Models (`--model`): `llama-3.1-8b` (32 layers, 32 q / 8 kv heads, head_dim 128: full attention only) and
@@ -25,7 +26,10 @@ a few new tokens), so that Triton/cuBLAS first-call costs and the caching alloca
 out of the rows (a warm process, as a server is). A streamer synchronises the device at every token:
 `prefill_s` is the time to the first new token, `step_ms` the median over the second half of the decode steps (the
 first ones compile and capture CUDA graphs), `peak_gib` the peak allocated memory of the whole `generate` call.
-`graphs_compiled` counts the graphs torch.compile built during the row (0: the row ran eager). An out-of-memory row
+`graphs_compiled` counts the graphs torch.compile built during the row (0: the row ran eager).
+`--prefill-chunk-size N` prefills every variant but `dynamic` (the unchunked baseline) in chunks of N tokens
+(generate's `prefill_chunk_size`; each row records its `prefill_chunk_size`), so that `prefill_ratio` compares chunked
+prefill's time to first token with the unchunked DynamicCache's. An out-of-memory row
 is recorded with `oom: true`, any other failure with its `error`: one invocation always leaves a record.
 
 Record: benchmarks/results/generate_<gpu>.json, rewritten after every row (an interrupted run keeps its rows).
@@ -309,6 +313,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768])
     parser.add_argument("--new-tokens", type=int, default=32, help="at least 4 (the median takes the second half)")
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="chunked prefill but for `dynamic`")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--extra-path", nargs="*", default=[], help="folders put first on sys.path (optimum-quanto)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
@@ -342,6 +347,7 @@ def main(argv: list[str] | None = None) -> Path:
         for context in args.contexts:
             for name in args.variants:
                 variant = VARIANTS[name]
+                chunk = args.prefill_chunk_size if name != "dynamic" else None
                 row = {
                     "run": run,
                     "model": args.model,
@@ -351,6 +357,7 @@ def main(argv: list[str] | None = None) -> Path:
                     "variant": name,
                     "cache": variant.cache,
                     "compiled": variant.compiled,
+                    "prefill_chunk_size": chunk,
                     "oom": False,
                     "step_ms": None,
                     "prefill_s": None,
@@ -361,9 +368,10 @@ def main(argv: list[str] | None = None) -> Path:
                     row["skipped"] = skipped[name]
                 else:
                     try:
-                        eager = generate_options(dataclasses.replace(variant, compiled=False))
+                        eager = generate_options(dataclasses.replace(variant, compiled=False), chunk)
                         timed_generate(model, batch, context, WARMUP_TOKENS, eager)
-                        row.update(timed_generate(model, batch, context, args.new_tokens, generate_options(variant)))
+                        options = generate_options(variant, chunk)
+                        row.update(timed_generate(model, batch, context, args.new_tokens, options))
                     except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
                         row.update(failure(error))
                     release(model.device)

@@ -174,8 +174,13 @@ class ExactOscarLayer(OscarLayer):
             self.exact = tuple(torch.cat([old[:, :, :start], new], 2) for old, new in zip(self.exact, (keys, values)))
         return super()._quantize(keys, values, decoding)
 
-    def _dequantize(self, start, end):
-        return tuple(t[:, :, start:end] for t in self.exact)
+    def _dequantize(self, start, end, out=None):
+        exact = tuple(t[:, :, start:end] for t in self.exact)
+        if out is None:
+            return exact
+        for dense, tokens in zip(out, exact):
+            dense.copy_(tokens)
+        return out
 
     def _apply(self, fn):
         super()._apply(fn)

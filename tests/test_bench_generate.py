@@ -92,6 +92,20 @@ def test_every_cache_gets_a_row_of_one_run(bench, tmp_path, model):
     assert [row["run"] for row in again["rows"][len(record["rows"]) :]] == [second]
 
 
+def test_prefill_chunk_size_chunks_every_variant_but_the_dynamic_baseline(bench, tmp_path, monkeypatch):
+    chunks = []
+    original = bench.timed_generate
+    monkeypatch.setattr(
+        bench, "timed_generate", lambda *a: (chunks.append(a[-1].get("prefill_chunk_size")), original(*a))[1]
+    )
+    args = ["--model", "tiny-llama", "--device", "cpu", "--batches", "2", "--contexts", "256", "--new-tokens", "4"]
+    path = bench.main([*args, "--variants", "dynamic", "oscar", "--prefill-chunk-size", "100", "--out", str(tmp_path)])
+    rows = {row["variant"]: row for row in json.loads(path.read_text())["rows"]}
+    assert rows["dynamic"]["prefill_chunk_size"] is None and rows["oscar"]["prefill_chunk_size"] == 100
+    assert rows["oscar"]["step_ms"] > 0 and rows["oscar"]["prefill_s"] > 0
+    assert 100 in chunks  # the timed oscar generate ran chunked (the warm-ups run unchunked)
+
+
 def test_out_of_memory_and_failures_are_rows(bench, tmp_path, monkeypatch):
     """A row that runs out of memory or fails otherwise is recorded as such and the run goes on."""
 

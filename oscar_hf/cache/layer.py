@@ -144,9 +144,7 @@ class OscarLayer(CacheLayerMixin):
             storage.append(key_states, value_states)
             fused_attention.FusedStep.start(self, key_states, value_states)
             return key_states, value_states
-        past_keys, past_values = storage.history()
-        # Concatenate before appending: the history may be a view of the residual buffer that `append` rewrites.
-        keys, values = torch.cat([past_keys, key_states], dim=-2), torch.cat([past_values, value_states], dim=-2)
+        keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
         storage.append(key_states, value_states)
         return keys, values
 
@@ -258,11 +256,24 @@ class OscarLayer(CacheLayerMixin):
             raise_unless_finite(flags, self.config)
         return block
 
-    def _dequantize(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype."""
+    def _dequantize(
+        self, start: int, end: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Dense K/V of quantized tokens `[start, end)` (block-aligned), in the model dtype, written into `out` when
+        given: on the fused path by the Triton kernel (`dequantize_kv_triton`: straight from the packed codes to the
+        model dtype), elsewhere by the reference in float32 (float64 for a float64 model)."""
+        rows = self.storage.rows(start, end)
+        if self.use_kernels:
+            from ..kernels import dequantize_kv_triton
+
+            return dequantize_kv_triton(rows, self.config, self.key_rotated, out, self.dtype)
         math_dtype = torch.float64 if self.dtype == torch.float64 else torch.float32
-        keys, values = dequantize_kv(self.storage.rows(start, end), self.config, math_dtype, self.key_rotated)
-        return keys.to(self.dtype), values.to(self.dtype)
+        keys, values = dequantize_kv(rows, self.config, math_dtype, self.key_rotated)
+        if out is None:
+            return keys.to(self.dtype), values.to(self.dtype)
+        out[0].copy_(keys)
+        out[1].copy_(values)
+        return out
 
     def quantized(self) -> QuantizedKV | None:
         """Views of the quantized region (`quantized_length` tokens), or None when it is empty."""

@@ -24,7 +24,8 @@ class KVStorage:
     anything is stored) at the start of the window buffers `keys`/`values` (`[B, Hkv, R, D]`).
 
     quantize(keys, values, decoding): the block of the tokens that follow the quantized region.
-    dequantize(start, end): dense K/V, in the model dtype, of quantized tokens `[start, end)` (block-aligned).
+    dequantize(start, end, out=None): dense K/V, in the model dtype, of quantized tokens `[start, end)`
+    (block-aligned), written into `out` (a pair of `[B, Hkv, end - start, D]` tensors) when given.
     """
 
     def __init__(
@@ -32,7 +33,7 @@ class KVStorage:
         layout: StorageLayout,
         window: int,
         quantize: Callable[..., QuantizedKV],
-        dequantize: Callable[[int, int], tuple[torch.Tensor, torch.Tensor]],
+        dequantize: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ):
         self.layout, self.window = layout, window
         self.quantize, self.dequantize = quantize, dequantize
@@ -145,12 +146,25 @@ class KVStorage:
     def window_values(self) -> torch.Tensor:
         return self.values[:, :, : self.held]
 
-    def history(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything stored, as dense K/V in the model dtype: dequantized region, then the exact window."""
-        keys, values = self.window_keys(), self.window_values()
-        if self.length:
-            old_keys, old_values = self.dequantize(0, self.length)
-            keys, values = torch.cat([old_keys, keys], dim=-2), torch.cat([old_values, values], dim=-2)
+    def history(
+        self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything stored, then `new_keys`/`new_values` (tokens not stored yet) if given, as dense K/V in the model
+        dtype: the dequantized region, the exact window, the new tokens. One new buffer each for K and V, the
+        quantized region dequantized straight into it, so that the dense history of a chunk's attention is its only
+        transient (no concatenation copies), and `append` may then rewrite the window freely."""
+        window_keys, window_values = self.window_keys(), self.window_values()
+        if new_keys is None:
+            new_keys, new_values = window_keys[:, :, :0], window_values[:, :, :0]
+        length, held = self.length, self.held
+        total = length + held + new_keys.shape[-2]
+        keys = window_keys.new_empty(*window_keys.shape[:2], total, window_keys.shape[-1])
+        values = window_values.new_empty(*window_values.shape[:2], total, window_values.shape[-1])
+        if length:
+            self.dequantize(0, length, (keys[:, :, :length], values[:, :, :length]))
+        for dense, window, new in ((keys, window_keys, new_keys), (values, window_values, new_values)):
+            dense[:, :, length : length + held] = window
+            dense[:, :, length + held :] = new
         return keys, values
 
     # ----------------------------------------------------------------------------------------------------------

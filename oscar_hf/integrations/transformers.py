@@ -5,7 +5,9 @@ module-level tuple `ALL_CACHE_IMPLEMENTATIONS` (read at call time), and `Generat
 is a hard-coded if/else that would silently fall back to a DynamicCache for an unknown name. `register()` therefore
 extends the tuple and wraps that method; every other cache name goes to the original method untouched. The wrapper
 also hands the prompt's attention mask to whichever OscarCache generate will use (built here or passed as
-`past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). `register()` also makes
+`past_key_values`), so that padding stays out of the quantization (`OscarCache.set_padding`). Chunked prefill
+(`prefill_chunk_size`) into an OscarCache runs eagerly even where generate compiles its forward (`_wrap_prefill`).
+`register()` also makes
 `fused_attention.fused_sdpa` the `sdpa` attention entry (fused decode steps and the query rule's queries; every other
 call is transformers' sdpa, untouched). All steps are idempotent and undone by `unregister()`. Nothing is written
 into a model's `generation_config`, so a saved generation_config.json never names "oscar".
@@ -21,6 +23,7 @@ from __future__ import annotations
 import functools
 import inspect
 
+import torch
 from transformers.generation import configuration_utils
 from transformers.generation.utils import ALL_CACHE_NAMES, GenerationMixin
 
@@ -93,21 +96,44 @@ def _wrap(original):
     return _prepare_cache_for_generation
 
 
+def _wrap_prefill(original):
+    """generate's chunked prefill calls its compiled forward (the decode steps' graph) on every chunk, where the
+    StaticCache has fixed shapes; an OscarLayer stores a multi-token chunk in eager code only (quantizing whole blocks,
+    growing lengths), and its compiled graph takes single-token steps (`compiled.refuse_step`). Into an OscarCache the
+    chunks therefore run eagerly, as an unchunked prefill does, and the decode steps that follow still compile."""
+
+    @functools.wraps(original)
+    def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
+        if generation_config.prefill_chunk_size is not None and isinstance(model_kwargs.get(CACHE_KWARG), OscarCache):
+            with torch.compiler.set_stance("force_eager"):
+                return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+
+    setattr(_prefill, _WRAPPED_MARK, original)
+    return _prefill
+
+
+# The GenerationMixin methods `register()` wraps, and their wrappers.
+_WRAPPERS = {"_prepare_cache_for_generation": _wrap, "_prefill": _wrap_prefill}
+
+
 def register() -> None:
     """Make `cache_implementation="oscar"` available to `generate` and install the fused `sdpa` entry (idempotent;
     `import oscar_hf` calls it)."""
     fused_attention.register()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
-    if not hasattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK):
-        GenerationMixin._prepare_cache_for_generation = _wrap(GenerationMixin._prepare_cache_for_generation)
+    for name, wrap in _WRAPPERS.items():
+        if not hasattr(getattr(GenerationMixin, name), _WRAPPED_MARK):
+            setattr(GenerationMixin, name, wrap(getattr(GenerationMixin, name)))
 
 
 def unregister() -> None:
     """Undo `register()`: transformers behaves exactly as before."""
     names = configuration_utils.ALL_CACHE_IMPLEMENTATIONS
     configuration_utils.ALL_CACHE_IMPLEMENTATIONS = tuple(n for n in names if n != CACHE_IMPLEMENTATION)
-    original = getattr(GenerationMixin._prepare_cache_for_generation, _WRAPPED_MARK, None)
-    if original is not None:
-        GenerationMixin._prepare_cache_for_generation = original
+    for name in _WRAPPERS:
+        original = getattr(getattr(GenerationMixin, name), _WRAPPED_MARK, None)
+        if original is not None:
+            setattr(GenerationMixin, name, original)
     fused_attention.unregister()
