@@ -1,0 +1,124 @@
+"""Hybrid models (issue 36): with the maximum length reserved, an OscarCache's sliding-window layers become static
+(`CompiledSlidingWindowLayer`, transformers' `StaticSlidingWindowLayer`), so that the whole decode step can compile;
+without it they stay transformers' dynamic layers."""
+
+import inspect
+
+import pytest
+import torch
+import torch._dynamo
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3nTextConfig, Gemma3TextConfig
+from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
+
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
+from oscar_hf.cache.compiled import CompiledSlidingWindowLayer
+
+GREEDY = dict(do_sample=False, return_dict_in_generate=True)
+
+
+def _sdpa(config):
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def test_reserve_makes_sliding_layers_static_only_where_compiled_decode_may_apply(gemma3_config):
+    cache = OscarCache(_sdpa(gemma3_config), OscarConfig())
+    cache.reserve(100)
+    assert [type(layer) for layer in cache.layers] == [CompiledSlidingWindowLayer, OscarLayer] * 2
+    assert [layer.max_cache_len for layer in cache.layers] == [16, 100] * 2  # the window, or the reserved length
+    cache.reserve(10)  # a shorter reservation before the prefill: a window that never fills
+    assert cache.layers[0].max_cache_len == 10
+    assert not any("layers that cannot run compiled" in reason for reason in cache.compile_blockers())
+
+    portable = OscarCache(gemma3_config, OscarConfig(attention="portable"))
+    portable.reserve(100)  # compiled decode cannot apply: eager use stays as without a reservation
+    assert [type(layer) for layer in portable.layers] == [DynamicSlidingWindowLayer, OscarLayer] * 2
+    assert "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)" in portable.compile_blockers()
+    unreserved = OscarCache(gemma3_config, OscarConfig())
+    assert type(unreserved.layers[0]) is DynamicSlidingWindowLayer
+    assert "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)" in unreserved.compile_blockers()
+
+
+def test_gemma3_shapes_compile_when_reserved():
+    """Gemma 3's real head_dim (256) with sdpa: nothing blocks compiled decode once the length is reserved."""
+    config = Gemma3TextConfig(num_hidden_layers=6, head_dim=256, num_attention_heads=8, num_key_value_heads=4)
+    assert config.layer_types.count("full_attention") == 1
+    cache = OscarCache(_sdpa(config), OscarConfig())
+    assert cache.compile_blockers() == [
+        "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)",
+        "no maximum length is reserved",
+    ]
+    cache.reserve(32768 + 32)
+    assert cache.compile_blockers() == [] and cache.is_compileable
+    assert all(layer.max_cache_len == config.sliding_window for layer in cache.layers if layer.is_sliding)
+
+
+def test_kv_sharing_models_name_their_blocker():
+    config = _sdpa(
+        Gemma3nTextConfig(
+            vocab_size=97, vocab_size_per_layer_input=97, hidden_size=64, hidden_size_per_layer_input=8,
+            intermediate_size=128, num_hidden_layers=4, num_attention_heads=2, num_key_value_heads=1, head_dim=64,
+            sliding_window=16, layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+            num_kv_shared_layers=2, laurel_rank=8, activation_sparsity_pattern=[0.0] * 4,
+        )
+    )  # fmt: skip
+    cache = OscarCache(config, OscarConfig())
+    cache.reserve(100)
+    assert any(reason.startswith("KV-sharing layers") for reason in cache.compile_blockers())
+    assert not cache.is_compileable
+
+
+@pytest.mark.parametrize("lengths", [[40], [40, 25]], ids=["single", "left-padded-batch"])
+def test_exact_cache_with_static_sliding_layers_equals_dynamic_cache(exact_oscar_cache, gemma3_config, lengths):
+    """The reserved configuration, quantization made lossless: 40 prompt tokens and 150 new ones, past the window of
+    16 and across the block flush at 128 (a left-padded row too), token for token as DynamicCache."""
+    model = Gemma3ForCausalLM(_sdpa(gemma3_config)).eval()
+    ids = torch.randint(3, 97, (len(lengths), max(lengths)))
+    mask = torch.ones_like(ids)
+    mask[1:, : max(lengths) - min(lengths)] = 0
+    options = dict(attention_mask=mask, max_new_tokens=150, min_new_tokens=150, **GREEDY)
+    want = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), **options)
+    cache = exact_oscar_cache(model.config)
+    cache.reserve(ids.shape[1] + 150)
+    got = model.generate(ids, **cache_kwargs(cache), **options)
+    assert torch.equal(got.sequences, want.sequences)
+    assert [type(layer) for layer in cache.layers][:2] == [CompiledSlidingWindowLayer, type(cache.layers[1])]
+    assert cache.layers[1].quantized_length == 128 and cache.get_seq_length() == ids.shape[1] + 149
+    assert cache.layers[0].keys.shape[-2] == 16  # the window's buffer
+
+
+def test_static_sliding_layer_contract_of_transformers():
+    """What `CompiledSlidingWindowLayer` relies on in transformers' `StaticSlidingWindowLayer` (5.17 to 5.24): its
+    constructor, a buffer of `min(window, max_cache_len)` tokens, the host length `cumulative_length_int` that its
+    eager methods read, the device counter `cumulative_length`. Fails loudly if transformers changes them."""
+    parameters = list(inspect.signature(StaticSlidingWindowLayer.__init__).parameters)
+    assert parameters[:3] == ["self", "max_cache_len", "sliding_window"]
+    for method in (StaticSlidingWindowLayer.update, StaticSlidingWindowLayer.get_mask_sizes):
+        assert "self.cumulative_length_int" in inspect.getsource(method)
+    assert "sliding_window" in inspect.signature(DynamicSlidingWindowLayer.__init__).parameters
+    assert DynamicSlidingWindowLayer(sliding_window=7).sliding_window == 7
+
+
+@pytest.mark.parametrize("prompt", [3, 9, 20], ids=["fills-during-decode", "fills-at-the-prompt", "past-the-window"])
+def test_sliding_layer_eager_and_compiled_steps_equal_transformers_static_layer(prompt):
+    """Eager updates behave as transformers' layer; single-token steps in a compiled function (dynamo, one graph)
+    leave the same buffer, returned K/V, lengths and mask sizes, before and after the window (8) fills."""
+    window, steps = 8, 14
+    gen = torch.Generator().manual_seed(1)
+    tokens = [torch.randn(2, 3, n, 16, generator=gen) for n in [prompt] + [1] * steps]
+    theirs, ours = StaticSlidingWindowLayer(100, window), CompiledSlidingWindowLayer(100, window)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    step = torch.compile(lambda k, v: tuple(t.clone() for t in ours.update(k, v)), backend="eager", fullgraph=True)
+    for index, keys in enumerate(tokens):
+        values = keys * 2
+        want = theirs.update(keys, values)
+        got = ours.update(keys, values) if index < 2 else step(keys, values)  # the first decode step eager
+        for a, b in zip(got, want):
+            assert torch.equal(a, b), index
+        assert ours.get_seq_length() == theirs.get_seq_length() == sum(t.shape[-2] for t in tokens[: index + 1])
+        assert ours.get_mask_sizes(1) == theirs.get_mask_sizes(1)
+        assert torch.equal(ours.keys, theirs.keys) and torch.equal(ours.values, theirs.values)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    ours.reset()
+    assert ours.get_seq_length() == 0 and int(ours.cumulative_length) == 0
