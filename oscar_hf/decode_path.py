@@ -111,7 +111,8 @@ def config_compile_blockers(
 ) -> list[str]:
     """Why compiled decode cannot run with this model's config and this cache's settings, before any layer is
     initialized (empty: it can, if the layers allow it, `compile_blockers`): the fused path by the model's config (sdpa,
-    head dims the kernel supports, no KV sharing), no offloading or tensor parallelism."""
+    head dims the kernel supports), KV sharing only as transformers >= 5.24 represents it, no offloading or tensor
+    parallelism."""
     heads = getattr(text_config, "num_attention_heads", None) or 1
     head_dim = getattr(text_config, "head_dim", None) or getattr(text_config, "hidden_size", 0) // heads
     group = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
@@ -123,19 +124,22 @@ def config_compile_blockers(
         (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
         (group > DECODE_MAX_QUERY_ROWS, f"{group} query heads per KV head exceed {DECODE_MAX_QUERY_ROWS}"),
         (
-            kv_sharing(text_config),
-            "KV-sharing layers (they attend with another layer's K/V, which a fused step hands them in eager code only)",
+            _kv_sharing_before_5_24(text_config),
+            "KV-sharing layers (num_kv_shared_layers) before transformers 5.24: upgrade it to decode them compiled",
         ),
         (offloading, "cache offloading is on"),
         (tensor_parallel, "tensor parallel: the token norms' all-reduce over the ranks' KV heads runs in eager code"),
     )
 
 
-def kv_sharing(text_config: PretrainedConfig) -> bool:
-    """Whether some layers reuse another layer's K/V: Gemma 3n's `num_kv_shared_layers` (transformers up to 5.23 also
-    leaves them out of the cache), or `kv_sharing_modes` with "reuse" (5.24 on: a `DummyLayer` in the cache)."""
-    modes = getattr(text_config, "kv_sharing_modes", None) or ()
-    return bool(getattr(text_config, "num_kv_shared_layers", 0)) or "reuse" in modes
+def _kv_sharing_before_5_24(text_config: PretrainedConfig) -> bool:
+    """Whether some layers reuse another layer's K/V as transformers up to 5.23 represents it: Gemma 3n's
+    `num_kv_shared_layers`, the sharing layers left out of the cache and the producer's K/V moved with `.to(device)` on
+    their way to attention, a copy that could lose the fused step the keys carry inside a traced forward. From 5.24
+    (`kv_sharing_modes`) each sharing layer has a `DummyLayer` and attends with the very K/V the producer's update
+    returned, step included (tests/kernels/test_compiled_decode.py compiles Gemma 3n)."""
+    shared = getattr(text_config, "num_kv_shared_layers", 0)
+    return bool(shared) and getattr(text_config, "kv_sharing_modes", None) is None
 
 
 def compile_blockers(
