@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWin
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf.cache.compiled import CompiledSlidingWindowLayer
+from oscar_hf.integrations import fused_attention
 
 GREEDY = dict(do_sample=False, return_dict_in_generate=True)
 
@@ -62,6 +63,23 @@ def test_kv_sharing_models_compile_from_transformers_5_24(gemma3n_config):
         assert cache.compile_blockers() == [] and type(cache.layers[-1]).__name__ == "DummyLayer"
     else:
         assert any(reason.startswith("KV-sharing layers") for reason in cache.compile_blockers())
+
+
+def test_assisted_decoding_keeps_croppable_sliding_layers(exact_oscar_cache, gemma3_config):
+    """Prompt-lookup decoding crops rejected candidates, which a static window past its length cannot undo: the
+    reserved cache's sliding layers go back to transformers' dynamic ones when past recording starts, and the tokens
+    are greedy decoding's."""
+    model = Gemma3ForCausalLM(_sdpa(gemma3_config)).eval()
+    pattern = torch.randint(3, 97, (1, 9))
+    ids = torch.cat([pattern.repeat(1, 6), pattern[:, :4]], dim=1)  # repeats give the lookup candidates
+    options = dict(max_new_tokens=40, min_new_tokens=40, do_sample=False)
+    want = model.generate(ids, **options)
+    cache = exact_oscar_cache(model.config)
+    cache.reserve(ids.shape[1] + 40)
+    assert type(cache.layers[0]) is CompiledSlidingWindowLayer
+    got = model.generate(ids, **cache_kwargs(cache), prompt_lookup_num_tokens=5, **options)
+    assert torch.equal(got, want)
+    assert type(cache.layers[0]) is DynamicSlidingWindowLayer and cache.layers[0].record_past
 
 
 @pytest.mark.parametrize("lengths", [[40], [40, 25]], ids=["single", "left-padded-batch"])
@@ -118,3 +136,35 @@ def test_sliding_layer_eager_and_compiled_steps_equal_transformers_static_layer(
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     ours.reset()
     assert ours.get_seq_length() == 0 and int(ours.cumulative_length) == 0
+
+
+def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
+    """Reserved, on the fused path: each decode step's sliding-window calls (`sliding_window=16`) reach transformers'
+    sdpa untouched with the static layer's window buffer, and only the full-attention layers' calls run the fused
+    kernel (the compiled forward traces these same calls: tests/kernels/test_compiled_decode.py)."""
+    model = Gemma3ForCausalLM(_sdpa(gemma3_config)).eval()
+    cache = OscarCache(model.config, OscarConfig(attention="fused", residual_length=32))
+    cache.reserve(60)
+    passed, fused = [], []
+    original_sdpa, original_fused = fused_attention.sdpa_attention_forward, OscarLayer.fused_attention
+
+    def sdpa(module, query, key, value, *args, **kwargs):
+        passed.append((module.layer_idx, kwargs.get("sliding_window"), key))
+        return original_sdpa(module, query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(fused_attention, "sdpa_attention_forward", sdpa)
+
+    def fused_kernel(layer, *args):
+        fused.append(layer)
+        return original_fused(layer, *args)
+
+    monkeypatch.setattr(OscarLayer, "fused_attention", fused_kernel)
+    with torch.no_grad():
+        token = model(torch.randint(3, 97, (1, 20)), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        for _ in range(3):
+            passed.clear()
+            fused.clear()
+            token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+            assert [(index, window) for index, window, _ in passed] == [(0, 16), (2, 16)]
+            assert all(key is cache.layers[index].keys for index, _, key in passed)
+            assert fused == [cache.layers[1], cache.layers[3]]
