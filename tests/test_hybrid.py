@@ -7,7 +7,7 @@ import inspect
 import pytest
 import torch
 import torch._dynamo
-from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig
+from transformers import DynamicCache, Gemma3ForCausalLM, Gemma3TextConfig, Qwen3NextForCausalLM
 from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWindowLayer
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
@@ -99,6 +99,25 @@ def test_exact_cache_with_static_sliding_layers_equals_dynamic_cache(exact_oscar
     assert [type(layer) for layer in cache.layers][:2] == [CompiledSlidingWindowLayer, type(cache.layers[1])]
     assert cache.layers[1].quantized_length == 128 and cache.get_seq_length() == ids.shape[1] + 149
     assert cache.layers[0].keys.shape[-2] == 16  # the window's buffer
+
+
+def test_linear_attention_hybrid_compiles_and_its_exact_cache_equals_dynamic_cache(exact_oscar_cache, qwen3next_config):
+    """Qwen3-Next: the linear-attention layers keep transformers' `LinearAttentionLayer` (static state, compileable),
+    the full-attention layer is an OScaR layer; reserved, nothing blocks compiled decode, and with quantization made
+    lossless the tokens are DynamicCache's across the flush at 128."""
+    model = Qwen3NextForCausalLM(_sdpa(qwen3next_config)).eval()
+    ids = torch.randint(3, 97, (1, 100))
+    options = dict(max_new_tokens=40, min_new_tokens=40, **GREEDY)
+    want = model.generate(ids, **cache_kwargs(DynamicCache(config=model.config)), **options)
+    cache = exact_oscar_cache(model.config)
+    cache.reserve(ids.shape[1] + 40)
+    assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer"] * 3 + ["ExactOscarLayer"]
+    assert OscarCache(model.config, OscarConfig(attention="fused")).compile_blockers() == [
+        "no maximum length is reserved"
+    ]
+    got = model.generate(ids, **cache_kwargs(cache), **options)
+    assert torch.equal(got.sequences, want.sequences)
+    assert cache.layers[3].quantized_length == 128
 
 
 def test_static_sliding_layer_contract_of_transformers():

@@ -6,7 +6,7 @@ compile (Inductor, CUDA graphs)."""
 import pytest
 import torch
 import torch._dynamo
-from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig
+from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextForCausalLM
 from transformers.generation import CompileConfig
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
@@ -146,18 +146,22 @@ def _tiny_gemma3(window: int, **overrides) -> Gemma3ForCausalLM:
     return Gemma3ForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("family", ["gemma3", "gemma3n"])
+HYBRIDS = {"gemma3": Gemma3ForCausalLM, "gemma3n": Gemma3nForCausalLM, "qwen3next": Qwen3NextForCausalLM}
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
 def test_generate_auto_compiles_a_hybrid_model(request, family):
     """Gemma 3 (issue 36): the sliding-window layers are static, the full-attention ones OScaR layers, and generate's
     automatic compile takes the whole decode step: a prompt shorter than the window (16), which fills during decode,
     and 32 steps across a flush (blocks of 32), in one graph, with the eager tokens. Gemma 3n's last layers reuse
     the K/V of the last sliding and full layers (the fused step's keys stand for the producer's storage; transformers
-    >= 5.24). On CPU through `_compile_all_devices` (aot_eager, the kernels in Triton's interpreter)."""
+    >= 5.24). Qwen3-Next's linear-attention layers keep transformers' own static state. On CPU through
+    `_compile_all_devices` (aot_eager, the kernels in Triton's interpreter)."""
     config = request.getfixturevalue(f"{family}_config")
     config._attn_implementation = "sdpa"
     if family == "gemma3n" and getattr(config, "kv_sharing_modes", None) is None:
         pytest.skip("KV-sharing layers decode compiled from transformers 5.24 (tests/test_hybrid.py: the blocker)")
-    model = (Gemma3ForCausalLM if family == "gemma3" else Gemma3nForCausalLM)(config).to(DEVICE).eval()
+    model = HYBRIDS[family](config).to(DEVICE).eval()
     prompt = torch.randint(3, 97, (1, 5), device=DEVICE)
     options = dict(
         cache_implementation="oscar",
