@@ -138,7 +138,7 @@ def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
 
 
 # Query positions per float32 copy in `query_moment`: a long prompt's queries are read a slice at a time, so that the
-# prefill's transient stays small (the whole float32 copy, and its regrouped copy, were 4x the bf16 queries).
+# prefill's transient stays small (a whole float32 copy and its regrouped copy would be 4x the bf16 queries).
 QUERY_MOMENT_CHUNK = 2048
 
 
