@@ -106,19 +106,13 @@ def decide(
     return DecodePath(not reasons, query_tokens, head_group)
 
 
-def compile_blockers(
-    oscar_config: OscarConfig,
-    text_config: PretrainedConfig,
-    *,
-    only_full_attention: bool,
-    offloading: bool,
-    tensor_parallel: bool,
-    paths: list[DecodePath | None],
-    reserved: bool,
+def config_compile_blockers(
+    oscar_config: OscarConfig, text_config: PretrainedConfig, *, offloading: bool, tensor_parallel: bool
 ) -> list[str]:
-    """Why compiled decode cannot run (empty: it can): it needs the fused path by the model's config (sdpa, head dims
-    the kernel supports, only full-attention layers), no offloading or tensor parallelism, every initialized layer on
-    the fused path (`paths`: None for a layer not initialized yet) and the maximum length reserved."""
+    """Why compiled decode cannot run with this model's config and this cache's settings, before any layer is
+    initialized (empty: it can, if the layers allow it, `compile_blockers`): the fused path by the model's config (sdpa,
+    head dims the kernel supports), KV sharing only as transformers >= 5.24 represents it, no offloading or tensor
+    parallelism."""
     heads = getattr(text_config, "num_attention_heads", None) or 1
     head_dim = getattr(text_config, "head_dim", None) or getattr(text_config, "hidden_size", 0) // heads
     group = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
@@ -129,9 +123,43 @@ def compile_blockers(
         (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
         (head_dim not in DECODE_HEAD_DIMS, f"head_dim {head_dim} is not one of {DECODE_HEAD_DIMS}"),
         (group > DECODE_MAX_QUERY_ROWS, f"{group} query heads per KV head exceed {DECODE_MAX_QUERY_ROWS}"),
-        (not only_full_attention, "the model has layers other than full attention"),
+        (
+            _kv_sharing_before_5_24(text_config),
+            "KV-sharing layers (num_kv_shared_layers) before transformers 5.24: upgrade it to decode them compiled",
+        ),
         (offloading, "cache offloading is on"),
         (tensor_parallel, "tensor parallel: the token norms' all-reduce over the ranks' KV heads runs in eager code"),
+    )
+
+
+def _kv_sharing_before_5_24(text_config: PretrainedConfig) -> bool:
+    """Whether some layers reuse another layer's K/V as transformers up to 5.23 represents it: Gemma 3n's
+    `num_kv_shared_layers`, the sharing layers left out of the cache and the producer's K/V moved with `.to(device)` on
+    their way to attention, a copy that could lose the fused step the keys carry inside a traced forward. From 5.24
+    (`kv_sharing_modes`) each sharing layer has a `DummyLayer` and attends with the very K/V the producer's update
+    returned, step included (tests/kernels/test_compiled_decode.py compiles Gemma 3n)."""
+    shared = getattr(text_config, "num_kv_shared_layers", 0)
+    return bool(shared) and getattr(text_config, "kv_sharing_modes", None) is None
+
+
+def compile_blockers(
+    oscar_config: OscarConfig,
+    text_config: PretrainedConfig,
+    *,
+    uncompileable_layers: list[str],
+    offloading: bool,
+    tensor_parallel: bool,
+    paths: list[DecodePath | None],
+    reserved: bool,
+) -> list[str]:
+    """Why compiled decode cannot run (empty: it can): `config_compile_blockers`, the cache's other layers
+    (`uncompileable_layers`: the class names of those that cannot run compiled), every initialized OScaR layer on the
+    fused path (`paths`: None for a layer not initialized yet) and the maximum length reserved."""
+    other_layers = ", ".join(sorted(set(uncompileable_layers)))
+    return config_compile_blockers(
+        oscar_config, text_config, offloading=offloading, tensor_parallel=tensor_parallel
+    ) + _failed(
+        (bool(uncompileable_layers), f"the model has layers that cannot run compiled ({other_layers})"),
         (
             any(path is not None and not path.fused for path in paths),
             "the fused kernels do not apply to the K/V this cache holds (see OscarConfig.attention)",

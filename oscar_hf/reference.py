@@ -137,16 +137,25 @@ def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
     return None if valid is None else valid[:, None, :, None]
 
 
+# Query positions per float32 copy in `query_moment`: a long prompt's queries are read a slice at a time, so that the
+# prefill's transient stays small (a whole float32 copy and its regrouped copy would be 4x the bf16 queries).
+QUERY_MOMENT_CHUNK = 2048
+
+
 def query_moment(query: torch.Tensor, kv_heads: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The second moment of the queries each KV head serves, `[B, Hkv, D, D]`: sum over the query heads of its GQA
     group and over the query positions of q q^T (post-RoPE queries `[B, Hq, Tq, D]`, in float32, float64 kept).
     `valid` (`[B, Tq]` bool): only those positions count (padding queries are whatever the model left there)."""
-    q = query.float() if query.dtype != torch.float64 else query
-    batch, heads, length, dim = q.shape
-    if valid is not None:
-        q = q.masked_fill(~valid[:, None, :, None], 0)
-    q = q.reshape(batch, kv_heads, heads // kv_heads * length, dim)
-    return q.transpose(-1, -2) @ q
+    batch, heads, length, dim = query.shape
+    dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
+    moment = query.new_zeros(batch, kv_heads, dim, dim, dtype=dtype)
+    for start in range(0, length, QUERY_MOMENT_CHUNK):
+        q = query[:, :, start : start + QUERY_MOMENT_CHUNK].to(dtype)
+        if valid is not None:
+            q = q.masked_fill(~valid[:, None, start : start + QUERY_MOMENT_CHUNK, None], 0)
+        q = q.reshape(batch, kv_heads, -1, dim)
+        moment += q.transpose(-1, -2) @ q
+    return moment
 
 
 def query_rotation_choice(

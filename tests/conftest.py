@@ -16,7 +16,13 @@ if not torch.cuda.is_available():
 torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", 1))))
 
 import pytest  # noqa: E402
-from transformers import Gemma3TextConfig, LlamaConfig, LlamaForCausalLM  # noqa: E402
+from transformers import (  # noqa: E402
+    Gemma3nTextConfig,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3NextConfig,
+)
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer  # noqa: E402
 
@@ -64,6 +70,49 @@ def gemma3_config():
         head_dim=64,
         sliding_window=16,
         layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )
+
+
+@pytest.fixture
+def gemma3n_config():
+    """A tiny Gemma-3n-style hybrid whose last two layers reuse the K/V of the last sliding and full layers."""
+    return Gemma3nTextConfig(
+        vocab_size=97,
+        vocab_size_per_layer_input=97,
+        hidden_size=64,
+        hidden_size_per_layer_input=8,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        num_kv_shared_layers=2,
+        laurel_rank=8,
+        activation_sparsity_pattern=[0.0] * 4,
+    )
+
+
+@pytest.fixture
+def qwen3next_config():
+    """A tiny Qwen3-Next: three linear-attention (gated delta rule) layers, then a full-attention one; MoE MLPs."""
+    return Qwen3NextConfig(
+        vocab_size=97,
+        hidden_size=128,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=32,
+        linear_value_head_dim=32,
     )
 
 

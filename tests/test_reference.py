@@ -262,3 +262,21 @@ def test_padding_within_a_group_matches_the_oracle(oracle, method, rotation, tok
         # The test can fail: without the mask, the loud padding takes over the min/max of the groups it shares.
         blind = layout.unpack_codes(quantize_kv(keys.nan_to_num(), values.nan_to_num(), config).key_codes)
         assert not torch.equal(blind[0, :, 40:64], got[0, :, 40:64])
+
+
+def test_query_moment_reads_long_prompts_in_slices(monkeypatch):
+    """The second moment over query positions, summed slice by slice (a long prefill's float32 copies stay small),
+    equals the float64 sum over every position of each KV head's group, padding left out; bf16 queries in float32."""
+    from oscar_hf import reference
+
+    monkeypatch.setattr(reference, "QUERY_MOMENT_CHUNK", 7)
+    query = torch.randn(2, 6, 30, 16, dtype=torch.float64)  # 3 query heads per KV head, 30 positions: 5 slices
+    valid = torch.rand(2, 30) > 0.3
+    grouped = (query * valid[:, None, :, None]).view(2, 2, 3, 30, 16)  # [B, Hkv, group, Tq, D]
+    want = torch.einsum("bkgtd,bkgte->bkde", grouped, grouped)
+    got = query_moment(query, 2, valid)
+    assert got.dtype == torch.float64
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    low = query_moment(query.bfloat16(), 2, valid)
+    assert low.dtype == torch.float32
+    torch.testing.assert_close(low.double(), query_moment(query.bfloat16().double(), 2, valid), rtol=1e-5, atol=1e-5)

@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import torch
 from transformers import DynamicCache, PretrainedConfig
-from transformers.cache_utils import DynamicLayer
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from .. import decode_path
 from ..config import OscarConfig
 from ..integrations import fused_attention
 from ..reference import check_head_dim
+from .compiled import CompiledSlidingWindowLayer
 from .layer import OscarLayer
 from .memory import KVMemory, kv_memory
 from .padding import Padding
@@ -48,7 +49,8 @@ def _refuse_cross_attention(text_config: PretrainedConfig) -> None:
 
 class OscarCache(DynamicCache):
     """A `DynamicCache` whose full-attention layers are `OscarLayer`s; other layer types (sliding window, linear
-    attention, KV-sharing) keep transformers' own layers.
+    attention, KV-sharing) keep transformers' own layers. Where compiled decode may apply, `reserve` (which `generate`
+    calls) makes the sliding-window layers static, as `StaticCache` does (`compiled.CompiledSlidingWindowLayer`).
 
     Args:
         config: the model's config (`model.config`); the layer types come from it, and its attention implementation
@@ -104,7 +106,7 @@ class OscarCache(DynamicCache):
                     self.oscar_config, self._text_config, self.offloading, key_states, value_states, head_group
                 )
             )
-        # Eager code only: a compiled forward (one graph, sdpa and full attention only: `compile_blockers`) always
+        # Eager code only: a compiled forward (one graph, sdpa, no KV sharing: `compile_blockers`) always
         # attends through the sdpa entry, and reading this state there would make dynamo guard on it per step.
         eager = not torch.compiler.is_compiling()
         if eager and self._waiting is not None and self._waiting.unattended:
@@ -164,26 +166,57 @@ class OscarCache(DynamicCache):
     def compile_blockers(self) -> list[str]:
         """Why compiled decode cannot run with this model and configuration (empty when it can;
         `decode_path.compile_blockers`): it needs the fused path by the model's config (sdpa, head dims the kernel
-        supports, only full-attention layers: no sliding window, KV sharing or linear attention) and the maximum
-        length reserved (`generate` reserves it; by hand, `reserve(max_length)`). The device (CUDA) is checked by
+        supports, no KV sharing), every other layer able to run compiled (sliding-window layers are made static by
+        `reserve`; transformers' linear-attention layers are static already) and the maximum length reserved
+        (`generate` reserves it; by hand, `reserve(max_length)` before the prefill). The device (CUDA) is checked by
         `generate` before the prefill, and by each layer at its first update (after which this reports it)."""
         layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
         return decode_path.compile_blockers(
             self.oscar_config,
             self._text_config,
-            only_full_attention=len(layers) == len(self.layers),
+            uncompileable_layers=[
+                type(layer).__name__
+                for layer in self.layers
+                if not isinstance(layer, OscarLayer) and not layer.is_compileable
+            ],
             offloading=self.offloading,
             tensor_parallel=self.tp_group is not None or any(layer.head_group for layer in layers),
             paths=[layer.path for layer in layers if layer.is_initialized],
             reserved=all(layer.max_cache_len is not None for layer in layers),
         )
 
+    def activate_past_recording(self) -> None:
+        """Assisted decoding rolls rejected tokens back (`crop`), which a static sliding-window layer past its window
+        cannot: the ones `reserve` made static that hold nothing yet go back to transformers' dynamic layers, which
+        record their past (decoding eagerly, as without a reservation)."""
+        self.layers = [
+            DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
+            if type(layer) is CompiledSlidingWindowLayer and not layer.is_initialized
+            else layer
+            for layer in self.layers
+        ]
+        super().activate_past_recording()
+
     def memory_footprint(self) -> KVMemory:
         """Bytes this cache holds now, and the ratio to a bf16 cache of the same tokens."""
         return kv_memory(self)
 
     def reserve(self, tokens: int) -> None:
-        """Pre-allocate quantized storage for `tokens` tokens in every initialized OScaR layer."""
+        """Pre-allocate quantized storage for `tokens` tokens in every OScaR layer. Where the model's config and this
+        cache allow compiled decode (`decode_path.config_compile_blockers`), the sliding-window layers that hold
+        nothing yet become static ones of `min(window, tokens)` tokens (`compiled.CompiledSlidingWindowLayer`, what
+        `StaticCache` builds for them), so that the whole decode step can run compiled; otherwise they stay
+        transformers' dynamic layers."""
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 layer.reserve(tokens)
+        if decode_path.config_compile_blockers(
+            self.oscar_config, self._text_config, offloading=self.offloading, tensor_parallel=self.tp_group is not None
+        ):
+            return
+        self.layers = [
+            CompiledSlidingWindowLayer(tokens, layer.sliding_window)
+            if type(layer) in (DynamicSlidingWindowLayer, CompiledSlidingWindowLayer) and not layer.is_initialized
+            else layer
+            for layer in self.layers
+        ]

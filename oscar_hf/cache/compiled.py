@@ -6,11 +6,17 @@ step writes the token at the residual slot and flushes a complete block from tha
 is launched every step and returns at once until the block is complete), and the fused kernel, handed the whole
 reserved storage and the counter, attends over the tokens held: shapes and addresses never change, there is no host
 synchronisation and no Python branch on a tensor value. Eager code then reads the lengths back from the counter.
+
+A hybrid model's sliding-window layers (Gemma 3, chunked attention) become `CompiledSlidingWindowLayer`s when the
+length is reserved: transformers' static sliding-window layer (what `StaticCache` builds for them: a fixed buffer of
+the window's last tokens, oldest first), whose compiled single-token steps also run from a device counter, so that one
+graph serves every decode step, before and after the window fills.
 """
 
 from __future__ import annotations
 
 import torch
+from transformers.cache_utils import StaticSlidingWindowLayer
 
 from ..kernels import ops as kernel_ops
 from .padding import key_padding
@@ -82,3 +88,50 @@ def refuse_step(layer, tokens: int) -> None:
         f"`cache.reserve(max_length)` before the prefill). Got {tokens} tokens, fused path "
         f"{'on' if layer.use_kernels else 'off'}, reserved length {layer.max_cache_len}. Run this step eagerly."
     )
+
+
+class CompiledSlidingWindowLayer(StaticSlidingWindowLayer):
+    """transformers' `StaticSlidingWindowLayer` (eager updates, masks, crop and reset are its own), except for
+    single-token steps inside a compiled forward. Its host-side length `cumulative_length_int` branches in Python
+    (full or not), which dynamo would specialize on, then make symbolic: two or three graphs per generation. Here a
+    compiled step reads only the device counter `cumulative_length` (every token seen, kept exact in eager updates
+    too): it rolls the buffer by one where the window is full and writes the token at the last filled slot, branch-free;
+    eager code reads the host length back from the counter (one host synchronisation after compiled steps)."""
+
+    def __init__(self, max_cache_len: int, sliding_window: int):
+        self._device_is_newer = False  # compiled steps advanced `cumulative_length` past the host length
+        super().__init__(max_cache_len=max_cache_len, sliding_window=sliding_window)
+        self.sliding_window = sliding_window
+
+    @property
+    def cumulative_length_int(self) -> int:
+        if self._device_is_newer:
+            self._host_length = int(self.cumulative_length)
+            self._device_is_newer = False
+        return self._host_length
+
+    @cumulative_length_int.setter
+    def cumulative_length_int(self, tokens: int) -> None:
+        self._host_length, self._device_is_newer = tokens, False
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
+        if not torch.compiler.is_compiling():
+            keys, values = super().update(key_states, value_states, *args, **kwargs)
+            # transformers stops counting on the device once the window is full: the counter keeps every token
+            self.cumulative_length.fill_(self._host_length)
+            return keys, values
+        if key_states.shape[-2] != 1 or not self.is_initialized:
+            raise RuntimeError(
+                "OscarCache: a compiled forward runs single-token decode steps after an eager prefill; got "
+                f"{key_states.shape[-2]} tokens on a sliding-window layer"
+                f"{'' if self.is_initialized else ' that holds nothing yet'}. Run this step eagerly."
+            )
+        held = self.cumulative_length
+        slot = held.clamp(max=self.max_cache_len - 1).view(1)
+        full = held >= self.max_cache_len
+        for buffer, new in ((self.keys, key_states), (self.values, value_states)):
+            shifted = torch.where(full, buffer.roll(-1, dims=-2), buffer)  # a full window drops its oldest token
+            buffer.copy_(shifted.index_copy_(2, slot, new))
+        held.add_(1)
+        self._device_is_newer = True
+        return self.keys, self.values

@@ -147,9 +147,9 @@ def fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=N
     step.attended = True
     layer = step.layer
     if torch.compiler.is_compiling():
-        # A compiled model has no layer reading another's K/V (`OscarCache.compile_blockers`), so the step is used up.
-        # Left in place, its K/V would outlive the traced forward: two more graph outputs per layer, which CUDA-graph
-        # replays rebuild as tensors on the host while the GPU waits (generate synchronises every step).
+        # The layer's own attention uses the step up (a KV-sharing layer finds it on the keys it is handed). Left in
+        # place, its K/V would outlive the traced forward: two more graph outputs per layer, which CUDA-graph replays
+        # rebuild as tensors on the host while the GPU waits (generate synchronises every step).
         layer.fused_step = None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5

@@ -6,7 +6,7 @@ compile (Inductor, CUDA graphs)."""
 import pytest
 import torch
 import torch._dynamo
-from transformers import LlamaConfig
+from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextForCausalLM
 from transformers.generation import CompileConfig
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
@@ -37,8 +37,8 @@ def test_is_compileable_only_where_the_fused_path_applies(gemma3_config):
     eager._attn_implementation = "eager"
     assert not compileable(eager)
     gemma3_config._attn_implementation = "sdpa"
-    assert not compileable(gemma3_config)  # sliding-window layers keep transformers' dynamic layers
-    assert "the model has layers other than full attention" in OscarCache(gemma3_config).compile_blockers()
+    assert compileable(gemma3_config)  # reserving makes the sliding-window layers static (tests/test_hybrid.py)
+    assert not compileable(gemma3_config, reserve=False)  # they stay transformers' dynamic layers
 
 
 def _decode(model, forward, prompt, steps, **options):
@@ -124,6 +124,53 @@ def test_generate_auto_compiles_an_oscar_cache(tiny_llama):
         min_new_tokens=8,
     )
     eager = model.to(DEVICE).generate(prompt, disable_compile=True, **options)
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(prompt, compile_config=compile_config, **options)
+    assert torch.equal(compiled, eager)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+
+
+def _tiny_gemma3(window: int, **overrides) -> Gemma3ForCausalLM:
+    """A random Gemma-3-style hybrid (sliding-window and full-attention layers, head_dim 256 as Gemma 3's), sdpa."""
+    options = dict(
+        vocab_size=101, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=256, sliding_window=window, max_position_embeddings=2048,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+    )  # fmt: skip
+    config = Gemma3TextConfig(**{**options, **overrides})
+    config._attn_implementation = "sdpa"
+    return Gemma3ForCausalLM(config).eval()
+
+
+HYBRIDS = {"gemma3": Gemma3ForCausalLM, "gemma3n": Gemma3nForCausalLM, "qwen3next": Qwen3NextForCausalLM}
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_generate_auto_compiles_a_hybrid_model(request, family):
+    """Gemma 3 (issue 36): the sliding-window layers are static, the full-attention ones OScaR layers, and generate's
+    automatic compile takes the whole decode step: a prompt shorter than the window (16), which fills during decode,
+    and 32 steps across a flush (blocks of 32), in one graph, with the eager tokens. Gemma 3n's last layers reuse
+    the K/V of the last sliding and full layers (the fused step's keys stand for the producer's storage; transformers
+    >= 5.24). Qwen3-Next's linear-attention layers keep transformers' own static state. On CPU through
+    `_compile_all_devices` (aot_eager, the kernels in Triton's interpreter)."""
+    config = request.getfixturevalue(f"{family}_config")
+    config._attn_implementation = "sdpa"
+    if family == "gemma3n" and getattr(config, "kv_sharing_modes", None) is None:
+        pytest.skip("KV-sharing layers decode compiled from transformers 5.24 (tests/test_hybrid.py: the blocker)")
+    model = HYBRIDS[family](config).to(DEVICE).eval()
+    prompt = torch.randint(3, 97, (1, 5), device=DEVICE)
+    options = dict(
+        cache_implementation="oscar",
+        cache_config={"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": 32},
+        do_sample=False,
+        max_new_tokens=32,
+        min_new_tokens=32,
+    )
+    eager = model.generate(prompt, disable_compile=True, **options)
     compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True
     torch._dynamo.reset()
@@ -225,6 +272,40 @@ def test_compiled_generate_with_the_query_rule_matches_eager_generate(
         assert a.get_seq_length() == b.get_seq_length() == prompt_length + 299  # reads the compiled lengths back
         assert a.quantized_length == b.quantized_length == (prompt_length + 298) // 128 * 128
     _assert_logits_match(compiled, eager, tokens)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("prompt_length", [40, 300], ids=["window-fills-in-decode", "window-full-from-prefill"])
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_hybrid_generate_matches_eager_generate(teacher_forcing, prompt_length, batch):
+    """Gemma 3's layout (issue 36) under generate's automatic compile (Inductor, CUDA graphs): static sliding-window
+    layers (window 64) and OScaR full-attention layers, 600 steps across four block flushes and the window filling
+    (a 40-token prompt) or rolling from the first step (300 tokens), B=3 left-padded by 17 tokens. One graph for
+    every decode step; every step's logits match eager OScaR on the same tokens (teacher forcing), each compiled token
+    the eager argmax wherever the eager top-2 margin exceeds the difference between the paths."""
+    model = _tiny_gemma3(64, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
+    model = model.to(DEVICE, torch.bfloat16)
+    prompt = torch.randint(3, 1000, (batch, prompt_length), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    if batch > 1:
+        prompt[1:, :17], mask[1:, :17] = 0, 0
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, prompt, mask, 600, compiled=True)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    assert not torch._dynamo.utils.counters["graph_break"]
+    cache = compiled.past_key_values
+    assert [type(layer).__name__ for layer in cache.layers] == ["CompiledSlidingWindowLayer", "OscarLayer"] * 2
+    tokens = compiled.sequences[:, prompt_length:]
+    eager = _generate(model, prompt, mask, 600, False, teacher_forcing(tokens, prompt_length))
+    assert torch.equal(eager.sequences, compiled.sequences)
+    _assert_logits_match(compiled, eager, tokens)
+    for a, b in zip(cache.layers, eager.past_key_values.layers):
+        assert a.get_seq_length() == b.get_seq_length() == prompt_length + 599  # compiled lengths read back
+        if a.is_sliding:  # the same window, in the same order (bf16 K/V of differently compiled layers below)
+            assert ((a.keys.float() - b.keys.float()).norm() / b.keys.float().norm()).item() < 2e-2
+        else:
+            assert a.quantized_length == b.quantized_length == (prompt_length + 598) // 128 * 128
 
 
 @pytest.mark.gpu
