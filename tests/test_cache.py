@@ -421,4 +421,3 @@ def test_set_padding_refuses_a_mask_it_cannot_use():
     keys = torch.randn(B, HKV, 200, D)
     with pytest.raises(ValueError, match="padding mask given to set_padding has 3 rows"):
         cache.update(keys, keys, layer_idx=0)
-
