@@ -97,12 +97,14 @@ class KeyRotation:
         """Whether exact copies of all `quantized` tokens of the quantized region are held."""
         return sum(keys.shape[-2] for _, keys, _ in self.blocks) == quantized
 
-    def choose(self, storage, valid_of, quantize_at) -> bool:
+    def choose(self, storage, valid_of, quantize_at, head_group=None) -> bool:
         """Make the choice from the running moment (None: no queries came; an isotropic one, said once) and the first
         `CHOICE_TOKENS` keys held (the blocks' exact copies, then the storage's window; `valid_of(keys)`: their
         padding mask), write the blocks waiting for it (`quantize_at(keys, values, start)` into `storage`), and those
-        already written again if any head's choice flipped. Final once the layer holds more than `CHOICE_TOKENS`.
-        Returns whether the flags tensor is new (the first choice, or a batch transform replaced it)."""
+        already written again if any head's choice flipped (under tensor parallelism, `head_group`: any head of any
+        rank, since each quantization all-reduces the token norms, so every rank must quantize the same blocks).
+        Final once the layer holds more than `CHOICE_TOKENS`. Returns whether the flags tensor is new (the first
+        choice)."""
         held, count = [], 0
         for _, keys, _ in self.blocks:
             if count >= CHOICE_TOKENS:
@@ -118,7 +120,10 @@ class KeyRotation:
             moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
         flags = query_rotation_choice(keys, moment.to(keys.device), self.config, valid_of(keys))
         new = self.flags is None
-        flipped = not new and not torch.equal(flags, self.flags)
+        flipped = torch.zeros((), dtype=torch.int32, device=flags.device) if new else (flags != self.flags).any().int()
+        if head_group is not None:
+            torch.distributed.all_reduce(flipped, op=torch.distributed.ReduceOp.MAX, group=head_group)
+        flipped = bool(flipped)
         if new:
             self.flags = flags
         else:

@@ -26,6 +26,8 @@ chunked prefill, scoring) attends to the dequantized history plus its own exact 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -348,7 +350,8 @@ class OscarLayer(CacheLayerMixin):
 
     def _choose(self) -> None:
         """Make the key rotation's choice (`KeyRotation.choose`), writing the blocks that wait for it."""
-        new = self.rotation.choose(self.storage, lambda keys: valid(self._padding, 0, keys), self._quantize_at)
+        valid_of = functools.partial(valid, self._padding, 0)  # the padding of the keys held, from the first
+        new = self.rotation.choose(self.storage, valid_of, self._quantize_at, self.head_group)
         if new and self._compiled is not None:  # compiled decode reads the flags: a fixed address, as its buffers
             torch._dynamo.mark_static_address(self.key_rotated)
 
