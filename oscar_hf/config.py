@@ -30,16 +30,19 @@ class OscarConfig:
         scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
             "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
         method: how `rotation` treats the keys; values are always rotated. "oscar" (the query rule): each (batch
-            row, KV head) of each layer decides once, at the end of the prefill, whether rotating its keys lowers
-            the attention-logit error of the prompt's keys against the prompt's own queries
-            (`reference.query_rotation_choice`; the queries reach the cache through transformers' "sdpa" attention),
-            and keeps that choice for the whole generation (eager and compiled decoding alike). It avoids the
-            rotation's damage on models whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's
-            k_norm) and keeps it where it helps: see docs/accuracy.md. "paper": every key is rotated,
-            the paper's method (arXiv 2605.19660). "auto" (default): "oscar" on a model whose attention is "sdpa",
-            "paper" on any other (eager, flash_attention_*, flex), whose queries the cache cannot see, with a warning
-            (once) saying so; `OscarCache` resolves it (`resolve`), so `cache.oscar_config.method` says which runs.
-            An explicit "oscar" on such a model is an error naming the fix.
+            row, KV head) of each layer decides whether rotating its keys lowers the attention-logit error of the
+            prompt's keys (its first 4096) against the prompt's own queries (`reference.query_rotation_choice`; the
+            queries reach the cache through transformers' "sdpa" attention). The choice is made again after each
+            multi-token call while the prompt streams in, so a prompt fed in chunks chooses as when fed whole, and
+            is final from the first decode step (or beyond 4096 tokens) for the whole generation, eager and compiled
+            decoding alike (`cache/key_rotation.py` says exactly when). It avoids the rotation's damage on models
+            whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's k_norm) and keeps it where
+            it helps: see docs/accuracy.md. "paper": every key is rotated, the paper's method (arXiv 2605.19660).
+            "auto" (default): "oscar" on a model whose attention is "sdpa", "paper" on any other (eager,
+            flash_attention_*, flex), whose queries the cache cannot see, with a warning (once) saying so;
+            `OscarCache` resolves it (`resolve`), so `cache.oscar_config.method` says which runs. A layer that "oscar"
+            never hands queries (an explicit "oscar" on such a model, or a cache filled by hand with `update`)
+            chooses from the keys alone, with a warning (once) naming how to get the query rule.
         attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
             head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
             what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and

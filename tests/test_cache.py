@@ -117,8 +117,9 @@ def test_chunks_arriving_with_history_match_oracle(oracle):
 
 
 def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batch_ops(oracle):
-    """method="oscar" decides each (row, head)'s key rotation at the end of the prefill and keeps it: later blocks
-    with other statistics use the same choice, and batch reordering carries it with its row."""
+    """method="oscar" decides each (row, head)'s key rotation from the prompt and keeps it once decoding started:
+    later blocks with other statistics (a new turn's chunk) use the same choice, and batch reordering carries it with
+    its row."""
     config = OscarConfig(scale_dtype="float32", method="oscar")
     cache = _cache(config)
     gen = torch.Generator().manual_seed(0)
@@ -141,8 +142,10 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
     moment = query_moment(queries[:, :, :300], HKV)
     later = query_rotation_choice(keys[:, :, 256:384], moment, config)
     assert later[0, 0]  # the next block alone would rotate row 0, head 0
-    got = cache.update(keys[:, :, 300:], values[:, :, 300:], layer_idx=0)
-    layer.observe_queries(queries[:, :, 300:], got[0])
+    got = cache.update(keys[:, :, 300:301], values[:, :, 300:301], layer_idx=0)  # a decode step: the choice is final
+    layer.observe_queries(queries[:, :, 300:301], got[0])
+    got = cache.update(keys[:, :, 301:], values[:, :, 301:], layer_idx=0)
+    layer.observe_queries(queries[:, :, 301:], got[0])
     assert layer.quantized_length == 384 and torch.equal(layer.key_rotated, choice)
     prompt = keys[:, :, :300]
     want = _expected_history(oracle, keys, values, config, stored=True, queries=queries[:, :, :300], prompt=prompt)
@@ -418,13 +421,3 @@ def test_set_padding_refuses_a_mask_it_cannot_use():
     keys = torch.randn(B, HKV, 200, D)
     with pytest.raises(ValueError, match="padding mask given to set_padding has 3 rows"):
         cache.update(keys, keys, layer_idx=0)
-
-
-def test_oscar_method_refuses_to_go_on_without_the_prompts_queries():
-    """method="oscar" quantizes a prefill's blocks before its queries come; an update arriving before them (a model
-    whose attention does not hand them over) is an error naming the fix, not a silently unrotated cache."""
-    cache = _cache(OscarConfig(method="oscar"))
-    keys = torch.randn(B, HKV, 300, D)
-    cache.update(keys, keys, layer_idx=0)
-    with pytest.raises(RuntimeError, match="none reached this layer.*attn_implementation='sdpa'"):
-        cache.update(keys[:, :, :1], keys[:, :, :1], layer_idx=0)

@@ -94,7 +94,8 @@ INTERPRETER_ALL_NAN = pytest.mark.filterwarnings(
 def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attention):
     """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'. The Triton
     quantizer's min/max skip NaN, so its scales can stay finite around one (the keys and the unrotated values passed
-    unnoticed until the check read the K/V themselves)."""
+    unnoticed until the check read the K/V themselves). The query rule quantizes a prompt's blocks when its attention
+    call hands the queries over: the error comes there, in the same forward."""
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
     )
@@ -102,8 +103,10 @@ def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attenti
     kv = {"keys": torch.randn(1, 1, 129, 64), "values": torch.randn(1, 1, 129, 64)}
     kv[poisoned][0, 0, 5, 3] = float("nan")
     options = OscarConfig(attention=attention, scale_dtype="float32", rotation=rotation)
+    cache = OscarCache(config, options)
     with pytest.raises(ValueError, match="non-finite keys or values") as error:
-        OscarCache(config, options).update(kv["keys"], kv["values"], 0)
+        keys, _ = cache.update(kv["keys"], kv["values"], 0)
+        cache.layers[0].observe_queries(torch.randn(1, 2, 129, 64), keys)  # what the sdpa attention call hands over
     assert "scale_dtype" not in str(error.value)
 
 

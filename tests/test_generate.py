@@ -23,6 +23,7 @@ from transformers.testing_utils import CaptureLogger
 import oscar_hf
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf import config as config_module
+from oscar_hf.cache import key_rotation
 from oscar_hf.integrations import fused_attention
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.reference import query_rotation_choice
@@ -219,9 +220,10 @@ def test_generate_keeps_what_padding_holds_out_of_the_quantized_history(tiny_lla
 
 @pytest.mark.parametrize("prompt", [300, 40])
 def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_queries(tiny_llama, prompt):
-    """The sdpa entry hands each layer the queries of the prefill (the cache quantized its blocks before they came),
-    and the settled choice is the reference's, from the prompt's keys and queries, also for a prompt shorter than a
-    block; a model whose attention does not hand them over is refused with the fix when method="oscar" is named."""
+    """The sdpa entry hands each layer the queries of the prefill (its blocks wait for them, exact), and the settled
+    choice is the reference's, from the prompt's keys and queries, also for a prompt shorter than a block; on a model
+    whose attention does not hand them over, an explicit method="oscar" chooses from the keys alone, saying so once
+    with the fix."""
     model = tiny_llama(dtype=torch.float64, num_key_value_heads=4, num_attention_heads=8)
     ids = torch.randint(3, 97, (2, prompt))
     exact, moments = DynamicCache(config=model.config), {}
@@ -236,8 +238,16 @@ def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_quer
         chosen.append(layer.key_rotated)
     assert torch.cat(chosen).any() and not torch.cat(chosen).all()  # both choices occur: the test can fail
     model.set_attn_implementation("eager")
-    with pytest.raises(RuntimeError, match="none reached this layer"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options)
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: once per process and message
+    with CaptureLogger(key_rotation.logger) as captured:
+        out = model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options, **GREEDY)
+    assert captured.out.count("from its keys alone") == 1 and "observe_queries" in captured.out, captured.out
+    isotropic = torch.eye(32, dtype=torch.float64).expand(2, 4, 32, 32)
+    for layer in out.past_key_values.layers:  # the keys of this run's prompt (eager attention)
+        keys = layer.dense_history()[0][:, :, :prompt] if prompt < 128 else None
+        if keys is not None:  # a prompt within the residual window: its keys are held exact
+            assert torch.equal(layer.key_rotated, query_rotation_choice(keys, isotropic, OscarConfig(**options)))
+        assert layer.key_rotated is not None and layer.rotation.final
 
 
 def test_default_method_is_the_query_rule_where_the_cache_sees_queries_and_the_papers_elsewhere(tiny_llama):

@@ -1,81 +1,159 @@
-"""method="oscar"'s query rule: each (row, KV head) of a layer chooses its key rotation from the queries that read
-the prompt, at the end of the prefill, and keeps it from then on."""
+"""method="oscar"'s query rule: each (row, KV head) of a layer chooses whether to rotate its keys from the prompt's
+keys and the queries that read them (`reference.query_rotation_choice`).
+
+The choice stays open while the prompt streams in, so that a prompt fed in chunks (chunked prefill, a chat whose first
+turn is a short system prompt, scoring in windows) chooses as the same prompt fed in one call:
+
+* the queries of every multi-token update (handed over by its attention call: `OscarLayer.observe_queries`) add to
+  the layer's running query moment, and the choice is made again from it and the first `CHOICE_TOKENS` keys the layer
+  holds. Prompts of up to `CHOICE_TOKENS` tokens therefore get the same flags fed whole or in chunks (up to the
+  summation order of the moment);
+* while the choice is open, the layer keeps the exact K/V of every block it quantized. The blocks of a multi-token
+  update that returns dense K/V wait, exact, for that update's queries and are quantized once, with the choice; a
+  later choice that flips a head quantizes the held blocks again from their exact copies;
+* the choice becomes final, and the copies are dropped, once the layer holds more than `CHOICE_TOKENS` tokens, at a
+  single-token update that follows a prompt (a decode step: its query is not the prompt's), at a crop, and when a
+  block was quantized without a copy (compiled decode steps flush blocks from the device). A later multi-token call
+  (a new turn) thus revises the choice only while the exact copies of every block quantized so far are held;
+  otherwise its queries change nothing. Compiled decode reads the flags from a static tensor: a revision writes it in
+  place, and a compiled step never changes it.
+
+Memory beyond the quantized cache: the exact K/V of at most the first `CHOICE_TOKENS` tokens, while the choice is open.
+
+A layer whose updates' queries never came (a cache filled by hand with `update`, or a model whose attention is not
+sdpa) chooses at its next update from the keys alone: an isotropic query moment, so that each head rotates where that
+lowers its keys' own round-trip error. It says so once (a warning naming how to get the query rule).
+"""
 
 from __future__ import annotations
 
 import torch
+from transformers.utils import logging
 
 from ..config import OscarConfig
 from ..reference import query_rotation_choice
 
-# The prompt keys a choice reads at most (the provisional blocks, then the residual window).
+logger = logging.get_logger(__name__)
+
+# The prompt keys a choice reads at most; the choice is final once a layer holds more.
 CHOICE_TOKENS = 4096
+
+KEYS_ONLY_MESSAGE = (
+    "OscarCache(method='oscar'): no queries reached a layer before it had to choose its key rotation (a cache filled "
+    "by hand with `update`, or a model whose attention is not 'sdpa'), so each KV head chose from its keys alone: it "
+    "rotates where that lowers the keys' own quantization error. For the query rule, run the prompt through the "
+    "model's 'sdpa' attention, or hand each multi-token update's queries over by hand: "
+    "`cache.layers[i].observe_queries(query)` (or `observe_query_moment`) after the update."
+)
 
 
 class KeyRotation:
-    """Which heads rotate their keys (`flags`, `[B, Hkv]` bool, None until chosen: every quantization reads them)
-    and, during the prefill (a layer's first update), what waits for the choice: the blocks quantized before the
-    prefill's queries came (its attention runs after `update`), exact, to quantize again with the choice; and the
-    keys the update returned, which identify the attention call that brings those queries."""
+    """Which heads rotate their keys (`flags`, `[B, Hkv]` bool, None until chosen; every quantization reads them) and,
+    while the choice is open, what it is made from and what it must redo: the running query moment, and the exact K/V
+    of the quantized region's blocks (`blocks`, `(start, keys, values)` in position order), the last `unwritten` of
+    which wait for the queries of the update that brought them (their rows in the storage are not written yet)."""
 
     def __init__(self, config: OscarConfig):
         self.config = config
+        self.active = config.rotation and config.method == "oscar"  # otherwise there is nothing to choose
+        self.reset()
+
+    def reset(self) -> None:
         self.flags: torch.Tensor | None = None
-        self.provisional: list[tuple[torch.Tensor, torch.Tensor]] | None = None
-        self.awaiting_keys: torch.Tensor | None = None
+        self.moment: torch.Tensor | None = None
+        self.blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.unwritten = 0
+        self.deferring = False  # set by the layer while it appends a multi-token update that returns dense K/V
+        self.awaiting_keys: torch.Tensor | None = None  # the keys whose attention call brings the queries awaited
+        self.final = not self.active
 
     @property
     def wants_queries(self) -> bool:
-        """Whether the layer still waits for the prefill's queries (method="oscar" with rotation, not yet chosen)."""
-        return self.config.rotation and self.config.method == "oscar" and self.flags is None
+        """Whether the attention call of the layer's latest update still has to hand its queries over."""
+        return self.awaiting_keys is not None
 
-    def start_prefill(self, keys: torch.Tensor) -> None:
-        """The prefill's update returns `keys`: its blocks are provisional until the queries reading them arrive."""
-        self.provisional, self.awaiting_keys = [], keys
-
-    def flags_for(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor | None:
-        """The flags to quantize this block with: a prefill block before its queries came is kept (exact) to be
-        quantized again at the choice, and unrotated for now."""
-        if not self.wants_queries:
-            return self.flags
-        self.provisional.append((keys, values))
-        return torch.zeros(keys.shape[:2], dtype=torch.bool, device=keys.device)
+    def await_queries(self, keys: torch.Tensor) -> None:
+        """The latest update returned `keys`: the queries of the attention call that receives them count."""
+        self.awaiting_keys = keys
 
     def is_for(self, keys: torch.Tensor | None) -> bool:
-        """Whether queries read alongside `keys` (None: handed by hand) are the ones this layer waits for."""
+        """Whether queries read alongside `keys` (None: handed by hand) are the ones this layer waits for (a layer
+        reading another's K/V, or a second call with the same keys, adds nothing)."""
         return self.wants_queries and (keys is None or keys is self.awaiting_keys)
 
-    def choose(self, moment: torch.Tensor, storage, valid_of, quantize) -> None:
-        """Each (row, KV head) decides from the prompt's keys the layer holds (its first `CHOICE_TOKENS`: the
-        provisional blocks, then the residual window of `storage`, whole key groups or not) and the second moment of
-        the prompt's queries (`query_rotation_choice`); `valid_of(keys)` is their padding mask (None: none). A row
-        whose prompt is all padding has nothing to decide from: it keeps its keys unrotated. The provisional blocks
-        are then quantized again (`quantize(keys, values)`), with the choice, in place in `storage`."""
-        held = [keys for keys, _ in self.provisional or ()]
+    def add(self, moment: torch.Tensor) -> None:
+        """The awaited queries' second moment (`reference.query_moment`): add it to the running moment."""
+        self.moment = moment if self.moment is None else self.moment + moment.to(self.moment.device)
+        self.awaiting_keys = None
+
+    def hold(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
+        """Keep the exact K/V of the block quantized at token `start` while the choice is open; True when the block
+        must wait for its update's queries (its rows are written by `choose`)."""
+        self.blocks.append((start, keys, values))
+        self.unwritten += self.deferring
+        return self.deferring
+
+    def covers(self, quantized: int) -> bool:
+        """Whether exact copies of all `quantized` tokens of the quantized region are held."""
+        return sum(keys.shape[-2] for _, keys, _ in self.blocks) == quantized
+
+    def choose(self, storage, valid_of, quantize_at, head_group=None) -> bool:
+        """Make the choice from the running moment (None: no queries came; an isotropic one, said once) and the first
+        `CHOICE_TOKENS` keys held (the blocks' exact copies, then the storage's window; `valid_of(keys)`: their
+        padding mask), write the blocks waiting for it (`quantize_at(keys, values, start)` into `storage`), and those
+        already written again if any head's choice flipped (under tensor parallelism, `head_group`: any head of any
+        rank, since each quantization all-reduces the token norms, so every rank must quantize the same blocks).
+        Final once the layer holds more than `CHOICE_TOKENS`. Returns whether the flags tensor is new (the first
+        choice)."""
+        held, count = [], 0
+        for _, keys, _ in self.blocks:
+            if count >= CHOICE_TOKENS:
+                break
+            held.append(keys)
+            count += keys.shape[-2]
         held.append(storage.window_keys())
         keys = torch.cat(held, dim=-2)[:, :, :CHOICE_TOKENS]
-        self.flags = query_rotation_choice(keys, moment.to(keys.device), self.config, valid_of(keys))
-        blocks, self.provisional, self.awaiting_keys = self.provisional, None, None
-        if blocks:
-            end, storage.length = storage.length, 0
-            for keys, values in blocks:
-                storage.store(quantize(keys, values))
-            assert storage.length == end
+        moment = self.moment
+        if moment is None:
+            logger.warning_once(KEYS_ONLY_MESSAGE)
+            batch, heads, _, dim = keys.shape
+            moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
+        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, valid_of(keys))
+        new = self.flags is None
+        flipped = torch.zeros((), dtype=torch.int32, device=flags.device) if new else (flags != self.flags).any().int()
+        if head_group is not None:
+            torch.distributed.all_reduce(flipped, op=torch.distributed.ReduceOp.MAX, group=head_group)
+        flipped = bool(flipped)
+        if new:
+            self.flags = flags
+        else:
+            self.flags.copy_(flags)  # compiled decode may hold its address
+        redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
+        for start, keys, values in redo:
+            storage.write(start, quantize_at(keys, values, start))
+        self.unwritten = 0
+        if storage.total > CHOICE_TOKENS:
+            self.finalize()
+        return new
+
+    def finalize(self) -> None:
+        """Keep the flags from now on; the exact copies are no longer needed."""
+        assert not self.unwritten, "blocks still wait for the choice"
+        self.blocks, self.awaiting_keys, self.final = [], None, True
 
     def apply(self, fn) -> None:
         """Follow a batch-axis (or device) transform of the cache."""
         if self.flags is not None:
             self.flags = fn(self.flags)
-
-    def reset(self) -> None:
-        self.flags = self.provisional = self.awaiting_keys = None
+        if self.moment is not None:
+            self.moment = fn(self.moment)
+        self.blocks = [(start, fn(keys), fn(values)) for start, keys, values in self.blocks]
 
     @staticmethod
-    def no_queries_message() -> str:
+    def unsettled_message() -> str:
         return (
-            "OscarCache(method='oscar') chooses each KV head's key rotation from the queries that read the prompt, "
-            "but none reached this layer: its attention must run through transformers' 'sdpa' attention "
-            "(attn_implementation='sdpa') on the keys the cache returned, and the prefill must run eagerly. A cache "
-            "filled by hand (update without the model's attention) needs `layer.observe_queries(query)` after its "
-            "first update. Or use method='paper' (or the default method='auto', which picks it for such models)."
+            "OscarCache(method='oscar'): a compiled decode step reached a layer whose key rotation is not chosen yet "
+            "(the queries of its last multi-token update never reached it), and a compiled step cannot choose it. Run "
+            "the prompt through the model's 'sdpa' attention, or hand its queries over by hand "
+            "(`layer.observe_queries(query)` after the update), or run the first decode step eagerly."
         )

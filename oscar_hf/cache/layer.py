@@ -26,6 +26,8 @@ chunked prefill, scoring) attends to the dequantized history plus its own exact 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
@@ -115,8 +117,8 @@ class OscarLayer(CacheLayerMixin):
         self.storage.check_batch(key_states, value_states)
         if torch.compiler.is_compiling():
             refuse_step(self, key_states.shape[-2])
-            if self.wants_queries:
-                raise RuntimeError(self.rotation.no_queries_message())
+            if self.rotation.unwritten or (self.rotation.active and self.key_rotated is None):
+                raise RuntimeError(self.rotation.unsettled_message())
             self._compiled.step(self, key_states, value_states)
             fused_attention.FusedStep.start(self, key_states, value_states)
             return key_states, value_states
@@ -129,24 +131,49 @@ class OscarLayer(CacheLayerMixin):
 
     def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         storage = self.storage
+        if not self.rotation.final:
+            self._prepare_rotation(key_states.shape[-2])
         if storage.total == 0:
-            if self.wants_queries:
-                self.rotation.start_prefill(key_states)
-                fused_attention.await_queries(self, key_states)
-            storage.append(key_states, value_states)
+            self._append_awaiting_queries(key_states, value_states, key_states)
             return key_states, value_states
-        if self.wants_queries:  # the prefill's attention never handed its queries over
-            raise RuntimeError(self.rotation.no_queries_message())
         storage.flush()  # a complete block: quantized before it is read
         if self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
             # Fused decode: the kernel reads the storage itself, so only the new tokens are returned, carrying the
             # step that the sdpa entry recognises (integrations/fused_attention.py).
             storage.append(key_states, value_states)
             fused_attention.FusedStep.start(self, key_states, value_states)
+            if not self.rotation.final:
+                self.rotation.await_queries(key_states)
+                fused_attention.await_queries(self, key_states)
             return key_states, value_states
         keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
-        storage.append(key_states, value_states)
+        self._append_awaiting_queries(key_states, value_states, keys)
         return keys, values
+
+    def _append_awaiting_queries(self, key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Tensor):
+        """Append the tokens of an update that returns `keys` (dense K/V) to its attention call: while the key rotation
+        is open, the blocks they complete wait, exact, for that call's queries (`KeyRotation`)."""
+        rotation = self.rotation
+        if rotation.final:
+            self.storage.append(key_states, value_states)
+            return
+        rotation.deferring = True
+        try:
+            self.storage.append(key_states, value_states)
+        finally:
+            rotation.deferring = False
+        rotation.await_queries(keys)
+        fused_attention.await_queries(self, keys)
+
+    def _prepare_rotation(self, tokens: int) -> None:
+        """Before an update of `tokens` tokens while the key rotation is open: choose if the queries of the updates
+        so far never came (blocks wait, or nothing was chosen), then make the choice final at a decode step (one
+        token after a prompt) or when blocks were quantized without exact copies (compiled steps)."""
+        rotation, held = self.rotation, self.get_seq_length()
+        if rotation.unwritten or (rotation.flags is None and held):
+            self._choose()
+        if not rotation.final and ((tokens == 1 and held) or not rotation.covers(self.storage.length)):
+            rotation.finalize()
 
     def get_seq_length(self) -> int | torch.Tensor:
         if torch.compiler.is_compiling() and self._compiled is not None:
@@ -185,6 +212,9 @@ class OscarLayer(CacheLayerMixin):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         keep = max(self.get_seq_length() + tokens_to_remove, 0)
+        self._write_waiting_blocks()
+        if not self.rotation.final:  # the exact copies would no longer match the blocks
+            self.rotation.finalize()
         if self._compiled is not None:
             self._compiled.length.fill_(keep)
         self.storage.crop(keep)
@@ -234,12 +264,23 @@ class OscarLayer(CacheLayerMixin):
 
     # ----------------------------------------------------------------------------------------------------------
     # quantizing and reading blocks
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV:
-        """Quantize the tokens that follow the quantized region, refusing non-finite blocks: at once (one host
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV | None:
+        """The block of the tokens that follow the quantized region (`KVStorage`'s quantize); None while it waits for
+        the key rotation's choice (`KeyRotation.hold`: the layer writes it then)."""
+        start = self.quantized_length
+        if not self.rotation.final:
+            if keys.data_ptr() == self.storage.keys.data_ptr():  # the window buffer: later updates rewrite it
+                keys, values = keys.clone(), values.clone()
+            if self.rotation.hold(start, keys, values):
+                return None
+        return self._quantize_at(keys, values, start, decoding)
+
+    def _quantize_at(self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False) -> QuantizedKV:
+        """Quantize the tokens at quantized position `start`, refusing non-finite blocks: at once (one host
         synchronisation), or, for a block that a decode step flushes on CUDA (`decoding`), from a later update
         without waiting (`FiniteCheck`)."""
-        mask = valid(self._padding, self.quantized_length, keys)
-        key_rotated = self.rotation.flags_for(keys, values)
+        mask = valid(self._padding, start, keys)
+        key_rotated = self.rotation.flags
         norms = None
         if self.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, self.head_group)  # over the heads of every rank: one all-reduce per block
@@ -277,10 +318,12 @@ class OscarLayer(CacheLayerMixin):
 
     def quantized(self) -> QuantizedKV | None:
         """Views of the quantized region (`quantized_length` tokens), or None when it is empty."""
+        self._write_waiting_blocks()
         return self.storage.quantized()
 
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, as dense K/V in the model dtype: dequantized region, then the exact residual."""
+        self._write_waiting_blocks()
         return self.storage.history()
 
     def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -307,14 +350,18 @@ class OscarLayer(CacheLayerMixin):
         return views
 
     # ----------------------------------------------------------------------------------------------------------
-    # method="oscar"'s query rule (its state and choice: `KeyRotation`)
-    wants_queries = property(lambda self: self.rotation.wants_queries, doc="Whether the prefill's queries are awaited.")
+    # method="oscar"'s query rule (its state and choice: `KeyRotation`, whose docstring says when it is final)
+    wants_queries = property(
+        lambda self: self.rotation.wants_queries, doc="Whether the latest update's queries are awaited."
+    )
 
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read the prefill (this
-        layer's first update), the newest Tq positions. The sdpa entry (integrations/fused_attention.py) calls it
+        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read the layer's latest
+        multi-token update while its key rotation is open (the newest Tq positions): they join the queries the
+        choice is made from, and the choice is made again. The sdpa entry (integrations/fused_attention.py) calls it
         with the keys it received, which must be the ones that update returned (a call for another layer or cache
-        is ignored); by hand, call it after the first update of a cache filled without the model's attention."""
+        is ignored); by hand, call it after each multi-token update of a cache filled without the model's attention
+        (without it, the next update chooses from the keys alone)."""
         if not self.rotation.is_for(keys):
             return
         mask = valid(self._padding, self.get_seq_length() - query.shape[-2], query)
@@ -323,10 +370,22 @@ class OscarLayer(CacheLayerMixin):
     def observe_query_moment(self, moment: torch.Tensor) -> None:
         """`observe_queries` given their second moment (`reference.query_moment`, padding left out): what a cache
         filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill).
-        Made at the end of the prefill even when no block is full yet, so that a flush inside a compiled decode step
-        finds the flags fixed."""
+        The choice is made at once, even when no block is full yet, so that a flush inside a compiled decode step
+        finds the flags."""
         if not self.wants_queries:
             return
-        self.rotation.choose(moment, self.storage, lambda keys: valid(self._padding, 0, keys), self._quantize)
-        if self._compiled is not None:  # compiled decode reads the flags: a fixed address, as its other buffers
+        self.rotation.add(moment)
+        self._choose()
+
+    def _choose(self) -> None:
+        """Make the key rotation's choice (`KeyRotation.choose`), writing the blocks that wait for it."""
+        valid_of = functools.partial(valid, self._padding, 0)  # the padding of the keys held, from the first
+        new = self.rotation.choose(self.storage, valid_of, self._quantize_at, self.head_group)
+        if new and self._compiled is not None:  # compiled decode reads the flags: a fixed address, as its buffers
             torch._dynamo.mark_static_address(self.key_rotated)
+
+    def _write_waiting_blocks(self) -> None:
+        """Before the quantized region is read outside an update: choose now if blocks wait for queries that never
+        came (a cache filled by hand)."""
+        if self.rotation.unwritten:
+            self._choose()

