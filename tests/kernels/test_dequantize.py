@@ -73,9 +73,9 @@ def test_dequantize_writes_the_model_dtype_within_one_rounding(dtype):
     ulp), plus the float32 error (atol, as above)."""
     config = OscarConfig(method="oscar")
     stored = _random_storage(config, 128, 64)
-    flags = _flags(config)
+    flags = _flags(config).to(DEVICE)  # the reference takes them where the storage is
     want = dequantize_kv(stored, config, torch.float64, flags)
-    got = dequantize_kv_triton(stored, config, flags.to(DEVICE), dtype=dtype)
+    got = dequantize_kv_triton(stored, config, flags, dtype=dtype)
     ulp = 2**-7 if dtype == torch.bfloat16 else 2**-10
     for g, w in zip(got, want):
         assert g.dtype == dtype
