@@ -181,6 +181,47 @@ def test_generate_auto_compiles_a_hybrid_model(request, family):
     assert not torch._dynamo.utils.counters["graph_break"]
 
 
+@pytest.mark.parametrize("prompt_length", [10, 40], ids=["window-fills-in-decode", "window-full-from-prefill"])
+def test_compiled_hybrid_logits_match_eager_in_float32(teacher_forcing, prompt_length):
+    """Gemma 3's layout in float32, generate's automatic compile (aot_eager on CPU, the kernels in Triton's
+    interpreter) against eager OScaR on the same tokens (teacher forcing), B=2 with row 1 left-padded by 3: the
+    sliding window (16) fills or rolls from the first step and wraps twice, and a block (32) is flushed inside a
+    compiled step. Both paths run the same float32 math in a different order (float32 rounding, ~1e-6 per op): each
+    step's logits agree to 1e-4 relative until the first flush in decode. A flush's 2-bit rounding may then flip the
+    code of an input that sits on a rounding boundary, a whole quantization step (one flipped code moves these logits
+    by ~4e-4), so from there each step stays below 1e-2 and the median below 1e-4. A ring-buffer slot, window or mask
+    off by one attends to a different token at every step after the window fills (a few 1e-2), and fails both."""
+    model = _tiny_gemma3(16, head_dim=64).to(DEVICE)
+    new_tokens, residual = 40, 32
+    prompt = torch.randint(3, 101, (2, prompt_length), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    prompt[1, :3], mask[1, :3] = 0, 0
+    options = dict(
+        attention_mask=mask,
+        cache_implementation="oscar",
+        cache_config={"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": residual},
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
+    compile_config._compile_all_devices = True
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = model.generate(prompt, compile_config=compile_config, **options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    tokens = compiled.sequences[:, prompt_length:]
+    replay = teacher_forcing(tokens, prompt_length)
+    eager = model.generate(prompt, disable_compile=True, logits_processor=replay, **options)
+    differences = torch.stack([(a - b).norm() / b.norm() for a, b in zip(compiled.logits, eager.logits)])
+    # step s (s >= 1) decodes position prompt_length + s - 1, flushing first when that many tokens fill whole blocks
+    first_flush = next(s for s in range(1, new_tokens) if (prompt_length + s - 1) % residual == 0)
+    assert differences[:first_flush].max() < 1e-4, differences
+    assert differences.max() < 1e-2 and differences.median() < 1e-4, differences
+
+
 def _generate(model, prompt, mask, new_tokens, compiled, logits_processor=None, cache_config=None):
     options = dict(disable_compile=True)
     if compiled:
