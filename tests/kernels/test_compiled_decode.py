@@ -215,9 +215,16 @@ def test_compiled_hybrid_logits_match_eager_in_float32(teacher_forcing, prompt_l
     tokens = compiled.sequences[:, prompt_length:]
     replay = teacher_forcing(tokens, prompt_length)
     eager = model.generate(prompt, disable_compile=True, logits_processor=replay, **options)
+    _assert_float32_logits_match(compiled, eager, prompt_length, residual)
+
+
+def _assert_float32_logits_match(compiled, eager, prompt_length: int, residual: int) -> None:
+    """float32 compiled vs eager logits, step by step (why these tolerances: the docstring of
+    `test_compiled_hybrid_logits_match_eager_in_float32`): within 1e-4 relative until the first flush in decode, then
+    below 1e-2 with the median below 1e-4 (a flush may flip a code that sits on a rounding boundary)."""
     differences = torch.stack([(a - b).norm() / b.norm() for a, b in zip(compiled.logits, eager.logits)])
     # step s (s >= 1) decodes position prompt_length + s - 1, flushing first when that many tokens fill whole blocks
-    first_flush = next(s for s in range(1, new_tokens) if (prompt_length + s - 1) % residual == 0)
+    first_flush = next((s for s in range(1, len(differences)) if (prompt_length + s - 1) % residual == 0), None)
     assert differences[:first_flush].max() < 1e-4, differences
     assert differences.max() < 1e-2 and differences.median() < 1e-4, differences
 
@@ -322,10 +329,12 @@ def test_compiled_hybrid_generate_matches_eager_generate(teacher_forcing, prompt
     """Gemma 3's layout (issue 36) under generate's automatic compile (Inductor, CUDA graphs): static sliding-window
     layers (window 64) and OScaR full-attention layers, 600 steps across four block flushes and the window filling
     (a 40-token prompt) or rolling from the first step (300 tokens), B=3 left-padded by 17 tokens. One graph for
-    every decode step; every step's logits match eager OScaR on the same tokens (teacher forcing), each compiled token
-    the eager argmax wherever the eager top-2 margin exceeds the difference between the paths."""
+    every decode step; every step's logits match eager OScaR on the same tokens (teacher forcing). In float32: in bf16,
+    Inductor's roundings differ from eager's by ~1e-2 (transformers' StaticCache alone: up to 0.016 on this model), and
+    every block flushed in a compiled step then quantizes slightly different K/V, flipping ~1% of its 2-bit codes, so
+    the two paths drift apart with each flush (0.045-0.061 after 600 steps on an H200) without either being wrong."""
     model = _tiny_gemma3(64, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_attention_heads=8)
-    model = model.to(DEVICE, torch.bfloat16)
+    model = model.to(DEVICE)
     prompt = torch.randint(3, 1000, (batch, prompt_length), device=DEVICE)
     mask = torch.ones_like(prompt)
     if batch > 1:
@@ -340,7 +349,7 @@ def test_compiled_hybrid_generate_matches_eager_generate(teacher_forcing, prompt
     tokens = compiled.sequences[:, prompt_length:]
     eager = _generate(model, prompt, mask, 600, False, teacher_forcing(tokens, prompt_length))
     assert torch.equal(eager.sequences, compiled.sequences)
-    _assert_logits_match(compiled, eager, tokens)
+    _assert_float32_logits_match(compiled, eager, prompt_length, OscarConfig().residual_length)
     for a, b in zip(cache.layers, eager.past_key_values.layers):
         assert a.get_seq_length() == b.get_seq_length() == prompt_length + 599  # compiled lengths read back
         if a.is_sliding:  # the same window, in the same order (bf16 K/V of differently compiled layers below)
