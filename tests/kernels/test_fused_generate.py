@@ -3,7 +3,7 @@ own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest
 
 import pytest
 import torch
-from transformers import Gemma3nForCausalLM, Gemma3nTextConfig, LlamaConfig
+from transformers import Gemma3nForCausalLM, LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf.cache import key_rotation
@@ -97,33 +97,18 @@ def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_f
     assert cache.layers[0].quantized_length == 256
 
 
-def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, teacher_forcing):
+def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, teacher_forcing, gemma3n_config):
     """Gemma 3n: the last layers reuse the K/V that the last full-attention layer's `update` returned. On the fused
     path those are the new tokens only, standing for the producer's storage: the reuse layer must attend over the
     whole history (it attended to 1 key before the fix, 0.4 relative logit error, no error raised)."""
-    config = Gemma3nTextConfig(
-        vocab_size=101,
-        vocab_size_per_layer_input=101,
-        hidden_size=64,
-        hidden_size_per_layer_input=8,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        num_kv_shared_layers=2,
-        laurel_rank=8,
-        activation_sparsity_pattern=[0.0] * 4,
-    )
+    config = gemma3n_config
     config._attn_implementation = "sdpa"
     model = Gemma3nForCausalLM(config).to(DEVICE, torch.bfloat16).eval()
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     calls = []
     original = OscarLayer.fused_attention
     monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(self), original(self, *a))[1])
-    ids = torch.randint(3, 101, (1, 150), device=DEVICE)
+    ids = torch.randint(3, config.vocab_size, (1, 150), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 3, teacher_forcing)
     # Layer 1 (the full-attention producer) and layer 3 (its reuse layer) both read layer 1's storage, 2 steps each.
     assert [type(layer).__name__ for layer in cache.layers][1] == "OscarLayer"
