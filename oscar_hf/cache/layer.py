@@ -143,8 +143,7 @@ class OscarLayer(CacheLayerMixin):
             storage.append(key_states, value_states)
             fused_attention.FusedStep.start(self, key_states, value_states)
             if not self.rotation.final:
-                self.rotation.await_queries(key_states)
-                fused_attention.await_queries(self, key_states)
+                self._await_queries(key_states)
             return key_states, value_states
         keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
         self._append_awaiting_queries(key_states, value_states, keys)
@@ -162,7 +161,11 @@ class OscarLayer(CacheLayerMixin):
             self.storage.append(key_states, value_states)
         finally:
             rotation.deferring = False
-        rotation.await_queries(keys)
+        self._await_queries(keys)
+
+    def _await_queries(self, keys: torch.Tensor) -> None:
+        """The attention call that receives `keys` brings the queries the open key-rotation choice takes."""
+        self.rotation.await_queries(keys)
         fused_attention.await_queries(self, keys)
 
     def _prepare_rotation(self, tokens: int) -> None:
