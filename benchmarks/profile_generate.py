@@ -1,16 +1,18 @@
 """Where a `model.generate` decode step's time goes: GPU time per kernel vs the step's wall time.
 
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar static
+    python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar dynamic --eager
 
 Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 weights, generate's automatic
-compile). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of steady decode steps, started
-and stopped from the streamer; the GPU-busy share of the window tells launch/host overhead from kernel time.
-Prints the kernels by total GPU time per step and writes benchmarks/results/profile_generate_<gpu>.json
-(`rows: [{batch, context, cache, wall_ms, gpu_busy_ms, gpu_idle_ms, kernels, runtime_calls, host_operators: [{name,
+compile, or none with `--eager`). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of
+steady decode steps, started and stopped from the streamer; the GPU-busy share of the window tells launch/host
+overhead from kernel time. Prints the kernels by total GPU time per step and writes
+benchmarks/results/profile_generate_<gpu>.json (`--eager`: profile_generate_eager_<gpu>.json; `rows: [{batch,
+context, cache, compiled, wall_ms, gpu_busy_ms, gpu_idle_ms, kernels, runtime_calls, host_operators: [{name,
 us_per_step, calls_per_step}], idle_host_operators: [{name, us_per_step}], inductor_counters}]`; wall_ms is measured
-under the profiler, which slows the host side). The runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from
-kernels launched one by one. gpu_idle_ms is the time per step with no kernel running between the window's first and
-last kernel, and idle_host_operators the outermost host operators running in that time: what the GPU waits for.
+under the profiler, which slows the host side). The runtime calls tell a replayed CUDA graph (one cudaGraphLaunch)
+from kernels launched one by one. gpu_idle_ms is the time per step with no kernel running between the window's first
+and last kernel, and idle_host_operators the outermost host operators running in that time: what the GPU waits for.
 """
 
 from __future__ import annotations
@@ -78,7 +80,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static"])
+    parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static", "dynamic"])
+    parser.add_argument("--eager", action="store_true", help="disable_compile=True: where an eager step's time goes")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -100,7 +103,11 @@ def main() -> None:
         torch._dynamo.utils.counters.clear()
         window = _ProfileWindow(start, stop)
         options = dict(max_new_tokens=stop + 2, min_new_tokens=stop + 2, do_sample=False, streamer=window,
-                       cache_implementation=cache, compile_config=CompileConfig(fullgraph=True))  # fmt: skip
+                       cache_implementation=cache)  # fmt: skip
+        if args.eager:
+            options["disable_compile"] = True
+        else:
+            options["compile_config"] = CompileConfig(fullgraph=True)
         if cache == "oscar":
             options["cache_config"] = {"attention": "auto"}
         with torch.inference_mode():
@@ -109,7 +116,8 @@ def main() -> None:
         averages = window.profiler.key_averages()
         events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
         gpu_us = sum(e.self_device_time_total for e in events) / steps
-        print(f"\n{cache} compiled, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
+        mode = "eager" if args.eager else "compiled"
+        print(f"\n{cache} {mode}, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
               f"per step, GPU busy {gpu_us / 1000:.2f} ms per step")  # fmt: skip
         kernels = [
             {"name": e.key, "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count // steps}
@@ -143,6 +151,7 @@ def main() -> None:
                 batch=args.batch,
                 context=args.context,
                 cache=cache,
+                compiled=not args.eager,
                 wall_ms=1000 * window.wall / steps,
                 gpu_busy_ms=gpu_us / 1000,
                 gpu_idle_ms=idle_ms,
@@ -155,7 +164,8 @@ def main() -> None:
         )
     slug = gpu_slug(record["device"])
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"profile_generate_{slug}.json").write_text(json.dumps(record, indent=2))
+    name = f"profile_generate_{'eager_' if args.eager else ''}{slug}.json"
+    (args.out / name).write_text(json.dumps(record, indent=2))
 
 
 if __name__ == "__main__":

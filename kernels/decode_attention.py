@@ -33,12 +33,11 @@ the same residual window (an eager decode makes a plan every R steps), every com
 
 Host cost of a call with a cached plan: the lookup, the output's allocation and three launches through the compiled
 kernels' own launchers (`launching.BoundKernel`); the partial outputs and the query operand, consumed within the
-call, live in a workspace per (device, stream) (`_workspace`).
+call, live in a workspace per (device, stream) (`decode_workspace.workspace`).
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -52,6 +51,7 @@ from .common import MODEL_DTYPES, announce_first_launch, interpreting, on_device
 from .decode_merge import merge_kernel
 from .decode_triton import split_kernel
 from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, num_splits
+from .decode_workspace import no_storage, nothing, workspace
 from .launching import BoundKernel
 from .quantize_pack import check_key_rotated
 
@@ -64,7 +64,6 @@ if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
 
 _LOG2E = 1.4426950408889634
 _MAX_PLANS = 256  # plans kept (oldest dropped first): an eager decode makes one per R steps, a compiled one one
-_MAX_WORKSPACES = 8  # workspaces kept (oldest dropped first): one per stream and plan size in use
 
 
 @dataclass(frozen=True)
@@ -103,7 +102,7 @@ def decode_attention_triton(
                        tuning)  # fmt: skip
     device = query.device
     if not plan.num_quantized:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
-        quantized = _no_storage(query, residual_keys, config)
+        quantized = no_storage(query, residual_keys, config)
     inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     with on_device(device):
@@ -114,51 +113,13 @@ def decode_attention_triton(
 def _launch(plan: DecodePlan, inputs: tuple, quantized: QuantizedKV, length, scaling: float, out: torch.Tensor):
     """The plan's three launches on the current stream of `out`'s device, the current device."""
     stream = launching.current_stream(out.device)
-    part_o, part_ml, q_op, q_scale = _workspace(plan, out.device, stream, length is not None)
+    part_o, part_ml, q_op, q_scale = workspace(plan, out.device, stream, length is not None)
     direct = None if launching.hooks_set() else stream  # with launch hooks (a profiler's), through Triton's launch
     residual, mask = inputs[8].shape[2], inputs[10]
     plan.split(direct, *inputs, part_o, part_ml, q_op, q_scale, residual, scaling * _LOG2E, mask.stride(0))
     if plan.gluon:
         _gluon.launch(plan.gluon, direct, q_op, q_scale, quantized, inputs[4], mask, length, part_o, part_ml, residual)
     plan.merge(direct, part_o, part_ml, out)
-
-
-def _workspace(
-    plan: DecodePlan, device: torch.device, stream: int | None, compiled: bool
-) -> tuple[torch.Tensor, ...]:  # fmt: skip
-    """The partial outputs, their (m, l) and the Gluon kernel's query operand and scale of one call on `stream`:
-    kept from call to call for eager calls, new for a `compiled` one (a device length: the custom op under
-    torch.compile) or one a CUDA graph captures.
-
-    Why eager calls can share them: the split and Gluon kernels write them and the merge kernel reads them within one
-    call, all three on `stream`; the next call that takes the same buffers is on the same stream (the key), so CUDA
-    runs its kernels after this call's merge. Calls on other streams or devices take other buffers. A dropped
-    workspace goes back to the caching allocator, which reuses its memory only for work ordered after it on the stream
-    it was allocated on.
-    Why the others get new ones (as every call did before): a captured graph's replays may run on any stream,
-    unordered with eager calls, so its buffers are its own (from the graph's memory pool); and CUDA-graph trees
-    (torch.compile's "reduce-overhead") run a compiled step's warm-up calls with the allocator routed to their pool,
-    whose state they later rewind, which could hand a buffer kept here to another tensor."""
-    if compiled or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
-        return _allocate_workspace(plan, device)
-    key = (device.index, stream, plan.part_shape, plan.q_op_shape)
-    buffers = _WORKSPACES.get(key)
-    if buffers is None:
-        if len(_WORKSPACES) >= _MAX_WORKSPACES:
-            del _WORKSPACES[next(iter(_WORKSPACES))]
-        buffers = _WORKSPACES[key] = _allocate_workspace(plan, device)
-    return buffers
-
-
-_WORKSPACES: dict[tuple, tuple[torch.Tensor, ...]] = {}
-
-
-def _allocate_workspace(plan: DecodePlan, device: torch.device) -> tuple[torch.Tensor, ...]:
-    part_o = torch.empty(plan.part_shape, dtype=torch.float32, device=device)
-    part_ml = torch.empty((*plan.part_shape[:3], 2), dtype=torch.float32, device=device)
-    q_op = torch.empty(plan.q_op_shape, dtype=torch.float16, device=device)
-    q_scale = torch.empty(plan.q_op_shape[0] if plan.gluon else 0, dtype=torch.float32, device=device)
-    return part_o, part_ml, q_op, q_scale
 
 
 def decode_plan(
@@ -229,23 +190,6 @@ def _fits(plan: DecodePlan, query, residual_keys, residual_values, key_padding_m
     return width >= slots if plan.device_length else width == slots
 
 
-def _no_storage(query, residual_keys, config) -> QuantizedKV:
-    batch, kv_heads, _, head_dim = residual_keys.shape
-    return _empty_storage(StorageLayout.of(config), batch, kv_heads, head_dim, query.device)
-
-
-@functools.lru_cache(maxsize=16)
-def _empty_storage(layout: StorageLayout, batch: int, kv_heads: int, head_dim: int, device) -> QuantizedKV:
-    """A storage of no tokens (no element: shared by every call, never written)."""
-    return layout.empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
-
-
-@functools.cache
-def _nothing(device: torch.device, dims: int) -> torch.Tensor:
-    """An empty float32 tensor of `dims` dims on `device`: a stand-in for an absent input (no element: shared)."""
-    return torch.empty((0,) * dims, device=device)
-
-
 # the split kernel's tensor arguments, in `_inputs`' order, then its buffers, the residual tokens, the score scale and
 # the padding mask's row stride of each call (the sizes a decode changes every step: not specialised on)
 _SPLIT_INPUTS = ("q_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr", "rk_ptr", "rv_ptr",
@@ -258,8 +202,8 @@ _MERGE_PER_CALL = ("part_o_ptr", "part_ml_ptr", "out_ptr")
 def _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length) -> tuple:
     """The split kernel's input tensors (`_SPLIT_INPUTS`; an absent one: an empty stand-in the kernel never reads)."""
     device = query.device
-    key_norms = quantized.key_norms if quantized.key_norms is not None else _nothing(device, 3)
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else _nothing(device, 2)
+    key_norms = quantized.key_norms if quantized.key_norms is not None else nothing(device, 3)
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else nothing(device, 2)
     return (
         query, quantized.key_codes, quantized.key_scale, quantized.key_min, key_norms, quantized.value_codes,
         quantized.value_scale, quantized.value_min, residual_keys, residual_values, mask,
@@ -291,7 +235,7 @@ def _make_plan(
     if tuning is None:
         tuning = default_tuning(head_dim, rows, config.scale_torch_dtype, few and num_quantized <= SHORT_CONTEXT)
     if num_quantized == 0:
-        quantized = _no_storage(query, residual_keys, config)
+        quantized = no_storage(query, residual_keys, config)
     block_n = tuning.block_n
     block_m = max(tuning.block_m, triton.next_power_of_2(rows))
     num_blocks = triton.cdiv(num_quantized, block_n)

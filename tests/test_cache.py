@@ -379,7 +379,7 @@ def test_key_rotation_is_chosen_at_the_end_of_the_prefill_from_the_prompt(prompt
     cache.set_padding(mask[:, :prompt])
     layer = cache.layers[0]
     got = cache.update(keys[:, :, :prompt], values[:, :, :prompt], layer_idx=0)
-    assert layer.key_rotated is None and layer.wants_queries  # blocks quantized so far are provisional
+    assert layer.key_rotated is None and layer.rotation.wants_queries  # blocks quantized so far are provisional
     layer.observe_queries(queries, got[0])
     valid = mask[:, :prompt].bool()
     choice = query_rotation_choice(keys[:, :, :prompt], query_moment(queries, HKV, valid), config, valid)

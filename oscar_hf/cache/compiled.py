@@ -79,8 +79,12 @@ def mask_width(layer) -> int:
 
 
 def refuse_step(layer, tokens: int) -> None:
-    """Raise unless a compiled forward's update of `tokens` tokens can run compiled on `layer`."""
+    """Raise unless a compiled forward's update of `tokens` tokens can run compiled on `layer`: a single-token step
+    on the fused path with the length reserved, whose key rotation is chosen (a compiled step cannot choose)."""
+    rotation = layer.rotation
     if layer.compiled_decode and tokens == 1:
+        if rotation.unwritten or (rotation.active and rotation.flags is None):
+            raise RuntimeError(rotation.unsettled_message())
         return
     raise RuntimeError(
         "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "

@@ -27,11 +27,14 @@ lowers its keys' own round-trip error. It says so once (a warning naming how to 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from transformers.utils import logging
 
 from ..config import OscarConfig
-from ..reference import query_rotation_choice
+from ..reference import query_moment, query_rotation_choice
+from .padding import valid
 
 logger = logging.get_logger(__name__)
 
@@ -63,7 +66,7 @@ class KeyRotation:
         self.moment: torch.Tensor | None = None
         self.blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.unwritten = 0
-        self.deferring = False  # set by the layer while it appends a multi-token update that returns dense K/V
+        self._deferring = False  # while the layer appends a multi-token update that returns dense K/V (`deferring`)
         self.awaiting_keys: torch.Tensor | None = None  # the keys whose attention call brings the queries awaited
         self.final = not self.active
 
@@ -86,25 +89,64 @@ class KeyRotation:
         self.moment = moment if self.moment is None else self.moment + moment.to(self.moment.device)
         self.awaiting_keys = None
 
-    def hold(self, start: int, keys: torch.Tensor, values: torch.Tensor) -> bool:
-        """Keep the exact K/V of the block quantized at token `start` while the choice is open; True when the block
-        must wait for its update's queries (its rows are written by `choose`)."""
+    @contextlib.contextmanager
+    def deferring(self):
+        """The blocks quantized inside wait, exact, for the queries of the update that brought them (`hold`)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+
+    def hold(self, start: int, keys: torch.Tensor, values: torch.Tensor, window: torch.Tensor) -> bool:
+        """Keep the exact K/V of the block quantized at token `start` while the choice is open (a copy when they are
+        the `window` buffer, which later updates rewrite); True when the block must wait for its update's queries
+        (its rows are written by `choose`)."""
+        if keys.data_ptr() == window.data_ptr():
+            keys, values = keys.clone(), values.clone()
         self.blocks.append((start, keys, values))
-        self.unwritten += self.deferring
-        return self.deferring
+        self.unwritten += self._deferring
+        return self._deferring
+
+    def prepare(self, layer, tokens: int) -> None:
+        """Before an update of `tokens` tokens to `layer` (its `OscarLayer`): choose if the queries of the updates so
+        far never came (blocks wait, or nothing was chosen), then make the choice final at a decode step (one token
+        after a prompt) or when blocks were quantized without exact copies (compiled steps)."""
+        held = layer.get_seq_length()
+        if self.unwritten or (self.flags is None and held):
+            self.choose(layer)
+        if not self.final and ((tokens == 1 and held) or not self.covers(layer.storage.length)):
+            self.finalize()
+
+    def observe_queries(self, layer, query: torch.Tensor, keys: torch.Tensor | None) -> None:
+        """`OscarLayer.observe_queries`: the moment of `query` (its newest positions' padding left out) joins."""
+        if self.is_for(keys):
+            mask = valid(layer._padding, layer.get_seq_length() - query.shape[-2], query)
+            self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask))
+
+    def observe(self, layer, moment: torch.Tensor) -> None:
+        """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once."""
+        if self.wants_queries:
+            self.add(moment)
+            self.choose(layer)
+
+    def write_waiting(self, layer) -> None:
+        """Before the quantized region is read outside an update: choose now if blocks wait for queries that never
+        came (a cache filled by hand)."""
+        if self.unwritten:
+            self.choose(layer)
 
     def covers(self, quantized: int) -> bool:
         """Whether exact copies of all `quantized` tokens of the quantized region are held."""
         return sum(keys.shape[-2] for _, keys, _ in self.blocks) == quantized
 
-    def choose(self, storage, valid_of, quantize_at, head_group=None) -> bool:
+    def choose(self, layer) -> None:
         """Make the choice from the running moment (None: no queries came; an isotropic one, said once) and the first
-        `CHOICE_TOKENS` keys held (the blocks' exact copies, then the storage's window; `valid_of(keys)`: their
-        padding mask), write the blocks waiting for it (`quantize_at(keys, values, start)` into `storage`), and those
-        already written again if any head's choice flipped (under tensor parallelism, `head_group`: any head of any
-        rank, since each quantization all-reduces the token norms, so every rank must quantize the same blocks).
-        Final once the layer holds more than `CHOICE_TOKENS`. Returns whether the flags tensor is new (the first
-        choice)."""
+        `CHOICE_TOKENS` keys `layer` holds (the blocks' exact copies, then its window), write the blocks waiting for it,
+        and those already written again if any head's choice flipped (under tensor parallelism: any head of any rank,
+        since each quantization all-reduces the token norms, so every rank must quantize the same blocks). Final once
+        the layer holds more than `CHOICE_TOKENS`."""
+        storage, head_group = layer.storage, layer.head_group
         held, count = [], 0
         for _, keys, _ in self.blocks:
             if count >= CHOICE_TOKENS:
@@ -118,7 +160,8 @@ class KeyRotation:
             logger.warning_once(KEYS_ONLY_MESSAGE)
             batch, heads, _, dim = keys.shape
             moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
-        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, valid_of(keys))
+        padding = valid(layer._padding, 0, keys)  # the keys held, from the first
+        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, padding)
         new = self.flags is None
         flipped = torch.zeros((), dtype=torch.int32, device=flags.device) if new else (flags != self.flags).any().int()
         if head_group is not None:
@@ -126,15 +169,16 @@ class KeyRotation:
         flipped = bool(flipped)
         if new:
             self.flags = flags
+            if layer._compiled is not None:  # compiled decode reads the flags: a fixed address, as its buffers
+                torch._dynamo.mark_static_address(flags)
         else:
             self.flags.copy_(flags)  # compiled decode may hold its address
         redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
         for start, keys, values in redo:
-            storage.write(start, quantize_at(keys, values, start))
+            storage.write(start, layer._quantize_at(keys, values, start))
         self.unwritten = 0
         if storage.total > CHOICE_TOKENS:
             self.finalize()
-        return new
 
     def finalize(self) -> None:
         """Keep the flags from now on; the exact copies are no longer needed."""

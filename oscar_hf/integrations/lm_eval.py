@@ -198,7 +198,7 @@ class OscarHFLM(HFLM):
                 cache.layers[idx] = copy.deepcopy(prefilled)
             else:
                 cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
-                if isinstance(layer, OscarLayer) and layer.wants_queries:  # what its attention hands over
+                if isinstance(layer, OscarLayer) and layer.rotation.wants_queries:  # what its attention hands over
                     layer.observe_query_moment(moments[idx])
         return first, cache
 

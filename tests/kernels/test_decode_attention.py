@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
+from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton, decode_workspace
 from oscar_hf.kernels import decode_attention as launcher
 from oscar_hf.kernels.decode_attention import decode_plan
 from oscar_hf.kernels.decode_tiles import unpack_codes_t
@@ -610,14 +610,14 @@ def test_the_steps_that_fill_a_residual_window_share_a_plan(monkeypatch):
 
 @pytest.mark.gpu
 def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypatch):
-    """Calls reuse their stream's partial buffers (`decode_attention._workspace`): calls queued on two streams at once
+    """Calls reuse their stream's partial buffers (`decode_workspace.workspace`): calls queued on two streams at once
     and a CUDA graph replayed between eager calls each get their own right answer, and capturing the graph takes none
     of the eager calls' buffers."""
     case = replace(GLUON, left_pad=70)
     tuning = _gluon_tuning(case)
     steps = [make_inputs(case, seed=seed) for seed in range(3)]
     refs = [decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64) for step in steps]
-    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_workspace, "WORKSPACES", {})
     decode_attention_triton(*steps[0], tuning=tuning)  # compiles and binds the plan's kernels
     main, side = torch.cuda.current_stream(), torch.cuda.Stream()
     side.wait_stream(main)
@@ -632,12 +632,12 @@ def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypa
         assert_close_to_reference(out, refs[0], case.dtype, "main stream")
     for out in on_side:
         assert_close_to_reference(out, refs[1], case.dtype, "side stream")
-    assert len(launcher._WORKSPACES) == 2, "one workspace per stream"
-    eager_buffers = dict(launcher._WORKSPACES)
+    assert len(decode_workspace.WORKSPACES) == 2, "one workspace per stream"
+    eager_buffers = dict(decode_workspace.WORKSPACES)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = decode_attention_triton(*steps[2], tuning=tuning)
-    assert {key: [id(t) for t in buffers] for key, buffers in launcher._WORKSPACES.items()} == {
+    assert {key: [id(t) for t in buffers] for key, buffers in decode_workspace.WORKSPACES.items()} == {
         key: [id(t) for t in buffers] for key, buffers in eager_buffers.items()
     }, "the capture took or replaced a workspace"
     for _ in range(4):
@@ -652,13 +652,13 @@ def test_eager_calls_share_a_workspace_and_compiled_ones_do_not(monkeypatch):
     """Eager calls of one plan reuse their stream's partial buffers; calls with a device length (compiled decode's
     op, whose CUDA-graph warm-ups allocate from a pool torch rewinds) allocate their own, and stay right."""
     case = replace(BASE, quantized=128, residual=8, left_pad=7)  # a device length reads (length - 1) // R * R tokens
-    monkeypatch.setattr(launcher, "_WORKSPACES", {})
+    monkeypatch.setattr(decode_workspace, "WORKSPACES", {})
     for seed in range(2):
         inputs = make_inputs(case, seed=seed)
         ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
         assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} eager {seed}")
-    (buffers,) = launcher._WORKSPACES.values()
+    (buffers,) = decode_workspace.WORKSPACES.values()
     length = torch.tensor(case.quantized + case.residual, device=DEVICE)
     out = decode_attention_triton(*inputs, length)
     assert_close_to_reference(out, ref, case.dtype, f"{case.id} device length")
-    assert list(launcher._WORKSPACES.values()) == [buffers], "a call with a device length took a kept workspace"
+    assert list(decode_workspace.WORKSPACES.values()) == [buffers], "a call with a device length took a kept workspace"
