@@ -24,7 +24,7 @@ class OscarConfig:
             `value_bits` both. Default: 2 each.
         key_bits, value_bits: bits per stored key and per stored value, each 2 or 4, where they differ (keys are the
             sensitive half: `key_bits=4, value_bits=2` stores 4.1 bits per K/V element at head_dim 128, between
-            2 bits' 3.1 and 4 bits' 5.1, `cache.memory.average_bits`). One left out is 2. Given with `bits`, they
+            2 bits' 3.1 and 4 bits' 5.1: `oscar_hf.average_bits`). One left out is 2. Given with `bits`, they
             must equal it (an error otherwise: no silent precedence). After construction all three are set:
             `bits` is the common width, or None where keys and values differ. (Changing a config with
             `dataclasses.replace`: pass `bits` alone, or `key_bits` and `value_bits` with `bits=None`.)

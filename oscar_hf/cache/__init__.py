@@ -4,6 +4,6 @@ deferred finite check (finite.py), padding (padding.py) and memory accounting (m
 
 from .cache import OscarCache
 from .layer import OscarLayer
-from .memory import KVMemory, kv_memory
+from .memory import KVMemory, average_bits, kv_memory
 
-__all__ = ["KVMemory", "OscarCache", "OscarLayer", "kv_memory"]
+__all__ = ["KVMemory", "OscarCache", "OscarLayer", "average_bits", "kv_memory"]
