@@ -22,7 +22,9 @@ call, from a wall clock around enqueueing one round: what the launcher costs eve
 shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
 copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
 prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8
-and B=1 at 32K).
+and B=1 at 32K). `--widths` times the fused kernel with keys and values at each of 2/4 bits (K2V2, K4V4, K4V2, K2V4)
+on the same shapes, each checked against the reference first, with its time per byte read relative to K4V4's (issue
+39: K4V2 within 1.2x of INT4's).
 
 Correctness is checked in the same run: fused vs the float32 reference where it fits in memory, else vs portable.
 Writes `decode_attention_<gpu>.json` under --out and prints a table last.
@@ -143,6 +145,20 @@ def rel_err(out, ref) -> float:
     return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
 
 
+def checked_error(out, s, config, scale) -> float:
+    """The relative error of the fused kernel's `out` for input set `s` vs the float32 reference; raises beyond
+    MAX_REL_ERR (issue 7's bound), so that a wrong kernel is never timed."""
+    ref = decode_attention_reference(*(s[k] for k in ("q", "quantized", "rk", "rv")), None, scale, config)
+    err = rel_err(out, ref)
+    if err > MAX_REL_ERR:
+        batch, context = s["q"].shape[0], s["k"].shape[2] - s["rk"].shape[2]
+        raise AssertionError(
+            f"fused kernel at B={batch}, {context} tokens, {config}: relative error {err:.3e} vs the float32 "
+            f"reference exceeds {MAX_REL_ERR} (issue 7's bound); not timing a wrong kernel"
+        )
+    return err
+
+
 REFERENCE_TOKENS = 8 * 32768  # batch x context up to which the float32 reference fits beside the inputs
 
 
@@ -177,13 +193,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
     first = data[0]
     out = fused(first, config, scale)
     if batch * context <= REFERENCE_TOKENS:
-        ref = decode_attention_reference(*(first[k] for k in ("q", "quantized", "rk", "rv")), None, scale, config)
-        err = entry["fused_rel_err_vs_fp32_reference"] = rel_err(out, ref)
-        if err > MAX_REL_ERR:
-            raise AssertionError(
-                f"fused kernel at B={batch}, {context} tokens: relative error {err:.3e} "
-                f"vs the float32 reference exceeds {MAX_REL_ERR} (issue 7's bound); not timing a wrong kernel"
-            )
+        entry["fused_rel_err_vs_fp32_reference"] = checked_error(out, first, config, scale)
 
     def run_all(fn):
         def call():
@@ -320,6 +330,42 @@ def sweep(config, gen, shapes, changes=None) -> list:
     return rows
 
 
+WIDTHS = {"K2V2": (2, 2), "K4V4": (4, 4), "K4V2": (4, 2), "K2V4": (2, 4)}  # name: (key_bits, value_bits)
+MIXED_WIDTH_TARGET = 1.2  # issue 39: time per byte read of K4V2 (and K2V4) at most this times K4V4's
+
+
+def widths(gen, l2_bytes, shapes) -> dict:
+    """The fused kernel at each of WIDTHS on `shapes`, in one run: graph medians, the bytes each call reads, and its
+    time per byte relative to K4V4's on the same shape (the mixed widths decode with the Triton kernel alone, as 4
+    bits do). A kernel that fails the reference check is not timed."""
+    scale = 1 / math.sqrt(HEAD_DIM)
+    rows = []
+    for batch, context in shapes:
+        per_byte = {}
+        for name, (key_bits, value_bits) in WIDTHS.items():
+            config = OscarConfig(key_bits=key_bits, value_bits=value_bits)
+            data, fused_bytes, _ = timed_sets(batch, context, config, l2_bytes, gen)
+            row = {"batch": batch, "context": context, "widths": name, "bytes": fused_bytes}
+            if batch * context <= REFERENCE_TOKENS:
+                row["rel_err_vs_fp32_reference"] = checked_error(fused(data[0], config, scale), data[0], config, scale)
+            row.update(timed(lambda d=data, c=config: [fused(s, c, scale) for s in d], len(data)))
+            per_byte[name] = (row["us_graph"] or row["us"]) / fused_bytes
+            rows.append(row)
+            print("widths", row, flush=True)
+            del data
+            torch.cuda.empty_cache()
+        for row in rows[-len(WIDTHS) :]:
+            row["time_per_byte_vs_K4V4"] = per_byte[row["widths"]] / per_byte["K4V4"]
+    mixed = {
+        f"{r['widths']}-B{r['batch']}-{r['context']}": round(r["time_per_byte_vs_K4V4"], 3)
+        for r in rows
+        if r["widths"] in ("K4V2", "K2V4")
+    }
+    target = {"target": MIXED_WIDTH_TARGET, "measured": mixed}
+    target["met"] = bool(mixed) and all(v <= MIXED_WIDTH_TARGET for v in mixed.values())
+    return {"rows": rows, "mixed_time_per_byte_vs_K4V4": target}
+
+
 def git_commit() -> str | None:
     """$OSCAR_GIT_COMMIT where it is set (the lent GPU machine's copy of the tree carries a stale .git), else HEAD."""
     git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
@@ -382,6 +428,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", metavar="BxTOKENS", help="e.g. 8x32768 1x131072 (instead of all)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
     parser.add_argument("--variants", help='with --sweep: a JSON list of launch changes, e.g. [{"num_warps": 2}]')
+    parser.add_argument("--widths", action="store_true", help="also time K2V2/K4V4/K4V2/K2V4 (see the docstring)")
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64, 128 (default) or 256")
     args = parser.parse_args()
@@ -448,6 +495,11 @@ def main() -> None:
     if args.sweep:
         changes = json.loads(args.variants) if args.variants else None
         record["sweep"] = sweep(config, gen, shapes if args.shapes else [(8, 32768), (1, 32768)], changes)
+        save()
+
+    if args.widths:
+        record["widths"] = widths(gen, l2, shapes if args.shapes else [(8, 32768), (1, 32768)])
+        print("mixed widths vs K4V4, time per byte:", record["widths"]["mixed_time_per_byte_vs_K4V4"], flush=True)
         save()
 
     copy = record["copy_bandwidth"]["GBps"]

@@ -103,16 +103,16 @@ def generate(model, ids: torch.Tensor, cache: str, new_tokens: int) -> tuple[lis
 
 
 def prompt_codes(cache, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's 2-bit K and V codes of the quantized prompt tokens (`[B, Hkv, tokens, D]` uint8, on the CPU):
-    what a TP rank's quantizer must reproduce for its heads."""
+    """Every layer's K and V codes of the quantized prompt tokens (`[B, Hkv, tokens, D]` uint8, on the CPU): what a
+    TP rank's quantizer must reproduce for its heads."""
     codes = []
     for layer in cache.layers:
-        stored = layer.quantized()
+        stored, layout = layer.quantized(), layer.layout
         tokens = min(layer.quantized_length, context)
         codes.append(
             tuple(
-                layer.layout.unpack_codes(words).cpu()[:, :, :tokens]
-                for words in (stored.key_codes, stored.value_codes)
+                layout.unpack_codes(words, bits).cpu()[:, :, :tokens]
+                for words, bits in ((stored.key_codes, layout.key_bits), (stored.value_codes, layout.value_bits))
             )
         )
     return codes

@@ -372,15 +372,19 @@ def _gluon_split_kernel(
 
 def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
-    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2 bits in groups of 32, fp16
-    scales, query tiles of 8 rows per KV head, the storage's channels contiguous."""
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2-bit keys and values in groups
+    of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous. Other widths (4 bits, or
+    keys and values at different widths) decode with the Triton kernel alone."""
     if query.device.type != "cuda" or interpreting():
         return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
         return False, f"{torch.cuda.get_device_name(query.device)} predates compute capability 8.0 (mma.sync)"
-    got = (query.shape[3], config.bits, config.group_size, config.scale_torch_dtype)
-    if got != (D.value, 2, 32, torch.float16):
-        return False, f"compiled for head_dim 128, 2 bits, groups of 32, fp16 scales; got {got}"
+    got = (query.shape[3], config.key_bits, config.value_bits, config.group_size, config.scale_torch_dtype)
+    if got != (D.value, 2, 2, 32, torch.float16):
+        return False, (
+            "compiled for head_dim 128, 2-bit keys and values, groups of 32, fp16 scales; got (head_dim, key_bits, "
+            f"value_bits, group_size, scale dtype) = {got}"
+        )
     if block_m != ROWS.value:
         return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
     codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)

@@ -9,6 +9,10 @@ padding mask are read in the same order; key parameters (per channel, per group 
 (per token, per group of G channels) are loaded once per group and broadcast in registers. Dot operands of the
 quantized part are fp16 (the default fp16 scales bound every dequantized value; the rotated query is divided by its
 max so it cannot overflow), tf32 with fp32 scales; accumulation is fp32.
+
+Keys and values of different widths (2 and 4 bits) permute their tiles differently: the probabilities are permuted from
+the keys' column order to the values' (`keys_to_values_order`), a shuffle of the small [M, N] tile rather than of a
+[D, N] one; key-side reads (norms, padding mask) follow the key tile's order, value parameters the value tile's.
 """
 
 from __future__ import annotations
@@ -45,6 +49,22 @@ def unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl
 
 
 @triton.jit
+def tile_tokens(o_c, W: tl.constexpr):
+    """The token (from the tile's first) that column `o_c` of an unpacked tile of W codes a word holds
+    (`unpack_codes_t`)."""
+    return (o_c // W) * W + (o_c % 2) * (W // 2) + (o_c % W) // 2
+
+
+@triton.jit
+def keys_to_values_order(p, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """[M, N] columns in the token order of a 4-bit tile -> that of a 2-bit tile, or back (the same shuffle: an
+    involution). Within 16 tokens, the 4-bit tile's column 8 t + 2 j + a holds token 8 t + 4 a + j (t, a < 2, j < 4)
+    and the 2-bit tile's column 8 a + 2 j + t holds it (`tile_tokens`): t and a swap places."""
+    p = tl.permute(tl.reshape(p, (BLOCK_M, BLOCK_N // 16, 2, 4, 2)), (0, 1, 4, 3, 2))
+    return tl.reshape(p, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def dot(a, b, PRECISION: tl.constexpr):
     if INTERPRETER:
         a, b = a.to(tl.float32), b.to(tl.float32)
@@ -78,28 +98,33 @@ def _quantized_block(
     p_mask,
     tokens_left,
     HEAD_DIM: tl.constexpr,
-    BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     HAS_MASK: tl.constexpr,
     MASKED: tl.constexpr,
 ):
     """One BLOCK_N-token step of the online softmax over quantized tokens, from tile pointers; MASKED: the last,
-    partial block (tokens_left < BLOCK_N valid tokens)."""
-    W: tl.constexpr = 32 // BITS
-    H: tl.constexpr = W // 2
-    ROWS: tl.constexpr = BLOCK_N // W
+    partial block (tokens_left < BLOCK_N valid tokens). Key-side pointers and masks (codes, norms, padding mask) are
+    in the key tile's column order, value-side ones in the value tile's (`tile_tokens`)."""
+    KW: tl.constexpr = 32 // KEY_BITS
+    VW: tl.constexpr = 32 // VALUE_BITS
     SCALE_DTYPE: tl.constexpr = p_ks.dtype.element_ty
     DOT_DTYPE: tl.constexpr = b_q.dtype
     o_c = tl.arange(0, BLOCK_N)
     if MASKED:
-        m_w = (tl.arange(0, ROWS) * W < tokens_left)[None, :]
-        m_t = ((o_c // W) * W + (o_c % 2) * H + (o_c % W) // 2) < tokens_left
+        m_kw = (tl.arange(0, BLOCK_N // KW) * KW < tokens_left)[None, :]
+        m_vw = (tl.arange(0, BLOCK_N // VW) * VW < tokens_left)[None, :]
+        m_t = tile_tokens(o_c, KW) < tokens_left
+        m_c = (tile_tokens(o_c, VW) < tokens_left)[None, :]
     else:  # constant masks: folded away by the compiler
-        m_w = tl.full([1, ROWS], True, tl.int1)
+        m_kw = tl.full([1, BLOCK_N // KW], True, tl.int1)
+        m_vw = tl.full([1, BLOCK_N // VW], True, tl.int1)
         m_t = tl.full([BLOCK_N], True, tl.int1)
-    m_c = m_t[None, :]
+        m_c = m_t[None, :]
 
     NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1  # key groups per tile
     GK: tl.constexpr = BLOCK_N // NKG  # tile columns per key group
@@ -107,7 +132,7 @@ def _quantized_block(
     m_kg = (tl.arange(0, NKG) * GK < tokens_left)[None, :, None]
     b_ks = tl.load(p_ks, mask=m_kg, other=0.0)
     b_km = tl.load(p_km, mask=m_kg, other=0.0)
-    b_kt = unpack_codes_t(tl.load(p_kw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    b_kt = unpack_codes_t(tl.load(p_kw, mask=m_kw, other=0), HEAD_DIM, BLOCK_N // KW, KEY_BITS).to(SCALE_DTYPE)
     b_kt = tl.reshape(tl.reshape(b_kt, (HEAD_DIM, NKG, GK)) * b_ks + b_km, (HEAD_DIM, BLOCK_N))
     s = dot(b_q, b_kt.to(DOT_DTYPE), "tf32") * qk_scale
     if TOKEN_SCALING:
@@ -115,12 +140,14 @@ def _quantized_block(
     if HAS_MASK:
         s = tl.where((tl.load(p_mask, mask=m_t, other=0) != 0)[None, :], s, float("-inf"))
     elif MASKED:
-        s = tl.where(m_c, s, float("-inf"))
+        s = tl.where(m_t[None, :], s, float("-inf"))
     p, alpha, m_i, l_i = online_softmax_step(s, m_i, l_i)
+    if KEY_BITS != VALUE_BITS:
+        p = keys_to_values_order(p, BLOCK_M, BLOCK_N)
 
     b_vs = tl.load(p_vs, mask=m_c[None, :, :], other=0.0)
     b_vm = tl.load(p_vm, mask=m_c[None, :, :], other=0.0)
-    b_vt = unpack_codes_t(tl.load(p_vw, mask=m_w, other=0), HEAD_DIM, ROWS, BITS).to(SCALE_DTYPE)
+    b_vt = unpack_codes_t(tl.load(p_vw, mask=m_vw, other=0), HEAD_DIM, BLOCK_N // VW, VALUE_BITS).to(SCALE_DTYPE)
     b_vt = tl.reshape(tl.reshape(b_vt, (NVG, GROUP, BLOCK_N)) * b_vs + b_vm, (HEAD_DIM, BLOCK_N))
     acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), "tf32")
     return acc, m_i, l_i
@@ -191,7 +218,8 @@ def quantized_blocks(
     stride_vcd,
     stride_mt,
     HEAD_DIM: tl.constexpr,
-    BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -205,16 +233,14 @@ def quantized_blocks(
     PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
     The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
     fewer registers (and spills none or fewer)."""
-    W: tl.constexpr = 32 // BITS
-    H: tl.constexpr = W // 2
-    ROWS: tl.constexpr = BLOCK_N // W
-    # offsets inside a block (loop-invariant); column c of a tile holds token (c // W) * W + (c % 2) * H + (c % W) // 2
+    KW: tl.constexpr = 32 // KEY_BITS
+    VW: tl.constexpr = 32 // VALUE_BITS
+    # offsets inside a block (loop-invariant); column c of a key (value) tile holds token tile_tokens(c, KW (VW))
     o_d = tl.arange(0, HEAD_DIM)[:, None]
     o_c = tl.arange(0, BLOCK_N)
-    tok = (o_c // W) * W + (o_c % 2) * H + (o_c % W) // 2
-    o_w = tl.arange(0, ROWS)[None, :]
-    off_kw = o_w * stride_kcr + o_d * stride_kcd
-    off_vw = o_w * stride_vcr + o_d * stride_vcd
+    tok = tile_tokens(o_c, KW)
+    off_kw = tl.arange(0, BLOCK_N // KW)[None, :] * stride_kcr + o_d * stride_kcd
+    off_vw = tl.arange(0, BLOCK_N // VW)[None, :] * stride_vcr + o_d * stride_vcd
     NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1  # key groups per tile (columns c // GROUP)
     o_kg = tl.arange(0, NKG)[None, :, None]
     NVG: tl.constexpr = HEAD_DIM // GROUP  # value groups per token
@@ -224,7 +250,7 @@ def quantized_blocks(
     # value parameters: [tokens, D / GROUP] contiguous (`_validate`); the constant strides let each thread load a
     # token's groups as one vector, which Triton then pipelines with the codes (cp.async) instead of issuing 16-bit
     # gathers whose latency every step waited for
-    off_vparams = tok[None, None, :] * NVG + o_vg  # [D / GROUP, 1, BLOCK_N]
+    off_vparams = tile_tokens(o_c, VW)[None, None, :] * NVG + o_vg  # [D / GROUP, 1, BLOCK_N]
     off_kn = tok * stride_knt
     off_mask = tok * stride_mt
 
@@ -237,28 +263,28 @@ def quantized_blocks(
         t0 = block * BLOCK_N
         acc, m_i, l_i = _quantized_block(
             acc, m_i, l_i, b_q, qk_scale,
-            kc_ptr + (t0 // W) * stride_kcr + off_kw,
+            kc_ptr + (t0 // KW) * stride_kcr + off_kw,
             ks_ptr + (t0 // GROUP) * stride_ksg + off_ks,
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
-            vc_ptr + (t0 // W) * stride_vcr + off_vw,
+            vc_ptr + (t0 // VW) * stride_vcr + off_vw,
             vs_ptr + t0 * NVG + off_vparams,
             vm_ptr + t0 * NVG + off_vparams,
             mask_ptr + t0 * stride_mt + off_mask,
-            BLOCK_N, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
+            BLOCK_N, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, HAS_MASK, False,
         )  # fmt: skip
     if PARTIAL_BLOCK and full_hi < block_hi:  # the last block of the cache is partial
         t0 = full_hi * BLOCK_N
         acc, m_i, l_i = _quantized_block(
             acc, m_i, l_i, b_q, qk_scale,
-            kc_ptr + (t0 // W) * stride_kcr + off_kw,
+            kc_ptr + (t0 // KW) * stride_kcr + off_kw,
             ks_ptr + (t0 // GROUP) * stride_ksg + off_ks,
             km_ptr + (t0 // GROUP) * stride_kmg + off_km,
             kn_ptr + t0 * stride_knt + off_kn,
-            vc_ptr + (t0 // W) * stride_vcr + off_vw,
+            vc_ptr + (t0 // VW) * stride_vcr + off_vw,
             vs_ptr + t0 * NVG + off_vparams,
             vm_ptr + t0 * NVG + off_vparams,
             mask_ptr + t0 * stride_mt + off_mask,
-            num_quantized - t0, HEAD_DIM, BITS, GROUP, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
+            num_quantized - t0, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, HAS_MASK, True,
         )  # fmt: skip
     return acc, m_i, l_i

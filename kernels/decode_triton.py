@@ -134,7 +134,8 @@ def split_kernel(
     TQ: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
-    BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
     GROUP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -221,11 +222,11 @@ def split_kernel(
             masked = any_masked(p_mask, block_lo * BLOCK_N, last, stride_mt, 8 * BLOCK_N)
         if masked:
             acc, m_i, l_i = quantized_blocks(
-                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, True, PARTIAL_BLOCK
+                *args, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, True, PARTIAL_BLOCK
             )
         else:
             acc, m_i, l_i = quantized_blocks(
-                *args, HEAD_DIM, BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
+                *args, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, PARTIAL_BLOCK
             )
 
     # partials: part_o [B * Hkv, num_parts, GQA * TQ, D], part_ml [B * Hkv, num_parts, GQA * TQ, 2] (m, l), fp32

@@ -73,7 +73,8 @@ def _dequantize_kernel(
     D: tl.constexpr,
     LOG2_D: tl.constexpr,
     G: tl.constexpr,
-    BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
     BLOCK_T: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     ROTATION: tl.constexpr,
@@ -84,10 +85,10 @@ def _dequantize_kernel(
     start = tl.program_id(0) * BLOCK_T  # BLOCK_T divides G, which divides the number of tokens: no partial tile
     tokens = start + tl.arange(0, BLOCK_T)
     d = tl.arange(0, D)
-    W: tl.constexpr = 32 // BITS
 
     # keys: per channel, per group of G tokens (one group per tile)
-    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, start // W, d, kc_r, kc_d, BLOCK_T, D, BITS)
+    first_row = start // (32 // KEY_BITS)
+    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, first_row, d, kc_r, kc_d, BLOCK_T, D, KEY_BITS)
     params = b * ks_b + h * ks_h + (start // G) * ks_r + d * ks_d
     k = codes * tl.load(key_scale_ptr + params).to(tl.float32)[None, :]
     k = k + tl.load(key_min_ptr + params).to(tl.float32)[None, :]
@@ -102,7 +103,8 @@ def _dequantize_kernel(
     tl.store(out, k.to(out_keys_ptr.dtype.element_ty))
 
     # values: per token, per group of G channels (each parameter loaded once, broadcast over its group)
-    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, start // W, d, vc_r, vc_d, BLOCK_T, D, BITS)
+    first_row = start // (32 // VALUE_BITS)
+    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, first_row, d, vc_r, vc_d, BLOCK_T, D, VALUE_BITS)
     groups = tl.arange(0, D // G)
     params = b * vs_b + h * vs_h + tokens[:, None] * vs_r + groups[None, :] * vs_d
     v = codes * _per_channel(tl.load(value_scale_ptr + params), BLOCK_T, D, G)
@@ -162,7 +164,8 @@ def dequantize_kv_triton(
         *((norms.stride(0), norms.stride(2)) if norms is not None else (0, 0)),
         *(flags.stride() if flags is not None else (0, 0)),
         *keys.stride(), *values.stride(),
-        D=head_dim, LOG2_D=head_dim.bit_length() - 1, G=config.group_size, BITS=config.bits, BLOCK_T=block,
+        D=head_dim, LOG2_D=head_dim.bit_length() - 1, G=config.group_size,
+        KEY_BITS=config.key_bits, VALUE_BITS=config.value_bits, BLOCK_T=block,
         TOKEN_SCALING=norms is not None, ROTATION=config.rotation, PER_HEAD_FLAGS=flags is not None,
     )  # fmt: skip
     return out

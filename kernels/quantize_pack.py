@@ -86,8 +86,10 @@ def _quantize_pack_kernel(
     stride_vt,
     stride_vd,
     # strides of the (contiguous) outputs, per batch row and per head
-    stride_codes_b,
-    stride_codes_h,
+    stride_kcodes_b,
+    stride_kcodes_h,
+    stride_vcodes_b,
+    stride_vcodes_h,
     stride_kparam_b,
     stride_kparam_h,
     stride_vparam_b,
@@ -100,7 +102,8 @@ def _quantize_pack_kernel(
     HEAD_DIM: tl.constexpr,
     LOG2_D: tl.constexpr,
     GROUP: tl.constexpr,
-    BITS: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     KEY_ROTATION_PER_HEAD: tl.constexpr,
@@ -108,8 +111,10 @@ def _quantize_pack_kernel(
     HAS_VALID: tl.constexpr,
     FLUSH_WINDOW: tl.constexpr,
 ):
-    W: tl.constexpr = 32 // BITS
-    LEVELS: tl.constexpr = (1 << BITS) - 1
+    KEY_W: tl.constexpr = 32 // KEY_BITS
+    VALUE_W: tl.constexpr = 32 // VALUE_BITS
+    KEY_LEVELS: tl.constexpr = (1 << KEY_BITS) - 1
+    VALUE_LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
     NUM_VGROUPS: tl.constexpr = HEAD_DIM // GROUP
     SCALE_DTYPE: tl.constexpr = key_scale_ptr.dtype.element_ty
 
@@ -126,7 +131,8 @@ def _quantize_pack_kernel(
     o_t = pid_g * GROUP + tl.arange(0, GROUP)
     o_t_out = out_g * GROUP + tl.arange(0, GROUP)
     o_d = tl.arange(0, HEAD_DIM)
-    o_w = out_g * (GROUP // W) + tl.arange(0, GROUP // W)
+    o_kw = out_g * (GROUP // KEY_W) + tl.arange(0, GROUP // KEY_W)
+    o_vw = out_g * (GROUP // VALUE_W) + tl.arange(0, GROUP // VALUE_W)
     o_vg = tl.arange(0, NUM_VGROUPS)
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
@@ -167,11 +173,11 @@ def _quantize_pack_kernel(
         k_min = tl.reduce(tl.where(valid[:, None], b_k, float("inf")), 0, minimum)[None, :]
         k_max = tl.reduce(tl.where(valid[:, None], b_k, float("-inf")), 0, maximum)[None, :]
         codes, scale, mn = _quantize(
-            b_k, tl.where(any_valid, k_min, 0.0), tl.where(any_valid, k_max, 0.0), LEVELS, SCALE_DTYPE
+            b_k, tl.where(any_valid, k_min, 0.0), tl.where(any_valid, k_max, 0.0), KEY_LEVELS, SCALE_DTYPE
         )
         codes = tl.where(valid[:, None], codes, 0)  # padding may hold anything, NaN included: its code is 0
-        p_codes = pid_b * stride_codes_b + h * stride_codes_h + o_w[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
+        p_codes = pid_b * stride_kcodes_b + h * stride_kcodes_h + o_kw[:, None] * HEAD_DIM + o_d[None, :]
+        tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, KEY_BITS))
         o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + out_g * HEAD_DIM + o_d[None, :]
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
@@ -179,9 +185,10 @@ def _quantize_pack_kernel(
         # values: per token, over groups of G channels (a padding token reads as zeros: scale 0, min 0, codes 0)
         b_v3 = tl.where(tl.reshape(valid, (GROUP, 1, 1)), tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP)), 0.0)
         v_min, v_max = tl.reduce(b_v3, 2, minimum)[:, :, None], tl.reduce(b_v3, 2, maximum)[:, :, None]
-        codes, scale, mn = _quantize(b_v3, v_min, v_max, LEVELS, SCALE_DTYPE)
+        codes, scale, mn = _quantize(b_v3, v_min, v_max, VALUE_LEVELS, SCALE_DTYPE)
         codes = tl.reshape(codes, (GROUP, HEAD_DIM))
-        tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, BITS))
+        p_codes = pid_b * stride_vcodes_b + h * stride_vcodes_h + o_vw[:, None] * HEAD_DIM + o_d[None, :]
+        tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, VALUE_BITS))
         o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t_out[:, None] * NUM_VGROUPS + o_vg[None, :]
         tl.store(value_scale_ptr + o_vparam, tl.reshape(scale, (GROUP, NUM_VGROUPS)))
         tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))
@@ -349,6 +356,8 @@ def _launch(
             *values.stride(),
             out.key_codes.stride(0),
             out.key_codes.stride(1),
+            out.value_codes.stride(0),
+            out.value_codes.stride(1),
             out.key_scale.stride(0),
             out.key_scale.stride(1),
             out.value_scale.stride(0),
@@ -359,7 +368,8 @@ def _launch(
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             GROUP=config.group_size,
-            BITS=config.bits,
+            KEY_BITS=config.key_bits,
+            VALUE_BITS=config.value_bits,
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
             KEY_ROTATION_PER_HEAD=key_rotated is not None,

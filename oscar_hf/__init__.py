@@ -3,11 +3,21 @@
 Importing the package registers `cache_implementation="oscar"` with `generate` (see `register`/`unregister`).
 """
 
-from .cache import KVMemory, OscarCache, OscarLayer, kv_memory
+from .cache import KVMemory, OscarCache, OscarLayer, average_bits, kv_memory
 from .config import OscarConfig
 from .integrations.transformers import cache_kwargs, register, unregister
 
-__all__ = ["KVMemory", "OscarCache", "OscarConfig", "OscarLayer", "cache_kwargs", "kv_memory", "register", "unregister"]
+__all__ = [
+    "KVMemory",
+    "OscarCache",
+    "OscarConfig",
+    "OscarLayer",
+    "average_bits",
+    "cache_kwargs",
+    "kv_memory",
+    "register",
+    "unregister",
+]
 __version__ = "0.1.0"
 
 register()

@@ -20,7 +20,14 @@ class OscarConfig:
     """Configuration of an `OscarCache`.
 
     Args:
-        bits: bits per stored K/V value, 2 (the paper's setting) or 4.
+        bits: bits per stored K/V value, 2 (the paper's setting) or 4: the shorthand for `key_bits` and
+            `value_bits` both. Default: 2 each.
+        key_bits, value_bits: bits per stored key and per stored value, each 2 or 4, where they differ (keys are the
+            sensitive half: `key_bits=4, value_bits=2` stores 4.1 bits per K/V element at head_dim 128, between
+            2 bits' 3.1 and 4 bits' 5.1: `oscar_hf.average_bits`). One left out is 2. Given with `bits`, they
+            must equal it (an error otherwise: no silent precedence). After construction all three are set:
+            `bits` is the common width, or None where keys and values differ. (Changing a config with
+            `dataclasses.replace`: pass `bits` alone, or `key_bits` and `value_bits` with `bits=None`.)
         group_size: tokens per key quantization group (per channel) and channels per value group (per token).
         residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
             quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
@@ -49,7 +56,9 @@ class OscarConfig:
             uses the model's own attention, for comparison.
     """
 
-    bits: int = 2
+    bits: int | None = None
+    key_bits: int | None = None
+    value_bits: int | None = None
     group_size: int = 32
     residual_length: int = 128
     rotation: bool = True
@@ -63,13 +72,18 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
-        for name in ("bits", "group_size", "residual_length"):
+        for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length"):
             value = getattr(self, name)
+            if value is None and name.endswith("bits"):
+                continue
             check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {value!r}.")
         for name in ("rotation", "token_scaling"):
             value = getattr(self, name)
             check(isinstance(value, bool), f"{name} must be True or False, got {value!r}.")
-        check(self.bits in (2, 4), f"bits={self.bits} is not supported; use 2 (default) or 4.")
+        for name in ("bits", "key_bits", "value_bits"):
+            value = getattr(self, name)
+            check(value in (None, 2, 4), f"{name}={value} is not supported; use 2 (default) or 4.")
+        self._resolve_bits(check)
         check(
             self.group_size in (32, 64, 128),
             f"group_size={self.group_size} is not supported; use 32 (default), 64 or 128.",
@@ -94,6 +108,23 @@ class OscarConfig:
             f"attention={self.attention!r} is not supported; use 'auto' (fused kernels where they apply), 'fused' "
             "or 'portable'.",
         )
+
+    def _resolve_bits(self, check) -> None:
+        """Set `key_bits` and `value_bits` (from `bits`, else 2 each) and `bits` (their common width, or None)."""
+        if self.bits is not None:
+            for name in ("key_bits", "value_bits"):
+                given = getattr(self, name)
+                check(
+                    given in (None, self.bits),
+                    f"bits={self.bits} contradicts {name}={given}: `bits` sets key_bits and value_bits both. Pass "
+                    f"bits alone, or key_bits and value_bits without bits (dataclasses.replace: with bits=None).",
+                )
+        default = 2 if self.bits is None else self.bits
+        key_bits = default if self.key_bits is None else self.key_bits
+        value_bits = default if self.value_bits is None else self.value_bits
+        object.__setattr__(self, "key_bits", key_bits)  # a frozen dataclass sets its own fields this way
+        object.__setattr__(self, "value_bits", value_bits)
+        object.__setattr__(self, "bits", key_bits if key_bits == value_bits else None)
 
     def resolve(self, attn_implementation: str | None) -> OscarConfig:
         """This config as a cache runs it on a model whose attention is `attn_implementation`: method="auto" becomes

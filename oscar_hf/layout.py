@@ -5,22 +5,23 @@ The reference (`oscar_hf.reference`), the cache, both Triton kernels and the tes
 spells a shape, a pack axis or a row size of its own. A layout change is an edit of `StorageLayout` plus its
 `pack_codes` / `unpack_codes` (and the kernels' unpacking of the same bits).
 
-For `L` quantized tokens (a multiple of the group size G), b bits, `W = 32 // b` codes per int32 word and a head
-dim D, one layer's quantized region is a `QuantizedKV`; dim 2 of every tensor is the token-row axis:
+For `L` quantized tokens (a multiple of the group size G), keys of b_k bits and values of b_v bits (`key_bits`,
+`value_bits`: 2 or 4 each), `W_k = 32 // b_k` and `W_v = 32 // b_v` codes per int32 word and a head dim D, one layer's
+quantized region is a `QuantizedKV`; dim 2 of every tensor is the token-row axis:
 
-    key_codes    int32        [B, Hkv, L // W, D]   codes of u = (k H) / n_t, packed along the token axis
-    key_scale    scale_dtype  [B, Hkv, L // G, D]   per channel, per group of G consecutive tokens
+    key_codes    int32        [B, Hkv, L // W_k, D]   codes of u = (k H) / n_t, packed along the token axis
+    key_scale    scale_dtype  [B, Hkv, L // G, D]     per channel, per group of G consecutive tokens
     key_min      scale_dtype  [B, Hkv, L // G, D]
-    key_norms    float32      [B, 1, L]             n_t, one per token shared by all KV heads (None if no scaling)
-    value_codes  int32        [B, Hkv, L // W, D]   codes of v H, packed along the token axis
-    value_scale  scale_dtype  [B, Hkv, L, D // G]   per token, per group of G consecutive channels
+    key_norms    float32      [B, 1, L]               n_t, one per token shared by all KV heads (None if no scaling)
+    value_codes  int32        [B, Hkv, L // W_v, D]   codes of v H, packed along the token axis
+    value_scale  scale_dtype  [B, Hkv, L, D // G]     per token, per group of G consecutive channels
     value_min    scale_dtype  [B, Hkv, L, D // G]
 
-Packing: word `[b, h, r, d]` holds the codes of tokens `r * W + j`, j = 0..W-1, at bits `[j * b, (j + 1) * b)`
-(token r*W in the least significant bits). Both K and V are packed along tokens, so one row of D words (512 bytes
-at D=128) is a single coalesced load covering W tokens of a head. The cache may allocate more rows than it uses (it
-grows by doubling); kernels take strides and the length. Dequantization: `x = code * scale + min`; a zero range
-stores scale 0, so every code decodes to the minimum.
+Packing (`pack_codes`, b bits, W = 32 // b): word `[b, h, r, d]` holds the codes of tokens `r * W + j`, j = 0..W-1,
+at bits `[j * b, (j + 1) * b)` (token r*W in the least significant bits). Both K and V are packed along tokens, so one
+row of D words (512 bytes at D=128) is a single coalesced load covering W tokens of a head. The cache may allocate
+more rows than it uses (it grows by doubling); kernels take strides and the length. Dequantization:
+`x = code * scale + min`; a zero range stores scale 0, so every code decodes to the minimum.
 """
 
 from __future__ import annotations
@@ -49,24 +50,26 @@ class QuantizedKV(NamedTuple):
 class StorageLayout:
     """Shapes, dtypes and row sizes of a `QuantizedKV` for one `OscarConfig` (see the module docstring)."""
 
-    bits: int
+    key_bits: int
+    value_bits: int
     group_size: int
     token_scaling: bool
     scale_dtype: torch.dtype
 
     @classmethod
     def of(cls, config: OscarConfig) -> StorageLayout:
-        return cls(config.bits, config.group_size, config.token_scaling, config.scale_torch_dtype)
+        c = config
+        return cls(c.key_bits, c.value_bits, c.group_size, c.token_scaling, c.scale_torch_dtype)
 
-    @property
-    def codes_per_word(self) -> int:
-        return 32 // self.bits
+    @staticmethod
+    def codes_per_word(bits: int) -> int:
+        return 32 // bits
 
     @property
     def tokens_per_row(self) -> QuantizedKV:
         """How many tokens one row (index along dim 2) of each field covers (None for an absent field)."""
-        w, g = self.codes_per_word, self.group_size
-        return QuantizedKV(w, g, g, 1 if self.token_scaling else None, w, 1, 1)
+        wk, wv, g = self.codes_per_word(self.key_bits), self.codes_per_word(self.value_bits), self.group_size
+        return QuantizedKV(wk, g, g, 1 if self.token_scaling else None, wv, 1, 1)
 
     @property
     def dtypes(self) -> QuantizedKV:
@@ -125,18 +128,20 @@ class StorageLayout:
                 raise ValueError(f"{who}: quantized.{name} is on {tensor.device}, not {device}.")
         return tokens
 
-    def pack_codes(self, codes: torch.Tensor) -> torch.Tensor:
-        """`[..., N, D]` integer codes -> `[..., N // W, D]` int32 words, packed along the token axis."""
-        per_word = self.codes_per_word
+    @staticmethod
+    def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+        """`[..., N, D]` integer codes of `bits` bits -> `[..., N // W, D]` int32 words, packed along the token axis."""
+        per_word = StorageLayout.codes_per_word(bits)
         grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // per_word, per_word))
         words = torch.zeros_like(grouped[..., 0, :])
         for j in range(per_word):
-            words |= grouped[..., j, :] << (j * self.bits)  # j * bits reaches the sign bit: int32 wraps, bits exact
+            words |= grouped[..., j, :] << (j * bits)  # j * bits reaches the sign bit: int32 wraps, bits exact
         return words
 
-    def unpack_codes(self, words: torch.Tensor) -> torch.Tensor:
-        """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes."""
-        per_word = self.codes_per_word
-        shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(self.bits).view(per_word, 1)
-        codes = (words.unsqueeze(-2) >> shifts) & (2**self.bits - 1)  # arithmetic shift; the mask drops sign bits
+    @staticmethod
+    def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
+        """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes of `bits` bits."""
+        per_word = StorageLayout.codes_per_word(bits)
+        shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(bits).view(per_word, 1)
+        codes = (words.unsqueeze(-2) >> shifts) & (2**bits - 1)  # arithmetic shift; the mask drops sign bits
         return codes.flatten(-3, -2).to(torch.uint8)

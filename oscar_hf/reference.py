@@ -126,7 +126,7 @@ def fake_quantize_keys(
     norms = token_norms(keys).unsqueeze(-1) if config.token_scaling else 1.0
     u = (hadamard_transform(keys) if rotated else keys) / norms
     codes, scale, mn = quantize_groups(
-        u, config.bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
+        u, config.key_bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
     )
     u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, keys.dtype) * norms
     return hadamard_transform(u_hat) if rotated else u_hat
@@ -241,18 +241,17 @@ def quantize_kv(
             norms = norms.masked_fill(~valid[:, None], 1)
         k = k / norms.unsqueeze(-1)
     key_codes, key_scale, key_min = quantize_groups(
-        k, config.bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
+        k, config.key_bits, config.group_size, -2, config.scale_torch_dtype, _key_valid(valid)
     )
     value_codes, value_scale, value_min = quantize_groups(
-        v, config.bits, config.group_size, -1, config.scale_torch_dtype, _key_valid(valid)
+        v, config.value_bits, config.group_size, -1, config.scale_torch_dtype, _key_valid(valid)
     )
-    layout = StorageLayout.of(config)
     return QuantizedKV(
-        layout.pack_codes(key_codes),
+        StorageLayout.pack_codes(key_codes, config.key_bits),
         key_scale,
         key_min,
         norms,
-        layout.pack_codes(value_codes),
+        StorageLayout.pack_codes(value_codes, config.value_bits),
         value_scale,
         value_min,
     )
@@ -294,9 +293,9 @@ def dequantize_kv(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values the storage represents, back in the model's (un-rotated, un-scaled) domain; `key_rotated`
     as given to `quantize_kv`."""
-    g, layout = config.group_size, StorageLayout.of(config)
-    k = dequantize_groups(layout.unpack_codes(qkv.key_codes), qkv.key_scale, qkv.key_min, g, -2, dtype)
-    v = dequantize_groups(layout.unpack_codes(qkv.value_codes), qkv.value_scale, qkv.value_min, g, -1, dtype)
+    g, unpack = config.group_size, StorageLayout.unpack_codes
+    k = dequantize_groups(unpack(qkv.key_codes, config.key_bits), qkv.key_scale, qkv.key_min, g, -2, dtype)
+    v = dequantize_groups(unpack(qkv.value_codes, config.value_bits), qkv.value_scale, qkv.value_min, g, -1, dtype)
     if qkv.key_norms is not None:
         k = k * qkv.key_norms.to(dtype).unsqueeze(-1)
     if config.rotation:

@@ -148,7 +148,7 @@ def oscar_oracle(
     tokens it has. `valid` ([B, N] bool): padding (False) enters no min/max, mean or cost, stores code 0 and norm 1,
     and a group of padding only stores scale 0 and min 0."""
     k, v = keys.double(), values.double()
-    levels, g, sd = 2**config.bits - 1, config.group_size, config.scale_torch_dtype
+    g, sd = config.group_size, config.scale_torch_dtype
     eye = torch.eye(k.shape[-1], dtype=torch.float64)
     rot = _sylvester_hadamard(k.shape[-1]) if config.rotation else eye
     b, h, n, d = k.shape
@@ -156,7 +156,8 @@ def oscar_oracle(
     k = torch.where(real[:, None, :, None], k, 0.0)  # padding's content never matters: drop NaN/inf before any matmul
     v = torch.where(real[:, None, :, None], v, 0.0)
 
-    def fake_quant(x, ok):  # quantize/dequantize groups along the last dim; `ok` marks the valid elements
+    def fake_quant(x, ok, bits):  # quantize/dequantize groups along the last dim; `ok` marks the valid elements
+        levels = 2**bits - 1
         mn = torch.where(ok, x, math.inf).amin(-1, keepdim=True)
         mx = torch.where(ok, x, -math.inf).amax(-1, keepdim=True)
         empty = ~ok.any(-1, keepdim=True)
@@ -176,7 +177,7 @@ def oscar_oracle(
         u = (k @ rot) / norms
         b, h, n, d = u.shape
         grouped_ok = ok[:, None, :, None].expand(b, h, n, d).reshape(b, h, n // g, g, d).transpose(-1, -2)
-        u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2), grouped_ok)
+        u_hat = fake_quant(u.reshape(b, h, n // g, g, d).transpose(-1, -2), grouped_ok, config.key_bits)
         u_hat = u_hat.transpose(-1, -2).reshape(b, h, n, d)
         return (u_hat * norms.float().double()) @ rot.transpose(-1, -2)  # the norms are stored in float32
 
@@ -197,7 +198,7 @@ def oscar_oracle(
 
         rot_k = torch.where((logit_error(rot) < logit_error(eye))[:, :, None, None], rot, eye)
     value_ok = real[:, None, :, None, None].expand(b, h, n, d // g, g)
-    v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g), value_ok).reshape(b, h, n, d)
+    v_hat = fake_quant((v @ rot).reshape(b, h, n, d // g, g), value_ok, config.value_bits).reshape(b, h, n, d)
     return keys_round_trip(k, rot_k, real), v_hat @ rot.T
 
 

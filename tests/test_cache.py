@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer, kv_memory
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, average_bits, kv_memory
 from oscar_hf.reference import dequantize_kv, quantize_kv, query_moment, query_rotation_choice
 
 B, HKV, D = 2, 2, 32
@@ -61,6 +61,7 @@ def _assert_history(got, want, what):
         {"rotation": False, "token_scaling": False},
         {"bits": 4, "residual_length": 64, "method": "paper"},
         {"method": "oscar", "residual_length": 64},
+        {"key_bits": 4, "value_bits": 2, "method": "oscar", "residual_length": 64},
     ],
 )
 def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
@@ -186,24 +187,47 @@ def test_storage_grows_by_doubling_and_reserve_preallocates():
     assert reserved.layers[0]._storage.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
 
 
-@pytest.mark.parametrize("scale_dtype,min_ratio", [("float16", 5.2), ("float32", 3.9)])
-def test_memory_footprint_counts_real_bytes(scale_dtype, min_ratio):
+@pytest.mark.parametrize(
+    "options,min_ratio",
+    [
+        ({"scale_dtype": "float16"}, 5.2),
+        ({"scale_dtype": "float32"}, 3.9),
+        ({"scale_dtype": "float16", "key_bits": 4, "value_bits": 2}, 3.9),
+        ({"scale_dtype": "float16", "key_bits": 2, "value_bits": 4}, 3.9),
+    ],
+)
+def test_memory_footprint_counts_real_bytes(options, min_ratio):
     heads, dim, tokens = 8, 128, 1000
-    cache = _cache(OscarConfig(scale_dtype=scale_dtype), heads=heads, head_dim=dim)
+    config = OscarConfig(**options)
+    cache = _cache(config, heads=heads, head_dim=dim)
     for layer_idx in range(2):
         kv = torch.randn(1, heads, tokens, dim, dtype=torch.bfloat16)
         cache.update(kv, kv.clone(), layer_idx)
     mem = cache.memory_footprint()
     quantized, exact = 896, tokens - 896
-    param_bytes = 2 if scale_dtype == "float16" else 4
-    # Per token and head: K and V codes (2 bits each), K scale+min per channel per 32 tokens, V scale+min per 32
-    # channels; plus one float32 norm per token shared by all heads.
-    per_token = heads * (2 * dim * 2 // 8 + 2 * 2 * param_bytes * dim // 32) + 4
+    param_bytes = 2 if config.scale_dtype == "float16" else 4
+    # Per token and head: K and V codes (at their own bits), K scale+min per channel per 32 tokens, V scale+min per
+    # 32 channels; plus one float32 norm per token shared by all heads.
+    codes = dim * (config.key_bits + config.value_bits) // 8
+    per_token = heads * (codes + 2 * 2 * param_bytes * dim // 32) + 4
     assert mem.quantized_bytes == 2 * quantized * per_token
+    elements = 2 * quantized * heads * 2 * dim  # layers, tokens, heads, K and V, head_dim
+    assert 8 * mem.quantized_bytes / elements == average_bits(config, dim, heads)
     assert mem.quantized_bf16_bytes == 2 * quantized * heads * dim * 2 * 2
     assert mem.exact_bytes == mem.exact_bf16_bytes == 2 * exact * heads * dim * 2 * 2
     assert mem.quantized_ratio_vs_bf16 > min_ratio
     assert mem.allocated_bytes >= mem.total_bytes
+
+
+def test_average_bits_counts_every_stored_bit():
+    """Codes, fp16 scales and minimums and a float32 token norm per token and KV head, over its 2 x 128 K/V elements:
+    100 bytes at 2 bits, 164 at 4 bits, 132 with 4-bit keys and 2-bit values. A layer's KV heads share the norm."""
+    per_token_and_head = {OscarConfig(): 100, OscarConfig(bits=4): 164, OscarConfig(key_bits=4, value_bits=2): 132}
+    for config, stored in per_token_and_head.items():
+        assert average_bits(config, 128) == 8 * stored / 256
+    assert average_bits(OscarConfig(key_bits=2, value_bits=4), 128) == average_bits(OscarConfig(key_bits=4), 128)
+    assert average_bits(OscarConfig(), 128, kv_heads=4) == 8 * (96 + 4 / 4) / 256
+    assert average_bits(OscarConfig(token_scaling=False, scale_dtype="float32"), 64) == 8 * (32 + 32) / 128
 
 
 def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():

@@ -1,5 +1,7 @@
 """Bad input gets a clear error naming the problem and the fix, never a silent wrong answer."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -13,6 +15,8 @@ from oscar_hf.reference import round_trip_kv
     [
         ("bits", 3, r"bits=3 is not supported; use 2 \(default\) or 4"),
         ("bits", 2.0, "bits must be an int"),
+        ("key_bits", 8, r"key_bits=8 is not supported; use 2 \(default\) or 4"),
+        ("value_bits", True, "value_bits must be an int"),
         ("group_size", 48, "group_size=48 is not supported"),
         ("residual_length", 100, "residual_length=100 must be a positive multiple of group_size=32"),
         ("residual_length", 0, "residual_length=0 must be a positive multiple"),
@@ -31,12 +35,38 @@ def test_invalid_field_is_refused(field, value, message):
 def test_unknown_keys_are_refused_with_the_valid_ones():
     with pytest.raises(ValueError, match=r"Unknown OscarCache option\(s\) \['q_group_size', 'residual'\]") as err:
         OscarConfig.from_dict({"bits": 2, "residual": 64, "q_group_size": 32})
-    assert "valid options are ['bits', 'group_size', 'residual_length'" in str(err.value)
+    assert "valid options are ['bits', 'key_bits', 'value_bits', 'group_size', 'residual_length'" in str(err.value)
 
 
 def test_from_dict_round_trip():
     config = OscarConfig(bits=4, group_size=64, residual_length=256, rotation=False, scale_dtype="float32")
     assert OscarConfig.from_dict(config.to_dict()) == config and OscarConfig.from_dict(None) == OscarConfig()
+    mixed = OscarConfig(key_bits=4, value_bits=2)
+    assert OscarConfig.from_dict(mixed.to_dict()) == mixed
+
+
+def test_bits_is_the_shorthand_for_key_and_value_bits():
+    """`bits` sets both widths; key_bits/value_bits set one each (the other stays 2); after construction `bits` is
+    the common width, or None where they differ."""
+    assert (OscarConfig().key_bits, OscarConfig().value_bits, OscarConfig().bits) == (2, 2, 2)
+    assert OscarConfig(bits=4) == OscarConfig(key_bits=4, value_bits=4) == OscarConfig(bits=4, key_bits=4)
+    assert OscarConfig(bits=4).bits == 4
+    k4v2 = OscarConfig(key_bits=4)
+    assert (k4v2.key_bits, k4v2.value_bits, k4v2.bits) == (4, 2, None) and k4v2 == OscarConfig(key_bits=4, value_bits=2)
+    assert OscarConfig(value_bits=4).key_bits == 2
+    with pytest.raises(ValueError, match="contradicts"):  # a resolved config changed in one width names the fix
+        dataclasses.replace(OscarConfig(), key_bits=4)
+    assert dataclasses.replace(OscarConfig(), bits=None, key_bits=4) == k4v2
+    assert dataclasses.replace(k4v2, bits=4, key_bits=None, value_bits=None) == OscarConfig(bits=4)
+
+
+@pytest.mark.parametrize(
+    "options,named",
+    [({"bits": 2, "key_bits": 4}, "bits=2 contradicts key_bits=4"), ({"bits": 4, "value_bits": 2}, "value_bits=2")],
+)
+def test_bits_contradicting_key_or_value_bits_is_refused(options, named):
+    with pytest.raises(ValueError, match=f"{named}.*Pass bits alone, or key_bits and value_bits without bits"):
+        OscarConfig(**options)
 
 
 def test_unsupported_head_dim_is_refused_at_construction():

@@ -47,13 +47,17 @@ def _left_padded(lengths, vocab=97, pad=0):
 # residual window, crop and beam reordering must reproduce DynamicCache token for token.
 
 
-@pytest.mark.parametrize("lengths", [[150], [150, 90, 20]], ids=["single", "left-padded-batch"])
-def test_exact_cache_generate_equals_dynamic_cache(tiny_llama, exact_oscar_cache, lengths):
+@pytest.mark.parametrize(
+    "lengths, config",
+    [([150], None), ([150, 90, 20], None), ([150, 90, 20], OscarConfig(key_bits=4, value_bits=2))],
+    ids=["single", "left-padded-batch", "left-padded-batch-K4V2"],
+)
+def test_exact_cache_generate_equals_dynamic_cache(tiny_llama, exact_oscar_cache, lengths, config):
     model = tiny_llama()
     ids, mask = _left_padded(lengths)
     options = dict(max_new_tokens=150, min_new_tokens=150, **GREEDY)  # 150 + 150 tokens: flushes at 128 and 256
     want = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config)), **options)
-    cache = exact_oscar_cache(model.config)
+    cache = exact_oscar_cache(model.config, config)
     got = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), **options)
     assert torch.equal(got.sequences, want.sequences)
     assert cache.layers[0].quantized_length == 256 and cache.get_seq_length() == ids.shape[1] + 149
@@ -162,18 +166,22 @@ def test_cross_attention_model_is_refused():
 # Registration
 
 
-def test_generate_builds_an_oscar_cache_from_cache_config(tiny_llama, tmp_path):
+@pytest.mark.parametrize("bits", [{"bits": 4}, {"key_bits": 4, "value_bits": 2}], ids=["K4V4", "K4V2"])
+def test_generate_builds_an_oscar_cache_from_cache_config(tiny_llama, tmp_path, bits):
     model = tiny_llama()
     out = model.generate(
         torch.randint(3, 97, (1, 140)),
         max_new_tokens=4,
         min_new_tokens=4,
         cache_implementation="oscar",
-        cache_config={"bits": 4, "residual_length": 64},
+        cache_config={**bits, "residual_length": 64},
         **GREEDY,
     )
     cache = out.past_key_values
-    assert isinstance(cache, OscarCache) and cache.oscar_config.bits == 4
+    assert isinstance(cache, OscarCache) and cache.oscar_config == OscarConfig(**bits, residual_length=64).resolve(
+        "sdpa"
+    )
+    assert cache.layers[0].quantized().value_codes.shape[2] == 128 * OscarConfig(**bits).value_bits // 32
     assert cache.layers[0].quantized_length == 128 and cache.get_seq_length() == 143
     # generate(cache_implementation=...) leaves the model's own generation config alone: nothing to save or leak
     assert model.generation_config.cache_implementation is None

@@ -10,16 +10,15 @@ from oscar_hf.reference import quantize_kv
 
 @pytest.mark.parametrize("bits", [2, 4])
 def test_pack_unpack_round_trips_every_code(bits):
-    layout = StorageLayout.of(OscarConfig(bits=bits))
-    per_word = layout.codes_per_word
+    per_word = StorageLayout.codes_per_word(bits)
     every = torch.arange(2**bits, dtype=torch.uint8).repeat(per_word * 2)[: per_word * 2]
     codes = torch.cat(
         [every.view(-1, 1).expand(-1, 5), torch.randint(0, 2**bits, (per_word * 6, 5), dtype=torch.uint8)]
     )
     codes[:per_word, 0] = 2**bits - 1  # all-ones word: the sign bit is set
-    words = layout.pack_codes(codes.view(1, 1, -1, 5))
+    words = StorageLayout.pack_codes(codes.view(1, 1, -1, 5), bits)
     assert words.dtype == torch.int32 and words.shape == (1, 1, codes.shape[0] // per_word, 5)
-    assert torch.equal(layout.unpack_codes(words), codes.view(1, 1, -1, 5))
+    assert torch.equal(StorageLayout.unpack_codes(words, bits), codes.view(1, 1, -1, 5))
     assert words[0, 0, 0, 0].item() == -1
 
 
@@ -27,15 +26,22 @@ def test_pack_bit_order_is_token_major_in_low_bits():
     codes = torch.zeros(1, 1, 16, 1, dtype=torch.uint8)
     codes[0, 0, 1, 0] = 3  # token 1 -> bits [2, 4)
     codes[0, 0, 15, 0] = 1  # token 15 -> bit 30
-    assert StorageLayout.of(OscarConfig(bits=2)).pack_codes(codes).item() == (3 << 2) | (1 << 30)
+    assert StorageLayout.pack_codes(codes, 2).item() == (3 << 2) | (1 << 30)
 
 
 @pytest.mark.parametrize(
     "config",
-    [OscarConfig(), OscarConfig(bits=4, group_size=64, residual_length=128), OscarConfig(token_scaling=False)],
-    ids=["default", "4bit-G64", "noScale"],
+    [
+        OscarConfig(),
+        OscarConfig(bits=4, group_size=64, residual_length=128),
+        OscarConfig(token_scaling=False),
+        OscarConfig(key_bits=4, value_bits=2),
+        OscarConfig(key_bits=2, value_bits=4),
+    ],
+    ids=["default", "4bit-G64", "noScale", "K4V2", "K2V4"],
 )
 def test_quantize_kv_output_follows_the_layout(config):
+    """Every field's shape and dtype is the layout's; keys and values are packed at their own bits."""
     layout = StorageLayout.of(config)
     keys, values = torch.randn(2, 3, 192, 128), torch.randn(2, 3, 192, 128)
     qkv = quantize_kv(keys, values, config)
@@ -45,6 +51,8 @@ def test_quantize_kv_output_follows_the_layout(config):
         assert (got is None) == (want is None), name
         if got is not None:
             assert got.shape == want.shape and got.dtype == want.dtype, name
+    assert qkv.key_codes.shape[2] == 192 * config.key_bits // 32
+    assert qkv.value_codes.shape[2] == 192 * config.value_bits // 32
 
 
 def test_rows_are_views_of_whole_groups():
@@ -53,8 +61,8 @@ def test_rows_are_views_of_whole_groups():
     qkv = quantize_kv(torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64), config)
     part = layout.rows(qkv, 32, 96)
     assert layout.num_tokens(part) == 64
-    whole = layout.unpack_codes(qkv.key_codes)
-    assert torch.equal(layout.unpack_codes(part.key_codes), whole[:, :, 32:96])
+    whole = layout.unpack_codes(qkv.key_codes, config.key_bits)
+    assert torch.equal(layout.unpack_codes(part.key_codes, config.key_bits), whole[:, :, 32:96])
     assert torch.equal(part.value_scale, qkv.value_scale[:, :, 32:96])
     assert torch.equal(part.key_scale, qkv.key_scale[:, :, 1:3])
     assert part.key_norms.data_ptr() == qkv.key_norms[:, :, 32:].data_ptr()  # a view, not a copy
@@ -70,5 +78,7 @@ def test_check_names_the_wrong_field():
         layout.check(qkv._replace(value_scale=qkv.value_scale.float()), 1, 2, 64, qkv.key_min.device, "test")
     with pytest.raises(ValueError, match="key_codes has shape"):
         StorageLayout.of(OscarConfig(bits=4)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
+    with pytest.raises(ValueError, match="value_codes has shape"):
+        StorageLayout.of(OscarConfig(value_bits=4)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
     with pytest.raises(ValueError, match="key_norms has shape None"):
         layout.check(qkv._replace(key_norms=None), 1, 2, 64, qkv.key_min.device, "test")

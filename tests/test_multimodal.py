@@ -430,10 +430,10 @@ def _check_memory_report(cache: OscarCache, total_tokens: int) -> None:
         assert quantized + residual == total_tokens
         assert quantized == (total_tokens - 1) // config.residual_length * config.residual_length  # residual 1..R
         batch, heads, _, dim = layer.residual_keys.shape
-        codes = dim * config.bits // 8  # bytes per token and head, keys and values alike
+        codes = dim * (config.key_bits + config.value_bits) // 8  # bytes per token and head, K and V at their bits
         key_params = 2 * dim * 2 // config.group_size  # fp16 scale + min per channel, per group of tokens
         value_params = 2 * (dim // config.group_size) * 2  # fp16 scale + min per token, per group of channels
-        per_token = heads * (2 * codes + key_params + value_params) + 4  # + one float32 norm shared by the heads
+        per_token = heads * (codes + key_params + value_params) + 4  # + one float32 norm shared by the heads
         assert sum(t.nbytes for t in layer.quantized()) == batch * quantized * per_token
         want["quantized"] += batch * quantized * per_token
         want["quantized_bf16"] += batch * quantized * heads * dim * 2 * 2

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarConfig
-from oscar_hf.layout import StorageLayout
+from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import (
     dequantize_groups,
     dequantize_kv,
@@ -111,16 +111,21 @@ def _queries_weighing_the_offsets(tokens=16):
 @pytest.mark.parametrize("method", ["oscar", "paper"])
 @pytest.mark.parametrize("rotation", [True, False])
 @pytest.mark.parametrize("token_scaling", [True, False])
-@pytest.mark.parametrize("bits", [2, 4])
-def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_scaling, bits):
+@pytest.mark.parametrize("key_bits,value_bits", [(2, 2), (4, 4), (4, 2), (2, 4)], ids=["K2V2", "K4V4", "K4V2", "K2V4"])
+def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_scaling, key_bits, value_bits):
     config = OscarConfig(
-        bits=bits, rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method
+        key_bits=key_bits,
+        value_bits=value_bits,
+        rotation=rotation,
+        token_scaling=token_scaling,
+        scale_dtype="float32",
+        method=method,
     )
     k = _keys_of_both_kinds()
     v = torch.randn(2, 3, 96, 64, dtype=torch.float64)
     q = _queries_weighing_the_offsets()
     key_rotated = query_rotation_choice(k, query_moment(q, 3), config) if method == "oscar" else None
-    if method == "oscar" and rotation and token_scaling and bits == 2:  # the choice depends on both (see docstring)
+    if method == "oscar" and rotation and token_scaling and key_bits == 2:  # the choice depends on both (see docstring)
         assert not key_rotated[0, 0] and key_rotated[1, 1], key_rotated  # both kinds occur
     k_hat, v_hat = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
     k_ref, v_ref = oracle(k, v, config, queries=q)
@@ -131,6 +136,24 @@ def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_
         torch.testing.assert_close(
             got, want, rtol=0, atol=2 * torch.finfo(torch.float32).eps * want.abs().amax().item()
         )
+
+
+@pytest.mark.parametrize("key_bits,value_bits", [(4, 2), (2, 4)], ids=["K4V2", "K2V4"])
+def test_keys_and_values_are_quantized_at_their_own_bits(key_bits, value_bits):
+    """A mixed config stores the keys of the uniform config at `key_bits` and the values of the one at `value_bits`,
+    field for field (the key-rotation choice is made at the keys' bits); dequantized likewise."""
+    config = OscarConfig(key_bits=key_bits, value_bits=value_bits, method="oscar")
+    of_keys, of_values = OscarConfig(bits=key_bits, method="oscar"), OscarConfig(bits=value_bits, method="oscar")
+    k, v, q = _keys_of_both_kinds(tokens=128).float(), torch.randn(2, 3, 128, 64), _queries_weighing_the_offsets()
+    rotated = query_rotation_choice(k, query_moment(q, 3), config)
+    assert torch.equal(rotated, query_rotation_choice(k, query_moment(q, 3), of_keys))
+    mixed, keys_alike, values_alike = (quantize_kv(k, v, c, rotated) for c in (config, of_keys, of_values))
+    for name in QuantizedKV._fields:
+        want = (keys_alike if name.startswith("key_") else values_alike)._asdict()[name]
+        assert torch.equal(getattr(mixed, name), want), name
+    k_hat, v_hat = dequantize_kv(mixed, config, torch.float32, rotated)
+    assert torch.equal(k_hat, dequantize_kv(keys_alike, of_keys, torch.float32, rotated)[0])
+    assert torch.equal(v_hat, dequantize_kv(values_alike, of_values, torch.float32, rotated)[1])
 
 
 def test_oscar_method_cuts_the_logit_error_where_the_rotation_hurts():
@@ -203,7 +226,7 @@ def test_padding_in_whole_groups_leaves_each_rows_storage_as_alone(method, rotat
     def stored(k, v, ok, rows):
         rotated = query_rotation_choice(k, moment[rows], config, ok) if method == "oscar" else None
         qkv = quantize_kv(k, v, config, rotated, valid=ok)
-        codes = layout.unpack_codes(qkv.key_codes), layout.unpack_codes(qkv.value_codes)
+        codes = layout.unpack_codes(qkv.key_codes, 2), layout.unpack_codes(qkv.value_codes, 2)
         return rotated, qkv, codes
 
     rotated, qkv, codes = stored(keys, values, valid, slice(None))
@@ -254,13 +277,13 @@ def test_padding_within_a_group_matches_the_oracle(oracle, method, rotation, tok
             copies[row, :, 32:p] = keys[row, :, p : p + 1]
         twin = quantize_kv(copies, values.nan_to_num(), config)
         layout = StorageLayout.of(config)
-        got, want = layout.unpack_codes(qkv.key_codes), layout.unpack_codes(twin.key_codes)
+        got, want = layout.unpack_codes(qkv.key_codes, 2), layout.unpack_codes(twin.key_codes, 2)
         for row, p in enumerate(paddings):  # the groups holding real tokens (row 0's first group is all padding)
             assert torch.equal(got[row, :, p:], want[row, :, p:])
             for name in ("key_scale", "key_min"):
                 assert torch.equal(getattr(qkv, name)[row, :, p // 32 :], getattr(twin, name)[row, :, p // 32 :])
         # The test can fail: without the mask, the loud padding takes over the min/max of the groups it shares.
-        blind = layout.unpack_codes(quantize_kv(keys.nan_to_num(), values.nan_to_num(), config).key_codes)
+        blind = layout.unpack_codes(quantize_kv(keys.nan_to_num(), values.nan_to_num(), config).key_codes, 2)
         assert not torch.equal(blind[0, :, 40:64], got[0, :, 40:64])
 
 

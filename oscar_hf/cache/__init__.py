@@ -5,6 +5,6 @@ finite check of finite.py), compiled decode (compiled.py), method="oscar"'s quer
 
 from .cache import OscarCache
 from .layer import OscarLayer
-from .memory import KVMemory, kv_memory
+from .memory import KVMemory, average_bits, kv_memory
 
-__all__ = ["KVMemory", "OscarCache", "OscarLayer", "kv_memory"]
+__all__ = ["KVMemory", "OscarCache", "OscarLayer", "average_bits", "kv_memory"]

@@ -1,11 +1,16 @@
-"""Bytes a KV cache holds, and its ratios to a bf16 cache and to one in the model's dtype."""
+"""Bytes a KV cache holds, and its ratios to a bf16 cache and to one in the model's dtype; the stored bits per K/V
+element of a config."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 
 import torch
 from transformers.cache_utils import Cache
+
+from ..config import OscarConfig
+from ..layout import StorageLayout
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,8 @@ class KVMemory:
 
     @property
     def quantized_ratio_vs_bf16(self) -> float:
-        """How many times smaller than bf16 the quantized region is (about 5.3x at 2 bits, D=128, fp16 scales)."""
+        """How many times smaller than bf16 the quantized region is (about 5.3x at 2 bits, D=128, fp16 scales; the
+        stored bits per element of a config: `average_bits`)."""
         return self.quantized_bf16_bytes / self.quantized_bytes if self.quantized_bytes else float("nan")
 
     def __str__(self) -> str:
@@ -79,3 +85,17 @@ def kv_memory(cache: Cache) -> KVMemory:
         bf16 = sum(2 * t.numel() for t in tensors)
         total += KVMemory(exact_bytes=held, exact_bf16_bytes=bf16, allocated_bytes=held, model_dtype_bytes=held)
     return total
+
+
+def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float:
+    """Every bit the quantized region stores per K/V element under `config`: codes (keys at `key_bits`, values at
+    `value_bits`), scales and minimums in the scale dtype, and the float32 token norms, over 2 * head_dim elements per
+    token and KV head (the `StorageLayout`'s own shapes and dtypes). A layer's `kv_heads` share one norm per token;
+    the default 1 charges each head a whole norm (the count that does not depend on the model). With fp16 scales at
+    head_dim 128: 2 bits 3.125 (100 bytes per token and KV head), 4 bits 5.125, 4-bit keys and 2-bit values 4.125
+    (bf16 is 16). The exact residual window is not counted (`KVMemory` counts what a cache holds)."""
+    layout = StorageLayout.of(config)
+    tokens = config.group_size  # whole key groups, and whole words of codes (a word holds at most 16 tokens)
+    shapes = layout.shapes(1, kv_heads, head_dim, kv_heads, head_dim, tokens)
+    stored = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, layout.dtypes) if shape)
+    return 8 * stored / (2 * kv_heads * tokens * head_dim)

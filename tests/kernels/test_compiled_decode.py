@@ -56,16 +56,20 @@ def _decode(model, forward, prompt, steps, **options):
     return torch.cat(tokens, 1), logits, cache
 
 
-@pytest.mark.parametrize("method", ["oscar", "paper"])
-def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method):
+@pytest.mark.parametrize(
+    "method, key_bits", [("oscar", 2), ("paper", 2), ("oscar", 4)], ids=["oscar", "paper", "oscar-K4V2"]
+)
+def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method, key_bits):
     """28 prompt tokens, blocks of 32: the 5th of 6 steps flushes a block, from the device counter alone; with
-    method="oscar", with the key rotation chosen at the end of the (eager) prefill, before any block was full."""
+    method="oscar", with the key rotation chosen at the end of the (eager) prefill, before any block was full; 4-bit
+    keys with 2-bit values, whose config reaches the ops as their key string."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
     )
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 101, (1, 28), device=DEVICE)
     options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, method=method)
+    options["key_bits"] = key_bits
     eager_tokens, eager_logits, eager_cache = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -285,10 +289,13 @@ def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, b
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("prompt_length", [40, 300])
-@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize(
+    "prompt_length, batch, bits",
+    [(40, 1, {}), (300, 1, {}), (40, 3, {}), (300, 3, {}), (40, 3, {"key_bits": 4, "value_bits": 2})],
+    ids=["40-1", "300-1", "40-3", "300-3", "40-3-K4V2"],
+)
 def test_compiled_generate_with_the_query_rule_matches_eager_generate(
-    tiny_llama, teacher_forcing, prompt_length, batch
+    tiny_llama, teacher_forcing, prompt_length, batch, bits
 ):
     """method="oscar" under generate's automatic compile (Inductor, CUDA graphs): each (row, KV head)'s key rotation
     is fixed when the eager prefill's queries arrive, so a 40-token prompt's first block is flushed inside a graphed
@@ -305,7 +312,7 @@ def test_compiled_generate_with_the_query_rule_matches_eager_generate(
     mask = torch.ones_like(prompt)
     if batch > 1:
         prompt[1:, :17], mask[1:, :17] = 0, 0
-    options = {"method": "oscar"}
+    options = {"method": "oscar", **bits}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = _generate(model, prompt, mask, 300, compiled=True, cache_config=options)

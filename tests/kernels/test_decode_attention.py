@@ -49,7 +49,8 @@ class Case:
     quantized: int = 96
     residual: int = 5
     dtype: torch.dtype = torch.bfloat16
-    bits: int = 2
+    key_bits: int = 2
+    value_bits: int = 2
     rotation: bool = True
     token_scaling: bool = True
     group_size: int = 32
@@ -80,7 +81,7 @@ class Case:
         dtype = str(self.dtype).removeprefix("torch.")
         return (
             f"B{self.batch}-Hkv{self.kv_heads}-g{self.gqa}-Tq{self.q_len}-D{self.head_dim}-L{self.quantized}-"
-            f"R{self.residual}-{dtype}-{self.bits}bit{flags}"
+            f"R{self.residual}-{dtype}-K{self.key_bits}V{self.value_bits}{flags}"
         )
 
 
@@ -93,10 +94,17 @@ CASES = [
     replace(BASE, gqa=8, batch=1),
     replace(BASE, kv_heads=3, gqa=3, batch=1),
     # bits and the two method switches
-    replace(BASE, bits=4, head_dim=128),
+    replace(BASE, key_bits=4, value_bits=4, head_dim=128),
     replace(BASE, rotation=False, token_scaling=False),
     replace(BASE, rotation=True, token_scaling=False),
-    replace(BASE, rotation=False, token_scaling=True, bits=4),
+    replace(BASE, rotation=False, token_scaling=True, key_bits=4, value_bits=4),
+    # keys and values at different widths (their tiles' token orders differ): a partial last block, padding across a
+    # block, GQA 8 and speculative queries, fp32 scales (32-token steps), per-head key rotation
+    replace(BASE, key_bits=4, value_bits=2, head_dim=128),
+    replace(BASE, key_bits=2, value_bits=4, quantized=320, left_pad=77),
+    replace(BASE, key_bits=4, value_bits=2, q_len=3, residual=7, gqa=8, batch=1, quantized=160),
+    replace(BASE, key_bits=2, value_bits=4, scale_dtype="float32"),
+    replace(BASE, key_bits=4, value_bits=2, method="oscar", kv_heads=3, gqa=2, left_pad=5),
     # residual lengths 1 .. residual_length
     *(replace(BASE, residual=r, batch=1) for r in (1, 127, 128)),
     # quantized lengths: none, one group, two blocks, across block and split boundaries
@@ -141,7 +149,8 @@ def make_inputs(case: Case, seed: int = 0):
         return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=case.dtype)
 
     config = OscarConfig(
-        bits=case.bits,
+        key_bits=case.key_bits,
+        value_bits=case.value_bits,
         rotation=case.rotation,
         token_scaling=case.token_scaling,
         group_size=case.group_size,
@@ -221,10 +230,9 @@ def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS
 def test_unpack_codes_order(bits: int):
     """The code tile decoding of the kernel's inner loop, alone: column (r * H + j) * 2 + t of the [D, ROWS * W]
     tile holds token r * W + t * H + j (W codes per word, H = W / 2), on random words with every bit pattern."""
-    layout = StorageLayout(bits, 32, True, torch.float16)
-    per_word, rows, dim = layout.codes_per_word, 4, 32
+    per_word, rows, dim = StorageLayout.codes_per_word(bits), 4, 32
     words = torch.randint(-(2**31), 2**31, (rows, dim), dtype=torch.int64).to(torch.int32).to(DEVICE)
-    tokens = layout.unpack_codes(words).T  # [D, tokens]
+    tokens = StorageLayout.unpack_codes(words, bits).T  # [D, tokens]
     col = torch.arange(rows * per_word)
     half = per_word // 2
     token_of_col = (col // per_word) * per_word + (col % 2) * half + (col % per_word) // 2
@@ -254,6 +262,7 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=128, residual=64, batch=1), 0, 17),  # storage reserved, nothing quantized yet
         (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 128, 7),
         (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 64, 12),
+        (replace(BASE, quantized=160, residual=32, key_bits=4, value_bits=2, left_pad=40), 96, 32),
         # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
         (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 384, 17),
         (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 416, 32),
@@ -306,7 +315,9 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match="head_dim"):
         decode_attention_triton(query[..., :48], None, rk[..., :48], rv[..., :48], None, scaling, config)
     with pytest.raises(ValueError, match="key_codes"):
-        decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, bits=4))
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, bits=None, key_bits=4))
+    with pytest.raises(ValueError, match="value_codes"):
+        decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, bits=None, value_bits=4))
     with pytest.raises(ValueError, match="needs key_rotated"):
         decode_attention_triton(query, quantized, rk, rv, None, scaling, replace(config, method="oscar"))
     with pytest.raises(ValueError, match="this config takes None"):
@@ -324,7 +335,9 @@ def test_rejects_bad_inputs():
 GPU_CASES = [
     Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
     Case(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
-    Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, bits=4, dtype=torch.float16),
+    Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, key_bits=4, value_bits=4),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=4, value_bits=2),
+    Case(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=4),
     Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
     Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
     Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
@@ -376,6 +389,20 @@ def test_gluon_full_blocks(case: Case):
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("key_bits, value_bits", [(4, 2), (2, 4)], ids=["K4V2", "K2V4"])
+def test_keys_and_values_of_different_widths_decode_with_the_triton_kernel(key_bits, value_bits):
+    """The Gluon kernel is compiled for 2-bit keys and values: it declines other widths, naming why, and the Triton
+    kernel reads every quantized token instead."""
+    case = replace(GLUON, key_bits=key_bits, value_bits=value_bits)
+    inputs = make_inputs(case, seed=2)
+    tuning = _gluon_tuning(case)
+    plan = decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=tuning)
+    assert plan.gluon is None and "2-bit keys and values" in plan.why_not_gluon, plan.why_not_gluon
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
+
+
 def _gluon_tuning(case: Case) -> DecodeTuning:
     """The launch choices that run the Gluon kernel for `case`: the long-context ones (these cases are short, and
     over few KV heads `default_tuning` picks the Triton kernel's 128-token steps for them, running no Gluon kernel)."""
@@ -396,14 +423,12 @@ def _gluon_partials_in_torch(
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
-    layout, f64 = StorageLayout(2, 32, token_scaling, torch.float16), torch.float64
-    keys = dequantize_groups(
-        layout.unpack_codes(quantized.key_codes), quantized.key_scale, quantized.key_min, 32, -2, f64
-    )
+    unpack, f64 = StorageLayout.unpack_codes, torch.float64  # the Gluon kernel's storage: 2 bits, groups of 32
+    keys = dequantize_groups(unpack(quantized.key_codes, 2), quantized.key_scale, quantized.key_min, 32, -2, f64)
     if token_scaling:
         keys = keys * key_norms.to(f64).unsqueeze(-1)
     values = dequantize_groups(
-        layout.unpack_codes(quantized.value_codes), quantized.value_scale, quantized.value_min, 32, -1, f64
+        unpack(quantized.value_codes, 2), quantized.value_scale, quantized.value_min, 32, -1, f64
     )
     kv_heads = quantized.key_codes.shape[1]
     for bh in range(bh_count):
@@ -473,6 +498,7 @@ def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv
     per_row = max_tokens // (batch * kv_heads)
     quantized = group_size * rng.randint(1, max(1, (per_row - residual) // group_size))
     batch = max(1, min(batch, max_tokens // (kv_heads * (quantized + residual))))
+    key_bits = 4 if rng.random() < 0.25 else 2
     return Case(
         batch=batch,
         kv_heads=kv_heads,
@@ -482,7 +508,8 @@ def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv
         quantized=quantized,
         residual=residual,
         dtype=rng.choice((torch.bfloat16, torch.float16)),
-        bits=4 if rng.random() < 0.25 else 2,
+        key_bits=key_bits,
+        value_bits=key_bits if rng.random() < 0.7 else 6 - key_bits,  # 2 and 4 bits, or 4 and 2
         rotation=paper or rng.random() < 0.5,
         token_scaling=paper or rng.random() < 0.5,
         group_size=group_size,
@@ -518,7 +545,8 @@ def _bad_inputs(inputs, kind: str):
         keys, values = (
             torch.randn(rk.shape[0], rk.shape[1], quantized.key_codes.shape[2] * 16, rk.shape[3]) for _ in "kv"
         )
-        quantized = quantize_kv(keys.to(DEVICE), values.to(DEVICE), replace(config, bits=4), key_rotated)
+        four_bits = replace(config, bits=4, key_bits=4, value_bits=4)
+        quantized = quantize_kv(keys.to(DEVICE), values.to(DEVICE), four_bits, key_rotated)
     elif kind == "non-contiguous value parameters":
         quantized = quantized._replace(
             value_scale=quantized.value_scale.transpose(-1, -2).contiguous().transpose(-1, -2)

@@ -39,13 +39,23 @@ def _flags(config):
     return None
 
 
-@pytest.mark.parametrize("bits", [2, 4])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+# (key_bits, value_bits, head_dim): both widths at every head dim, keys and values at different widths at one each
+WIDTHS_AND_HEAD_DIMS = [*((b, b, d) for b in (2, 4) for d in (64, 128, 256)), (4, 2, 128), (2, 4, 64)]
+
+
+@pytest.mark.parametrize("key_bits, value_bits, head_dim", WIDTHS_AND_HEAD_DIMS)
 @pytest.mark.parametrize("method", ["oscar", "paper"])
 @pytest.mark.parametrize("token_scaling, scale_dtype, group_size", [(True, "float16", 32), (False, "float32", 64)])
-def test_dequantize_matches_the_float64_reference(bits, head_dim, method, token_scaling, scale_dtype, group_size):
+def test_dequantize_matches_the_float64_reference(
+    key_bits, value_bits, head_dim, method, token_scaling, scale_dtype, group_size
+):
     config = OscarConfig(
-        bits=bits, method=method, token_scaling=token_scaling, scale_dtype=scale_dtype, group_size=group_size
+        key_bits=key_bits,
+        value_bits=value_bits,
+        method=method,
+        token_scaling=token_scaling,
+        scale_dtype=scale_dtype,
+        group_size=group_size,
     )
     tokens = 3 * group_size
     stored = _random_storage(config, head_dim, tokens)

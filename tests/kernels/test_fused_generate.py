@@ -90,10 +90,11 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     )
 
 
-def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing):
+@pytest.mark.parametrize("bits", [{}, {"key_bits": 4, "value_bits": 2}], ids=["K2V2", "K4V2"])
+def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing, bits):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
-    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 10, teacher_forcing)  # flush at 257
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 10, teacher_forcing, **bits)  # flush: 257
     assert cache.layers[0].quantized_length == 256
 
 

@@ -27,9 +27,12 @@ def _storage(config, batch=1, tokens=64):
     return quantize_kv_triton(keys, values, dataclasses.replace(config, method="paper"))
 
 
-@pytest.mark.parametrize(("token_scaling", "method"), [(True, "paper"), (False, "paper"), (True, "oscar")])
-def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method):
-    config = OscarConfig(residual_length=32, token_scaling=token_scaling, method=method)
+@pytest.mark.parametrize(
+    ("token_scaling", "method", "key_bits"),
+    [(True, "paper", 2), (False, "paper", 2), (True, "oscar", 2), (True, "oscar", 4)],
+)
+def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method, key_bits):
+    config = OscarConfig(residual_length=32, token_scaling=token_scaling, method=method, key_bits=key_bits)
     key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
     keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
     held = torch.tensor(64, device=DEVICE)
@@ -49,11 +52,14 @@ def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method)
     torch.library.opcheck(torch.ops.oscar.flush_residual.default, op_args)
 
 
-@pytest.mark.parametrize(("with_history", "method"), [(True, "paper"), (False, "paper"), (True, "oscar")])
-def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history, method):
-    config = OscarConfig(residual_length=32, method=method)
+@pytest.mark.parametrize(
+    ("with_history", "method", "key_bits"),
+    [(True, "paper", 2), (False, "paper", 2), (True, "oscar", 2), (True, "oscar", 4)],
+)
+def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history, method, key_bits):
+    config = OscarConfig(residual_length=32, method=method, key_bits=key_bits)
     key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
-    query, stored, residual_keys, residual_values, mask = _inputs(OscarConfig(residual_length=32))
+    query, stored, residual_keys, residual_values, mask = _inputs(dataclasses.replace(config, method="paper"))
     if not with_history:
         stored, mask = None, mask[:, -residual_keys.shape[2] :]
     args = (query, stored, residual_keys, residual_values, mask, 0.125)

@@ -27,7 +27,8 @@ class Case:
     tokens: int = 64
     head_dim: int = 64
     dtype: torch.dtype = torch.bfloat16
-    bits: int = 2
+    key_bits: int = 2
+    value_bits: int = 2
     rotation: bool = True
     token_scaling: bool = True
     group_size: int = 32
@@ -50,15 +51,18 @@ class Case:
             )
             if on
         )
-        return f"B{self.batch}-H{self.heads}-N{self.tokens}-D{self.head_dim}-{dtype}-{self.bits}bit{flags}"
+        bits = f"K{self.key_bits}V{self.value_bits}"
+        return f"B{self.batch}-H{self.heads}-N{self.tokens}-D{self.head_dim}-{dtype}-{bits}{flags}"
 
 
 CASES = [
-    *(Case(head_dim=d, bits=b) for d in (64, 128, 256) for b in (2, 4)),
+    *(Case(head_dim=d, key_bits=b, value_bits=b) for d in (64, 128, 256) for b in (2, 4)),
+    Case(head_dim=128, key_bits=4, value_bits=2, batch=2, heads=3, tokens=96),
+    Case(key_bits=2, value_bits=4, dtype=torch.float16, tokens=96),
     Case(dtype=torch.float16, batch=2, heads=3),
     Case(dtype=torch.float32),
     Case(rotation=False, token_scaling=False),
-    Case(rotation=True, token_scaling=False, bits=4),
+    Case(rotation=True, token_scaling=False, key_bits=4, value_bits=4),
     Case(rotation=False, token_scaling=True),
     Case(group_size=64, head_dim=128, tokens=128),
     Case(scale_dtype="float32"),
@@ -81,7 +85,8 @@ def make_inputs(case: Case, seed: int = 0):
         keys[:, :, 5] *= 0.01
         keys[:, :, case.tokens - 7] *= 100.0
     config = OscarConfig(
-        bits=case.bits,
+        key_bits=case.key_bits,
+        value_bits=case.value_bits,
         rotation=case.rotation,
         token_scaling=case.token_scaling,
         group_size=case.group_size,
@@ -91,11 +96,10 @@ def make_inputs(case: Case, seed: int = 0):
 
 
 def assert_matches_reference(out, ref, config: OscarConfig, label: str) -> None:
-    for name in ("key_codes", "value_codes"):
+    for name, bits in (("key_codes", config.key_bits), ("value_codes", config.value_bits)):
         got, want = getattr(out, name), getattr(ref, name)
         assert got.shape == want.shape and got.dtype == torch.int32, f"{label}: {name} {got.shape} {got.dtype}"
-        layout = StorageLayout.of(config)
-        codes, codes_ref = layout.unpack_codes(got).int(), layout.unpack_codes(want).int()
+        codes, codes_ref = StorageLayout.unpack_codes(got, bits).int(), StorageLayout.unpack_codes(want, bits).int()
         diff = (codes - codes_ref).abs()
         where = torch.nonzero(diff)[:8].tolist()
         assert (diff == 0).float().mean().item() >= 0.999 and diff.max().item() <= 1, (
@@ -181,22 +185,26 @@ def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int
 
 
 @pytest.mark.parametrize(
-    ("held", "padded", "method"),
+    ("held", "padded", "method", "bits"),
     [
-        (0, False, "paper"),
-        (5, False, "paper"),
-        (32, False, "paper"),
-        (96, False, "paper"),
-        (97, False, "paper"),
-        (32, True, "paper"),
-        (32, True, "oscar"),
+        (0, False, "paper", (2, 2)),
+        (5, False, "paper", (2, 2)),
+        (32, False, "paper", (2, 2)),
+        (96, False, "paper", (2, 2)),
+        (97, False, "paper", (2, 2)),
+        (32, True, "paper", (2, 2)),
+        (32, True, "oscar", (2, 2)),
+        (32, True, "oscar", (4, 2)),
+        (96, False, "paper", (4, 2)),
+        (64, False, "paper", (2, 4)),
     ],
 )
-def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded, method):
+def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded, method, bits):
     """The compiled decode step's flush: with `held` a positive multiple of the window R, tokens [held - R, held) of
     the storage become exactly `quantize_kv_triton` of the residual (with the padding mask's columns for those
-    positions, if any, and method="oscar"'s per-(row, head) key rotation); every other bit is unchanged."""
-    config = OscarConfig(residual_length=32, method=method)
+    positions, if any, and method="oscar"'s per-(row, head) key rotation); every other bit is unchanged. `bits`:
+    (key_bits, value_bits), whose packed rows of keys and values lie at different offsets where they differ."""
+    config = OscarConfig(residual_length=32, method=method, key_bits=bits[0], value_bits=bits[1])
     # method="oscar": a mixed choice, so that a flag the flush ignored would show
     key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
     keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
@@ -234,7 +242,8 @@ def test_flush_rejects_bad_inputs():
 
 GPU_CASES = [
     Case(batch=2, heads=8, tokens=4096, head_dim=128),
-    Case(batch=1, heads=8, tokens=2048, head_dim=128, bits=4, dtype=torch.float16),
+    Case(batch=1, heads=8, tokens=2048, head_dim=128, key_bits=4, value_bits=4, dtype=torch.float16),
+    Case(batch=2, heads=8, tokens=2048, head_dim=128, key_bits=4, value_bits=2),
     Case(batch=1, heads=4, tokens=1024, head_dim=256, extreme_norms=True),
     Case(batch=3, heads=2, tokens=512, head_dim=64, transposed=True),
 ]
