@@ -21,7 +21,8 @@ check (`finite.FiniteCheck`) and the padding (`padding.Padding`). It owns how a 
 
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
-chunked prefill, scoring) attends to the dequantized history plus its own exact tokens.
+chunked prefill, scoring) attends to the dequantized history plus its own exact tokens. On the fused path such a chunk
+attends to the same history with the chunk kernel, which reads the quantized region in place (cache/chunk.py).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from ..reference import (
     raise_unless_finite,
     token_norms,
 )
+from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
 from .finite import FiniteCheck
 from .key_rotation import KeyRotation
@@ -145,9 +147,19 @@ class OscarLayer(CacheLayerMixin):
             if not self.rotation.final:
                 self._await_queries(key_states)
             return key_states, value_states
+        if self.path.fused:
+            return self._chunk_step(key_states, value_states)
         keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
         self._append_awaiting_queries(key_states, value_states, keys)
         return keys, values
+
+    def _chunk_step(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A chunk arriving with history on the fused path: stored, and returned alone carrying the step whose
+        `ChunkHistory` the chunk kernel attends to (cache/chunk.py)."""
+        history = ChunkHistory(self, self.storage.length, *self.storage.exact(key_states, value_states))
+        self._append_awaiting_queries(key_states, value_states, key_states)
+        fused_attention.FusedStep.start(self, key_states, value_states, chunk=history)
+        return key_states, value_states
 
     def _append_awaiting_queries(self, key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Tensor):
         """Append the tokens of an update that returns `keys` (dense K/V) to its attention call: while the key rotation
