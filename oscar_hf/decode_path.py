@@ -2,7 +2,8 @@
 
 * portable: `update` returns dense K/V (the dequantized history, then the exact tokens) to the model's attention;
 * fused: decode steps of up to `DecodePath.query_tokens` tokens attend with the Triton kernel, which reads the packed
-  storage in place (`integrations/fused_attention.py`); blocks are quantized by the Triton kernel;
+  storage in place (`integrations/fused_attention.py`), and so do longer chunks arriving with history, with the chunk
+  kernel (`cache/chunk.py`); blocks are quantized by the Triton kernel;
 * compiled: fused single-token steps inside `torch.compile` / CUDA graphs, from a device counter over storage
   reserved up front (`cache/compiled.py`).
 
@@ -32,8 +33,8 @@ UNSUPPORTED_ATTENTION_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks")
 class DecodePath:
     """What a layer's steps may use, decided at its first update.
 
-    fused: blocks are quantized by the Triton kernel and decode steps of up to `query_tokens` tokens attend with the
-        fused kernel.
+    fused: blocks are quantized by the Triton kernel, decode steps of up to `query_tokens` tokens attend with the
+        fused kernel and longer chunks arriving with history with the chunk kernel.
     query_tokens: the kernel's limit on query rows per KV head divided by the model's GQA group.
     head_group: under tensor parallelism, the torch.distributed group over which this process holds a shard of the
         layer's KV heads: the Omni-Token norm (over all heads) is all-reduced over it (eager code only).

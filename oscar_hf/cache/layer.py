@@ -21,7 +21,8 @@ device counter of compiled decode (`compiled.CompiledDecode`) and the padding (`
 
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
-chunked prefill, scoring) attends to the dequantized history plus its own exact tokens.
+chunked prefill, scoring) attends to the dequantized history plus its own exact tokens. On the fused path such a chunk
+attends to the same history with the chunk kernel, which reads the quantized region in place (cache/chunk.py).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from ..kernels import ops as kernel_ops
 from ..layout import QuantizedKV, StorageLayout
 from ..reference import check_head_dim
 from .blocks import BlockCodec
+from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
 from .key_rotation import KeyRotation
 from .memory import KVMemory
@@ -122,30 +124,28 @@ class OscarLayer(CacheLayerMixin):
             self._append_dense(key_states, value_states, key_states)
             return key_states, value_states
         storage.flush()  # a complete block: quantized before it is read
-        if self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
-            # Fused decode: the kernel reads the storage itself, so only the new tokens are returned, carrying the
-            # step that the sdpa entry recognises (integrations/fused_attention.py).
-            storage.append(key_states, value_states)
-            fused_attention.FusedStep.start(self, key_states, value_states)
-            if not rotation.final:
-                self._await_queries(key_states)
+        if self.path.fused:
+            # The kernels read the storage in place, so only the new tokens are returned, carrying the step that the
+            # sdpa entry recognises (integrations/fused_attention.py): a decode step for the decode kernel, or a chunk
+            # with history for the chunk kernel, which reads it as the update found it (cache/chunk.py).
+            chunk = None
+            if not self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
+                chunk = ChunkHistory(self, storage.length, *storage.exact(key_states, value_states))
+            self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
+            fused_attention.FusedStep.start(self, key_states, value_states, chunk=chunk)
             return key_states, value_states
         keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
         self._append_dense(key_states, value_states, keys)
         return keys, values
 
     def _append_dense(self, key_states: torch.Tensor, value_states: torch.Tensor, keys: torch.Tensor) -> None:
-        """Append the tokens of an update that returns `keys` (dense K/V) to its attention call: while the key rotation
-        is open, the blocks they complete wait, exact, for that call's queries (`KeyRotation`)."""
+        """Append the tokens of an update whose attention call receives `keys`: while the key rotation is open, the
+        blocks they complete wait, exact, for that call's queries (`KeyRotation`), which it hands over."""
         if self.rotation.final:
             self.storage.append(key_states, value_states)
             return
         with self.rotation.deferring():
             self.storage.append(key_states, value_states)
-        self._await_queries(keys)
-
-    def _await_queries(self, keys: torch.Tensor) -> None:
-        """The attention call that receives `keys` brings the queries the open key-rotation choice takes."""
         self.rotation.await_queries(keys)
         fused_attention.await_queries(self, keys)
 

@@ -162,6 +162,11 @@ class KVStorage:
     def window_values(self) -> torch.Tensor:
         return self.values[:, :, : self.held]
 
+    def exact(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact window, then `new_keys`/`new_values`: one new buffer each (`append` may then rewrite the window),
+        the size of the window and the new tokens, whatever the history holds."""
+        return torch.cat((self.window_keys(), new_keys), dim=-2), torch.cat((self.window_values(), new_values), dim=-2)
+
     def history(
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

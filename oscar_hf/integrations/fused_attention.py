@@ -6,7 +6,9 @@ stores the step's tokens in `update` and returns them (the new tokens only) *car
 have the `FusedStep` as an attribute (`STEP`), which names the layer whose storage they stand for. `fused_sdpa`, the
 `sdpa` entry of transformers' `AttentionInterface` (registered by `register()` when oscar_hf is imported, removed by
 `unregister()`), reads it off the keys it receives and runs the fused kernel on that layer's packed storage. Keys
-carrying no step (other models, other caches, prefill) go to transformers' own `sdpa_attention_forward` untouched.
+carrying no step (other models, other caches, a prefill without history) go to transformers' own
+`sdpa_attention_forward` untouched. A prefill chunk arriving with history is a step too: its keys carry the
+`ChunkHistory` it attends to (cache/chunk.py), which the chunk kernel reads.
 The step travels with the data: no cache is held by this module or by any thread-local or global. `fused_sdpa` is a
 plain function whose lookup reads tensor attributes, so dynamo traces it (`torch.compile(fullgraph=True)`).
 
@@ -34,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -42,6 +45,9 @@ from transformers.modeling_utils import AttentionInterface
 from .. import decode_path
 from ..kernels import DECODE_MAX_QUERY_ROWS
 from ..reference import query_moment
+
+if TYPE_CHECKING:
+    from ..cache.chunk import ChunkHistory
 
 STEP = "oscar_fused_step"  # the attribute of a fused step's keys, and the attention kwarg that hands it over
 AWAITS_QUERIES = "oscar_awaits_queries"  # the attribute of the prefill keys of a layer that waits for its queries
@@ -54,18 +60,20 @@ UNATTENDED_STEP = (
 
 @dataclass(eq=False)
 class FusedStep:
-    """A decode step an `OscarLayer` stored in `update`: the K/V it returned (the new tokens only, the keys carrying
-    this step) stand for the layer's whole history in the sdpa calls that receive them, until its next update."""
+    """A decode step or a prefill chunk an `OscarLayer` stored in `update`: the K/V it returned (the new tokens only,
+    the keys carrying this step) stand for the layer's whole history in the sdpa calls that receive them, until its
+    next update."""
 
     layer: object  # the OscarLayer whose storage the step's K/V stand for
     values: torch.Tensor
     keys_shape: torch.Size
+    chunk: ChunkHistory | None = None  # a prefill chunk arriving with history: what it attends to; None: decode
     attended: bool = False
 
     @classmethod
-    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor) -> None:
+    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor, chunk: ChunkHistory | None = None) -> None:
         """Make the step of `layer` that returns `keys`/`values` its `fused_step`, carried by `keys`."""
-        step = cls(layer, values, keys.shape)
+        step = cls(layer, values, keys.shape, chunk)
         setattr(keys, STEP, step)
         layer.fused_step = step
 
@@ -86,13 +94,24 @@ class FusedStep:
         if (
             (q_batch, q_tokens, q_dim) != (batch, tokens, head_dim)
             or q_heads % kv_heads
-            or q_heads // kv_heads * q_tokens > DECODE_MAX_QUERY_ROWS
+            or (self.chunk is None and q_heads // kv_heads * q_tokens > DECODE_MAX_QUERY_ROWS)
         ):
+            kind = "decode step" if self.chunk is None else "prefill chunk"
             raise RuntimeError(
-                f"OscarCache: an attention call with query {tuple(query.shape)} does not match the fused decode step "
-                f"it uses (keys {tuple(self.keys_shape)}: same batch, tokens and head_dim, query heads a multiple of "
-                f"the KV heads, at most {DECODE_MAX_QUERY_ROWS} query rows per KV head). {_FIX}"
+                f"OscarCache: an attention call with query {tuple(query.shape)} does not match the fused {kind} it "
+                f"uses (keys {tuple(self.keys_shape)}: same batch, tokens and head_dim, query heads a multiple of the "
+                f"KV heads, at most {DECODE_MAX_QUERY_ROWS} query rows per KV head for a decode step). {_FIX}"
             )
+
+    def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the step attends to as dense K/V (for attention features the fused kernels lack)."""
+        return self.chunk.dense() if self.chunk is not None else self.layer.dense_history()
+
+    def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """The step's attention by the fused kernels, `[B, Hq, Tq, D]`."""
+        if self.chunk is not None:
+            return self.chunk.attention(query, attention_mask, scaling)
+        return self.layer.fused_attention(query, attention_mask, scaling)
 
 
 def step_of(keys: torch.Tensor) -> FusedStep | None:
@@ -133,16 +152,27 @@ def _step_for(key: torch.Tensor, handed: FusedStep | None) -> FusedStep | None:
 
 def fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' `sdpa` attention, except for keys that carry a fused step: attention over the step's layer's
-    whole storage by the fused kernel (`[B, Tq, Hq, D]`, None), or over its dense history where the call uses
-    features the kernel does not implement (`decode_path.attention_blockers`)."""
+    whole storage by the fused kernels (`[B, Tq, Hq, D]`, None), or over its dense history where the call uses
+    features the kernels do not implement (`decode_path.attention_blockers`)."""
     awaiting = getattr(key, AWAITS_QUERIES, None)
+    step = _step_for(key, kwargs.pop(STEP, None))
+    if awaiting is not None and step is not None and step.chunk is not None:
+        # A chunk attends before its queries reach the key-rotation choice, which may quantize the history again:
+        # it reads the history its update found, as the portable path's dense K/V are.
+        out = _fused(module, step, query, value, attention_mask, dropout, scaling, kwargs)
+        awaiting.observe_queries(query, key)
+        return out
     if awaiting is not None:
         awaiting.observe_queries(query, key)
-    step = _step_for(key, kwargs.pop(STEP, None))
     if step is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
+    return _fused(module, step, query, value, attention_mask, dropout, scaling, kwargs)
+
+
+def _fused(module, step: FusedStep, query, value, attention_mask, dropout, scaling, kwargs):
+    """`fused_sdpa` for keys that carry `step`."""
     step.check(query, value)
     step.attended = True
     layer = step.layer
@@ -159,11 +189,11 @@ def fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=N
                 "OscarCache: compiled decode supports plain causal attention only (no dropout, softcap, sliding "
                 "window or sinks). Run this model eagerly."
             )
-        keys, values = layer.dense_history()  # includes this step's tokens: `update` stored them already
+        keys, values = step.dense_history()  # includes this step's tokens: `update` stored them already
         return sdpa_attention_forward(
             module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
         )
-    out = layer.fused_attention(query, attention_mask, scaling)  # [B, Hq, Tq, D]
+    out = step.attention(query, attention_mask, scaling)  # [B, Hq, Tq, D]
     return out.transpose(1, 2).contiguous(), None  # sdpa's layout: [B, Tq, Hq, D]
 
 

@@ -114,10 +114,11 @@ def test_dequantize_refuses_a_missing_rotation_flag():
 
 
 @pytest.mark.parametrize("method", ["oscar", "paper"])
-def test_a_chunk_with_history_attends_to_the_kernels_dense_history(method):
-    """On the fused path (CUDA; Triton's interpreter on CPU) a chunk arriving with history gets one dense buffer:
-    its quantized region dequantized by the kernel (the reference's values, float32 rounding), the exact window and
-    the chunk itself (bit for bit), for chunk sizes that move the window boundary inside chunks."""
+def test_a_chunk_with_history_has_the_kernels_dense_history(method):
+    """On the fused path (CUDA; Triton's interpreter on CPU) a chunk arriving with history carries the history it
+    attends to; its dense form (what attention features the chunk kernel lacks get) is one buffer: the quantized
+    region dequantized by the kernel (the reference's values, float32 rounding), the exact window and the chunk itself
+    (bit for bit), for chunk sizes that move the window boundary inside chunks."""
     model_config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=2 * H, num_key_value_heads=H, head_dim=64, hidden_size=2 * H * 64
     )
@@ -131,6 +132,10 @@ def test_a_chunk_with_history_attends_to_the_kernels_dense_history(method):
             stored, window = layer.quantized(), (layer.storage.window_keys(), layer.storage.window_values())
             window = tuple(t.clone() for t in window)  # `update` rewrites the window buffer
         keys, values = cache.update(new_keys, new_values, 0)
+        if step:
+            assert keys is new_keys and layer.fused_step.chunk is not None  # the chunk alone, carrying its history
+            keys, values = layer.fused_step.dense_history()
+            layer.fused_step.attended = True  # this test reads the history; the attention: test_chunk_attention.py
         if step == 0:
             assert layer.use_kernels
             if method == "oscar":

@@ -1,12 +1,16 @@
 """The fused decode path inside `generate`: same logits and tokens as the portable path, dispatched under the model's
 own sdpa. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py), with attention="fused"."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from transformers import Gemma3nForCausalLM, LlamaConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf.cache import key_rotation
+from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -138,9 +142,10 @@ def test_unconsumed_fused_step_is_an_error():
     assert fresh.layers[0].fused_step is not None and not fresh.layers[0].fused_step.attended
 
 
-def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
-    """The kernel takes (Hq / Hkv) * Tq <= 64 query rows: with GQA 8 (Llama-3.1-8B), 8 tokens per step at most.
-    A longer step (e.g. prompt-lookup candidates) must attend over the dense history instead of failing."""
+def test_steps_beyond_the_decode_kernel_query_limit_take_the_chunk_kernel():
+    """The decode kernel takes (Hq / Hkv) * Tq <= 64 query rows: with GQA 8 (Llama-3.1-8B), 8 tokens per step at most.
+    A longer step (e.g. prompt-lookup candidates) attends over the whole history with the chunk kernel instead: the
+    sdpa entry answers as sdpa over the dense history (bf16 noise: the bound of test_fused_chunked_prefill.py)."""
     config = LlamaConfig(
         num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=64, hidden_size=1024
     )
@@ -149,7 +154,15 @@ def test_steps_beyond_the_kernel_query_limit_take_the_portable_path():
     kv = torch.randn(2, 1, 2, 160, 64, device=DEVICE, dtype=torch.bfloat16)
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8
-    keys, _ = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: portable
-    assert keys.shape[2] == 149 and cache.layers[0].fused_step is None
-    keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused, only the new ones back
-    assert keys.shape[2] == 8 and cache.layers[0].fused_step is not None
+    keys, values = cache.update(kv[0][:, :, 140:149], kv[1][:, :, 140:149], 0)  # 9 tokens: the chunk kernel
+    step = cache.layers[0].fused_step
+    assert keys.shape[2] == 9 and step.chunk is not None
+    module = SimpleNamespace(is_causal=True, num_key_value_groups=8, training=False)
+    query = torch.randn(1, 16, 9, 64, device=DEVICE, dtype=torch.bfloat16)
+    positions = torch.arange(149, device=DEVICE)
+    causal = (positions[None, :] <= positions[-9:, None])[None, None]
+    out, _ = fused_attention.fused_sdpa(module, query, keys, values, causal)
+    want, _ = sdpa_attention_forward(module, query, *step.dense_history(), causal)
+    assert ((out.float() - want.float()).norm() / want.float().norm()).item() < 2e-2
+    keys, _ = cache.update(kv[0][:, :, 149:157], kv[1][:, :, 149:157], 0)  # 8 tokens: fused decode
+    assert keys.shape[2] == 8 and cache.layers[0].fused_step.chunk is None
