@@ -29,6 +29,7 @@ Usage:
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 from collections import OrderedDict
 
@@ -86,31 +87,34 @@ def _options_of(method: str, config: OscarConfig) -> dict:
     return config.to_dict()
 
 
-def kv_head_dim(config) -> int:
-    """Channels per key/value head of a model's (text) config."""
+def kv_heads_and_dim(config) -> tuple[int, int]:
+    """(KV heads, channels per KV head) of a model's (text) config."""
     text = config.get_text_config(decoder=True)
-    return getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
 
 
-def oscar_avg_bits(config: OscarConfig, head_dim: int) -> float:
+def oscar_avg_bits(config: OscarConfig, head_dim: int, kv_heads: int) -> float:
     """Stored bits per K/V element of an OscarCache's quantized region: each token and KV head stores
-    `key_bits * head_dim` and `value_bits * head_dim` bits of codes; a scale and a minimum (`scale_dtype`) per key
-    channel and `group_size` tokens and per value group of `group_size` channels; and, with token scaling, one float32
-    key norm. At head_dim 128, groups of 32, fp16 scales: 3.125 bits at 2 bits (100 B per token and KV head), 5.125 at
-    4 bits (164 B), 4.125 with 4-bit keys and 2-bit values (132 B)."""
+    `key_bits * head_dim` and `value_bits * head_dim` bits of codes, and a scale and a minimum (`scale_dtype`) per key
+    channel and `group_size` tokens and per value group of `group_size` channels; with token scaling, each token also
+    stores one float32 key norm, shared by the layer's `kv_heads` KV heads. At head_dim 128, groups of 32, fp16 scales
+    and one KV head: 3.125 bits at 2 bits (100 B per token), 5.125 at 4 bits (164 B), 4.125 with 4-bit keys and 2-bit
+    values (132 B); with 2 KV heads the norm costs half as much per head (3.0625 bits at 2 bits)."""
     # `bits` is both where the config has no separate key and value bits (before issue 39's key_bits/value_bits)
     key_bits, value_bits = getattr(config, "key_bits", config.bits), getattr(config, "value_bits", config.bits)
     group_bits = 2 * 8 * config.scale_torch_dtype.itemsize  # a scale and a minimum per group
-    per_token = (key_bits + value_bits) * head_dim + 2 * group_bits * head_dim // config.group_size
-    per_token += 32 if config.token_scaling else 0
-    return per_token / (2 * head_dim)
+    per_token_and_head = (key_bits + value_bits) * head_dim + 2 * group_bits * head_dim // config.group_size
+    if config.token_scaling:
+        per_token_and_head += 32 / kv_heads
+    return per_token_and_head / (2 * head_dim)
 
 
 def _default(function, name: str):
     return inspect.signature(function).parameters[name].default
 
 
-def avg_bits(method: str, cache_config: dict, head_dim: int) -> float:
+def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> float:
     """Stored bits per K/V element of a method's quantized region, in a 16-bit (bf16 or fp16) model: codes, scales,
     zero points or minimums, OScaR's token norms; "bf16" (a DynamicCache) stores 16. Not counted: the window of exact
     recent tokens each quantized cache keeps (OscarCache: 1 to `residual_length`, 128; QuantizedCache: 0 to 127;
@@ -126,7 +130,7 @@ def avg_bits(method: str, cache_config: dict, head_dim: int) -> float:
     if implementation is None:
         return 16.0
     if implementation == "oscar":
-        return oscar_avg_bits(OscarConfig.from_dict(cache_config), head_dim)
+        return oscar_avg_bits(OscarConfig.from_dict(cache_config), head_dim, kv_heads)
     if implementation == "quantized":
         nbits = cache_config.get("nbits", _default(QuantizedLayer.__init__, "nbits"))
         group = cache_config.get("q_group_size", _default(QuantizedLayer.__init__, "q_group_size"))
@@ -141,14 +145,22 @@ def avg_bits(method: str, cache_config: dict, head_dim: int) -> float:
     raise ValueError(f"method {method!r}: no stored-bits count for cache implementation {implementation!r}.")
 
 
+@functools.cache
 def _tiny_kv_cache_class():
+    """tiny-turboquant's TinyKVCache, taking the `update(..., kwargs=...)` call of transformers >= 5.24 (its own
+    `update` takes `cache_kwargs`, which it does not use)."""
     try:
         from tiny_turboquant import TinyKVCache
     except ImportError as error:
         raise ImportError(
             'The tiny-turboquant methods need the tiny-turboquant package: pip install -e ".[eval]"'
         ) from error
-    return TinyKVCache
+
+    class TransformersTinyKVCache(TinyKVCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states, value_states, layer_idx)
+
+    return TransformersTinyKVCache
 
 
 @register_model("oscar-hf")
@@ -211,7 +223,8 @@ class OscarHFLM(HFLM):
     @property
     def avg_bits(self) -> float:
         """Stored bits per K/V element of this method's quantized region on this model (`avg_bits`)."""
-        return avg_bits(self.method, self.cache_config, kv_head_dim(self.model.config))
+        kv_heads, head_dim = kv_heads_and_dim(self.model.config)
+        return avg_bits(self.method, self.cache_config, head_dim, kv_heads)
 
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
         if self.cache_implementation == "tiny-turboquant":
