@@ -62,10 +62,12 @@ def retrieval(*lengths: str) -> list[str]:
 
 
 def bits_methods(model_name: str) -> list[str]:
-    """The evidence methods and `BITS_METHODS` that run on a model: transformers' QuantizedCache refuses models with
-    sliding-window layers (Gemma 3)."""
+    """The evidence methods and `BITS_METHODS` that run on a model. The peers do not run on Gemma 3, whose
+    sliding-window layers transformers' QuantizedCache refuses, and which tiny-turboquant keeps full-length: the
+    wrapper cannot fill its layers from the shared exact prefill, whose sliding layers keep only their window."""
+    peers = ("quantized", "tiny-turboquant")
     sliding = model_name == "gemma-3-270m"
-    return EVIDENCE_METHODS + [m for m in BITS_METHODS if not (sliding and METHODS[m][0] == "quantized")]
+    return EVIDENCE_METHODS + [m for m in BITS_METHODS if not (sliding and METHODS[m][0] in peers)]
 
 
 # Runs of (model, tasks, methods), in priority order (documents per task: `documents`): 2k retrieval with 30

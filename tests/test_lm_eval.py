@@ -196,6 +196,15 @@ def test_the_shared_prefill_fills_each_method_cache(model, tokenizer, method, la
     assert cache.get_seq_length() == len(context)
 
 
+def test_a_full_length_cache_is_not_filled_from_a_sliding_window_prefill(tokenizer):
+    """tiny-turboquant keeps sliding-window layers full-length; the shared exact prefill kept only their window, so
+    replaying it would leave the layer short of the context (and its positions wrong): refused, naming the cause."""
+    model = tiny_gemma3(len(tokenizer))
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="tiny-turboquant-k3v2")
+    with pytest.raises(ValueError, match="layer 0 of the 'tiny-turboquant-k3v2' cache keeps every token"):
+        wrapper._prefill(tokenizer(PAIRS[0][0]).input_ids)
+
+
 def test_oscar_avg_bits_counts_every_stored_bit_per_element():
     """The issue's figures at head_dim 128 and one KV head (groups of 32, fp16 scales and minimums, a float32 key norm
     per token): INT2 100 B per token, INT4 164 B, 4-bit keys with 2-bit values 132 B, KIVI (no norms) 96 B; with 2 KV

@@ -290,6 +290,13 @@ class OscarHFLM(HFLM):
                 continue
             cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
             layer = cache.layers[idx]
+            if layer.get_seq_length() != prefilled.get_seq_length():
+                raise ValueError(
+                    f"layer {idx} of the {self.method!r} cache keeps every token, but the exact prefill's layer is a "
+                    f"sliding window that kept only the last {prefilled.keys.shape[-2]} of "
+                    f"{prefilled.get_seq_length()} tokens: this method's cache cannot be filled from the shared "
+                    "prefill on a model with sliding-window layers."
+                )
             if isinstance(layer, OscarLayer) and layer.wants_queries:  # what its attention hands over
                 layer.observe_query_moment(moments[idx])
         return first, cache
