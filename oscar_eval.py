@@ -71,6 +71,8 @@ def _describe(implementation: str | None, options: dict) -> str:
         return "transformers' DynamicCache in the model's dtype (the baseline)"
     if implementation == "quantized":
         return f"transformers' QuantizedCache {options}"
+    if implementation == "tiny-turboquant":
+        return f"tiny-turboquant's TinyKVCache {options}"
     return f"OscarCache {options}"
 
 

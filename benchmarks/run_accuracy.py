@@ -3,7 +3,8 @@
     python eval_configs/build_data.py                     # once: the offline tasks
     python benchmarks/run_accuracy.py                     # the default plan below (hours on 2 CPU cores)
     python benchmarks/run_accuracy.py --models smollm2-135m --tasks oscar_passkey_1k --limit 4
-    python benchmarks/run_accuracy.py --plot-only         # redraw the plot and print the tables from the JSONs
+    python benchmarks/run_accuracy.py --plot-only         # redraw the plots and print the tables from the JSONs
+    python benchmarks/run_accuracy.py --device cuda --dtype bfloat16 --threads 16   # on a GPU
 
 Results go to benchmarks/results/accuracy_<model>.json, one entry per (method, task), written as soon as it is
 measured: a rerun skips what is there, so a crash loses one entry. All methods of a model share one exact prefill
@@ -28,14 +29,16 @@ import transformers
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
+from transformers import AutoConfig
 
 from oscar_hf import OscarConfig, cache_kwargs
-from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore
+from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, kv_heads_and_dim
 from oscar_hf.methods import METHODS
-from oscar_hf.offline_models import load_model
+from oscar_hf.offline_models import load_model, model_path
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
+from matplotlib.ticker import FixedLocator, FormatStrFormatter  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
@@ -49,17 +52,31 @@ COMPARED_METHODS = ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
+# Issue 39: quality against stored bits (`avg_bits`) between INT2 and INT4, ours and the peers': transformers'
+# QuantizedCache (quanto) and tiny-turboquant.
+BITS_METHODS = ["oscar-k4v2", "hf-quanto-int2", "hf-quanto-int4", "tiny-turboquant-k3v2", "tiny-turboquant-k4v4"]
 
 
 def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
+def bits_methods(model_name: str) -> list[str]:
+    """The evidence methods and `BITS_METHODS` that run on a model. The peers do not run on Gemma 3, whose
+    sliding-window layers transformers' QuantizedCache refuses, and which tiny-turboquant keeps full-length: the
+    wrapper cannot fill its layers from the shared exact prefill, whose sliding layers keep only their window."""
+    peers = ("quantized", "tiny-turboquant")
+    sliding = model_name == "gemma-3-270m"
+    return EVIDENCE_METHODS + [m for m in BITS_METHODS if not (sliding and METHODS[m][0] in peers)]
+
+
 # Runs of (model, tasks, methods), in priority order (documents per task: `documents`): 2k retrieval with 30
 # documents per task and perplexity on 20 documents on every model first, then 4k and generation-based passkey, then
-# the 8k retrieval tasks on SmolLM2 (its context limit is 8192 tokens; the prompts are ~7.7K of its tokens). Build
-# the data with `python eval_configs/build_data.py --lengths 1k 2k 4k 8k --docs 30`. The whole plan takes many hours on
-# 2 shared CPU cores; every entry is saved as soon as it is measured, so it can run in pieces.
+# the 8k retrieval tasks on SmolLM2 (its context limit is 8192 tokens; the prompts are ~7.7K of its tokens); last,
+# issue 39's quality against stored bits: perplexity and the 2k and 4k retrieval cells of every evidence method and
+# `BITS_METHODS` on every model (what is already measured is skipped). Build the data with
+# `python eval_configs/build_data.py --lengths 1k 2k 4k 8k --docs 30`. The whole plan takes many hours on 2 shared CPU
+# cores; every entry is saved as soon as it is measured, so it can run in pieces.
 SWEEP_MODEL, SWEEP_METHODS = "smollm2-135m", ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 PLAN = [
     *((name, ["oscar_multikey_2k"], EVIDENCE_METHODS) for name in MODELS),
@@ -68,6 +85,7 @@ PLAN = [
     *((name, retrieval("4k"), EVIDENCE_METHODS) for name in MODELS),
     *((name, ["oscar_passkey_gen_2k"], EVIDENCE_METHODS) for name in MODELS),
     ("smollm2-135m", retrieval("8k"), COMPARED_METHODS),
+    *((name, ["oscar_pg_ppl_1k", *retrieval("2k", "4k")], bits_methods(name)) for name in MODELS),
 ]
 
 
@@ -145,7 +163,8 @@ def kv_stats(model, tokenizer, text: str) -> dict:
     model.set_attn_implementation("capture_queries")
     try:
         cache = DynamicCache(config=model.config)
-        model(tokenizer(text, return_tensors="pt").input_ids[:, :1024], **cache_kwargs(cache), logits_to_keep=1)
+        input_ids = tokenizer(text, return_tensors="pt").input_ids[:, :1024].to(model.device)
+        model(input_ids, **cache_kwargs(cache), logits_to_keep=1)
     finally:
         model.set_attn_implementation(original)
     group = OscarConfig().group_size
@@ -209,7 +228,7 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
     rows = [json.loads(line) for line in (EVAL_CONFIGS / "data" / f"{name}.jsonl").read_text().splitlines()[:limit]]
     for row in tqdm(rows, desc=f"decomposition {task}"):
         context, continuation = wrapper._encode_pair(row["context"], " " + row["answer"])
-        targets = torch.tensor(continuation)
+        targets = torch.tensor(continuation, device=model.device)
         for variant, method, part in variants:
             first, cache = wrapper._prefill(context)  # a fresh copy of the exact prefill
             moments = wrapper.prefill_store.get(tuple(context))[2]  # its queries' second moments (method="oscar")
@@ -224,7 +243,7 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
                     layer.keys[..., :n, :] = keys
                 if "V" in part:
                     layer.values[..., :n, :] = values
-            logits = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
+            logits = model(torch.tensor([continuation[:-1]], device=model.device), **cache_kwargs(cache)).logits[0]
             logprobs = torch.cat([first[None], torch.log_softmax(logits.float(), dim=-1)])
             scores[variant]["acc"].append(float((logprobs.argmax(-1) == targets).all()))
             scores[variant]["answer_loglik"].append(float(logprobs.gather(-1, targets[:, None]).sum()))
@@ -293,28 +312,37 @@ def save_results(results: dict) -> None:
     path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
 
 
-def run_model(model_name: str, tasks: list[str], limit: int | None, methods: list[str], dtype: torch.dtype) -> None:
+def load(model_name: str, dtype: torch.dtype, device: str):
+    model, tokenizer = load_model(model_name, dtype=dtype)
+    return model.to(device), tokenizer
+
+
+def run_model(
+    model_name: str, tasks: list[str], limit: int | None, methods: list[str], dtype: torch.dtype, device: str
+) -> None:
     """Scores every (task, method) not yet in the model's record on `limit` documents (default: `documents(task)`)."""
     results = load_results(model_name)
     redo = set(stale_entries(results["entries"]))
     todo = [(t, m) for t in tasks for m in methods if f"{m}|{t}" not in results["entries"] or f"{m}|{t}" in redo]
     if not todo and "kv_stats" in results:
         return
-    model, tokenizer = load_model(model_name, dtype=dtype)
+    model, tokenizer = load(model_name, dtype, device)
     if model.config._attn_implementation != "sdpa":  # `key_rotation` records method="auto" as the query rule
         raise ValueError(f"{model_name} loaded with {model.config._attn_implementation!r} attention, not 'sdpa'.")
-    text_config = model.config.get_text_config()
+    kv_heads, head_dim = kv_heads_and_dim(model.config)
     results.update(
         model=model_name,
         dtype=str(dtype).removeprefix("torch."),
-        head_dim=getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads,
+        head_dim=head_dim,
+        kv_heads=kv_heads,
         versions={
             "torch": torch.__version__,
             "transformers": transformers.__version__,
             "lm_eval": lm_eval.__version__,
             "python": platform.python_version(),
         },
-        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
+        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        + (f", {torch.cuda.get_device_name(model.device)}" if model.device.type == "cuda" else ""),
     )
     if "kv_stats" not in results:
         results["kv_stats"] = kv_stats(model, tokenizer, first_ppl_text())
@@ -336,6 +364,7 @@ def run_model(model_name: str, tasks: list[str], limit: int | None, methods: lis
             "n": out["n-samples"][task]["effective"],
             "context_tokens": context_tokens(task, tokenizer, n_docs),
             "cache_config": wrappers[method].cache_config,
+            "avg_bits": wrappers[method].avg_bits,
             "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": git_commit(),
@@ -348,13 +377,13 @@ def run_model(model_name: str, tasks: list[str], limit: int | None, methods: lis
         save_results(results)
 
 
-def run_decomposition(model_name: str, tasks: list[str], limit: int, dtype: torch.dtype) -> None:
+def run_decomposition(model_name: str, tasks: list[str], limit: int, dtype: torch.dtype, device: str) -> None:
     results = load_results(model_name)
     done = results.setdefault("kv_decomposition", {})
     todo = [t for t in tasks if t not in done]
     if not todo:
         return
-    model, tokenizer = load_model(model_name, dtype=dtype)
+    model, tokenizer = load(model_name, dtype, device)
     for task in todo:
         done[task] = kv_decomposition(model, tokenizer, task, limit)
         save_results(results)
@@ -413,6 +442,52 @@ def plot(model_names: list[str]) -> Path:
     fig.tight_layout()
     path = RESULTS / "accuracy.png"
     fig.savefig(path, dpi=100)
+    return path
+
+
+# Colours of the cache families in `plot_bits`, by cache implementation (`METHODS`)
+FAMILY_COLOURS = {None: "black", "oscar": "tab:blue", "quantized": "tab:orange", "tiny-turboquant": "tab:green"}
+
+
+def plot_bits(model_names: list[str]) -> Path:
+    """accuracy_bits.png, from accuracy_summary.json: per model (a column), the perplexity change vs bf16 (top) and
+    the pooled 2k retrieval accuracy with its standard error (bottom) against the method's stored bits per K/V element
+    (`avg_bits`); every method a labelled point, coloured by cache family. A retrieval point pooled over fewer 2k
+    tasks than bf16's is hollow, its label marked with a dagger: compare it with care."""
+    summary = json.loads((RESULTS / "accuracy_summary.json").read_text())
+    fig, axes = plt.subplots(2, len(model_names), figsize=(5 * len(model_names), 9), squeeze=False)
+    for column, name in enumerate(model_names):
+        rows = summary[name]
+        ax_ppl, ax_acc = axes[0, column], axes[1, column]
+        full = len(rows.get("bf16", {}).get("retrieval_tasks", []))
+        for method, row in rows.items():
+            colour = FAMILY_COLOURS[METHODS[method][0]]
+            if "ppl_delta_pct" in row:
+                ax_ppl.scatter(row["avg_bits"], row["ppl_delta_pct"], color=colour)
+                ax_ppl.annotate(method, (row["avg_bits"], row["ppl_delta_pct"]), fontsize=7, xytext=(4, 2),
+                                textcoords="offset points")  # fmt: skip
+            if "retrieval_acc" in row:
+                partial = len(row["retrieval_tasks"]) < full
+                ax_acc.errorbar(row["avg_bits"], row["retrieval_acc"], yerr=row["retrieval_se"], fmt="o", color=colour,
+                                mfc="none" if partial else colour, capsize=2)  # fmt: skip
+                ax_acc.annotate(method + (" †" if partial else ""), (row["avg_bits"], row["retrieval_acc"]),
+                                fontsize=7, xytext=(4, 2), textcoords="offset points")  # fmt: skip
+        ax_ppl.set_title(f"{name}: perplexity vs bf16 (%)")
+        ax_ppl.set_yscale("symlog", linthresh=3)
+        ax_ppl.yaxis.set_major_locator(FixedLocator([-10, -3, -1, 0, 1, 3, 10, 30, 100, 300]))
+        ax_ppl.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax_ppl.axhline(0, color="black", linewidth=0.5)
+        ax_acc.set_title(f"{name}: 2k retrieval, pooled (± SE)")
+        ax_acc.set_ylim(-0.05, 1.05)
+        for ax in (ax_ppl, ax_acc):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks([2, 3, 4, 5, 8, 16], ["2", "3", "4", "5", "8", "16"])
+            ax.set_xlabel("stored bits per K/V element (avg_bits)")
+            ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = RESULTS / "accuracy_bits.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path
 
 
@@ -529,18 +604,20 @@ def summarize(model_names: list[str]) -> Path:
     where the method scored the same documents as bf16); the retrieval accuracy pooled over the 2k retrieval tasks
     that the INT2 comparison (bf16, the default, the paper's method, KIVI) ran in full (another method: those of them
     it ran, listed in its `retrieval_tasks`), with its binomial standard error and the number of documents; every
-    retrieval cell on its own (`retrieval_cells`, 2k, 4k and 8k); the exact match of each generation task run; and,
-    where the INT2 comparison ran, the default's targets (`oscar-int2` -> `targets`, `default_targets`)."""
+    retrieval cell on its own (`retrieval_cells`, 2k, 4k and 8k); the exact match of each generation task run; the
+    method's stored bits per K/V element on this model (`avg_bits`, as each entry records it); and, where the INT2
+    comparison ran, the default's targets (`oscar-int2` -> `targets`, `default_targets`)."""
     summary = {}
     for name in model_names:
         entries = current_entries(name)
+        kv_heads, head_dim = kv_heads_and_dim(AutoConfig.from_pretrained(model_path(name)))
         methods = sorted({k.split("|")[0] for k in entries}, key=ALL_METHODS.index)
         ppl_tasks = sorted({k.split("|")[1] for k in entries if "_ppl_" in k and k.startswith("bf16|")})
         compared = [m for m in COMPARED_METHODS if m in methods]
         retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in compared)]
         summary[name] = {}
         for m in methods:
-            row = {}
+            row = {"avg_bits": round(avg_bits(m, METHODS[m][1], head_dim, kv_heads), 4)}
             if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
                 change = ppl_change_pct(entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"])
                 if change is not None:
@@ -586,6 +663,7 @@ def main() -> None:
     parser.add_argument("--methods", nargs="+", choices=ALL_METHODS, help="override the plan's methods")
     parser.add_argument("--limit", type=int, help="override the plan's documents per task")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--device", default="cpu", help="where the model runs: cpu (default), cuda, cuda:1, ...")
     parser.add_argument(
         "--steps",
         nargs="+",
@@ -607,19 +685,19 @@ def main() -> None:
     if not args.plot_only and "plan" in args.steps:
         for name, tasks, methods in PLAN:
             if name in args.models:
-                run_model(name, args.tasks or tasks, args.limit, args.methods or methods, dtype)
+                run_model(name, args.tasks or tasks, args.limit, args.methods or methods, dtype, args.device)
     if not args.plot_only and "stats" in args.steps:
         for name in args.models:
             results = load_results(name)
-            model, tokenizer = load_model(name, dtype=dtype)
+            model, tokenizer = load(name, dtype, args.device)
             results["kv_stats"] = kv_stats(model, tokenizer, first_ppl_text())
             save_results(results)
     if not args.plot_only and "decompose" in args.steps:
         for name, tasks, limit in DECOMPOSE:
             if name in args.models:
-                run_decomposition(name, tasks, limit, dtype)
+                run_decomposition(name, tasks, limit, dtype, args.device)
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
-    print(f"plot: {plot(done)}\nsummary: {summarize(done)}")
+    print(f"plot: {plot(done)}\nsummary: {summarize(done)}\nquality vs stored bits: {plot_bits(done)}")
     for name in done:
         print(f"\n### {name}\n\n{markdown_table(name)}")
 

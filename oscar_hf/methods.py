@@ -6,8 +6,10 @@ Plain data, importing nothing: `oscar-eval --help` reads this file without impor
 """
 
 # The KV cache methods the evaluations compare (lm-eval model `oscar-hf`, `oscar-eval`, benchmarks/run_accuracy.py):
-# method name -> (cache_implementation for generate, cache_config). None: transformers' default DynamicCache.
+# method name -> (cache implementation, cache_config). None: transformers' default DynamicCache. "oscar": OscarCache.
 # "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
+# "tiny-turboquant": tiny-turboquant's TinyKVCache(**cache_config), a peer that generate takes as a cache object (it is
+# no cache_implementation of transformers).
 METHODS: dict[str, tuple[str | None, dict]] = {
     "bf16": (None, {}),
     # the default (method="auto"): the query rule (each KV head's key rotation chosen from the prompt's queries) on a
@@ -15,8 +17,8 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-int2": ("oscar", {"bits": 2}),
     "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
     "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
-    "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
     "oscar-k4v2": ("oscar", {"key_bits": 4, "value_bits": 2}),  # the default with 4-bit keys and 2-bit values
+    "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
     "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
@@ -24,4 +26,7 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
     "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
     "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),
+    # tiny-turboquant's presets "aggressive" (3-bit keys, 2-bit values in groups of 32 channels) and "safe" (default)
+    "tiny-turboquant-k3v2": ("tiny-turboquant", {"key_bits": 3, "value_bits": 2, "value_group_size": 32}),
+    "tiny-turboquant-k4v4": ("tiny-turboquant", {"key_bits": 4, "value_bits": 4}),
 }

@@ -16,6 +16,7 @@ from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, Lla
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
+from oscar_hf.integrations.transformers import CACHE_KWARG
 from oscar_hf.offline_models import model_path
 
 EVAL_CONFIGS = Path(__file__).resolve().parents[1] / "eval_configs"
@@ -90,7 +91,14 @@ def test_bf16_rolling_matches_hflm(model, tokenizer):
 @pytest.mark.parametrize(
     "method",
     # transformers' QuantizedCache backends are baselines, and slow on a CPU (quanto: minutes)
-    ["oscar-int2", "kivi-int2", pytest.param("hf-quanto-int2", marks=pytest.mark.slow), "hf-hqq-int2"],
+    [
+        "oscar-int2",
+        "kivi-int2",
+        pytest.param("hf-quanto-int2", marks=pytest.mark.slow),
+        "hf-hqq-int2",
+        "tiny-turboquant-k3v2",
+        "tiny-turboquant-k4v4",
+    ],
 )
 def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     pytest.importorskip({"hf-quanto-int2": "optimum.quanto", "hf-hqq-int2": "hqq"}.get(method, "oscar_hf"))
@@ -143,6 +151,107 @@ def test_generate_until_uses_the_method_cache(model, tokenizer, monkeypatch, met
     assert isinstance(out, str)
     assert seen.get("cache_implementation") == implementation
     assert seen.get("cache_config") == (METHODS[method][1] or None)
+
+
+def test_generate_until_hands_tiny_turboquant_its_cache(model, tokenizer, monkeypatch):
+    """tiny-turboquant's cache is no cache_implementation of transformers: generate gets a fresh TinyKVCache object,
+    and stores the prompt in it (quantized past its 128 to 255 exact recent tokens)."""
+    from tiny_turboquant import TinyKVCache
+    from tiny_turboquant.cache import TinyKVLayer
+
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="tiny-turboquant-k3v2")
+    seen = {}
+    original = model.generate
+
+    def spy(*args, **kwargs):
+        seen.update(kwargs)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    wrapper.generate_until(
+        requests("generate_until", [(PAIRS[0][0], {"until": ["\n"], "max_gen_toks": 4, "do_sample": False})])
+    )
+    cache = seen[CACHE_KWARG]
+    assert isinstance(cache, TinyKVCache) and "cache_implementation" not in seen
+    assert (cache.key_bits, cache.value_bits, cache.value_group_size) == (3, 2, 32)
+    assert len(cache.layers) == model.config.num_hidden_layers
+    assert all(type(layer) is TinyKVLayer and layer._n_quantized > 0 for layer in cache.layers)
+
+
+@pytest.mark.parametrize(
+    ("method", "layer_class"),
+    [
+        ("oscar-int2", "OscarLayer"),
+        ("hf-quanto-int4", "QuantoQuantizedLayer"),
+        ("tiny-turboquant-k4v4", "TinyKVLayer"),
+    ],
+)
+def test_the_shared_prefill_fills_each_method_cache(model, tokenizer, method, layer_class):
+    """Every layer of the cache the wrapper scores through is the method's own (tiny-turboquant's cache creates its
+    layers as they are first updated), and holds the context."""
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
+    context = tokenizer(PAIRS[0][0]).input_ids
+    _, cache = wrapper._prefill(context)
+    assert [type(layer).__name__ for layer in cache.layers] == [layer_class] * model.config.num_hidden_layers
+    assert cache.get_seq_length() == len(context)
+
+
+def test_a_full_length_cache_is_not_filled_from_a_sliding_window_prefill(tokenizer):
+    """tiny-turboquant keeps sliding-window layers full-length; the shared exact prefill kept only their window, so
+    replaying it would leave the layer short of the context (and its positions wrong): refused, naming the cause."""
+    model = tiny_gemma3(len(tokenizer))
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="tiny-turboquant-k3v2")
+    with pytest.raises(ValueError, match="layer 0 of the 'tiny-turboquant-k3v2' cache keeps every token"):
+        wrapper._prefill(tokenizer(PAIRS[0][0]).input_ids)
+
+
+def stored_bits(cache) -> tuple[int, int]:
+    """(bits stored for the quantized region, its K/V elements) of layer 0 of a cache, read from the tensors its
+    implementation keeps (the exact recent window left out, as `avg_bits` leaves it out)."""
+    layer = cache.layers[0]
+    name = type(layer).__name__
+    if name == "OscarLayer":
+        memory = layer.memory()
+        return 8 * memory.quantized_bytes, memory.quantized_bf16_bytes // 2
+    if name == "QuantoQuantizedLayer":  # quanto's WeightQBitsTensor: packed codes, scale and shift per group
+        tensors = [(q._data._data, q._scale, q._shift, q) for q in (layer._quantized_keys, layer._quantized_values)]
+        return sum(8 * t.nbytes for parts in tensors for t in parts[:3]), sum(parts[3].numel() for parts in tensors)
+    if name == "HQQQuantizedLayer":  # hqq: packed codes and (scale, zero) in `meta`
+        parts = (layer._quantized_keys, layer._quantized_values)
+        bits = sum(8 * (codes.nbytes + meta["scale"].nbytes + meta["zero"].nbytes) for codes, meta in parts)
+        return bits, sum(math.prod(meta["shape"]) for _, meta in parts)
+    if name == "TinyKVLayer":
+        elements = 2 * layer._n_quantized * math.prod(layer._residual_keys.shape) // layer._residual_keys.shape[-2]
+        return 8 * layer.memory_report()["compressed_storage_bytes"], elements
+    raise AssertionError(f"no byte count for {name}")
+
+
+@pytest.mark.parametrize(
+    "method",
+    [
+        "oscar-int2",
+        "oscar-int4",
+        "kivi-int2",
+        "oscar-k4v2",
+        "hf-quanto-int2",
+        "hf-quanto-int4",
+        "hf-hqq-int2",
+        "tiny-turboquant-k3v2",
+        "tiny-turboquant-k4v4",
+    ],
+)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_avg_bits_is_what_the_cache_stores(tokenizer, tiny_llama, method, head_dim):
+    """The `avg_bits` each accuracy entry records equals the bits the method's own cache holds per quantized K/V
+    element, in a bf16 model (QuantizedCache keeps its scales and zero points in the model's dtype)."""
+    model = tiny_llama(dtype=torch.bfloat16, vocab_size=len(tokenizer), head_dim=head_dim)
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
+    cache = wrapper.make_cache()
+    shape = (1, model.config.num_key_value_heads, 512, head_dim)
+    cache.update(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16), 0)
+    bits, elements = stored_bits(cache)
+    assert elements >= 2 * math.prod(shape) // 2  # at least half of the tokens are quantized
+    assert wrapper.avg_bits == bits / elements
 
 
 def test_bad_method_or_option_fails_early(model, tokenizer):

@@ -10,7 +10,8 @@ would never touch them. `OscarHFLM` scores THROUGH the cache instead, the way a 
 * loglikelihood_rolling (perplexity): each window runs through a fresh cache in chunks of `rolling_chunk` tokens
   (default: the residual length, 128). With chunks of the residual length every scored token sees the same mix of
   quantized history and 1..128 exact recent tokens as it would in token-by-token decoding.
-* generate_until: `generate(cache_implementation=..., cache_config=...)`.
+* generate_until: `generate(cache_implementation=..., cache_config=...)`; tiny-turboquant's cache, which is no
+  cache_implementation of transformers, is handed to `generate` as a cache object.
 
 The baseline "bf16" (a DynamicCache in the model's dtype) goes through the same two-step scoring, so every method is
 compared under the same protocol.
@@ -28,6 +29,8 @@ Usage:
 from __future__ import annotations
 
 import copy
+import functools
+import inspect
 from collections import OrderedDict
 
 import torch
@@ -37,8 +40,9 @@ from lm_eval.models.huggingface import HFLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
 from tqdm import tqdm
 from transformers import DynamicCache, QuantizedCache
+from transformers.cache_utils import QuantizedLayer
 
-from ..cache import OscarCache, OscarLayer
+from ..cache import OscarCache, OscarLayer, average_bits
 from ..config import OscarConfig
 from ..methods import METHODS
 from ..offline_models import MODELS, model_path
@@ -81,6 +85,66 @@ def _options_of(method: str, config: OscarConfig) -> dict:
             "change, or a method that agrees with the config."
         )
     return config.to_dict()
+
+
+def kv_heads_and_dim(config) -> tuple[int, int]:
+    """(KV heads, channels per KV head) of a model's (text) config."""
+    text = config.get_text_config(decoder=True)
+    heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
+    return heads, getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+
+
+def _default(function, name: str):
+    return inspect.signature(function).parameters[name].default
+
+
+def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> float:
+    """Stored bits per K/V element of a method's quantized region, in a 16-bit (bf16 or fp16) model: codes, scales,
+    zero points or minimums, OScaR's token norms; "bf16" (a DynamicCache) stores 16. Not counted: the window of exact
+    recent tokens each quantized cache keeps (OscarCache: 1 to `residual_length`, 128; QuantizedCache: 0 to 127;
+    tiny-turboquant: 128 to 255), a fixed number of tokens per sequence whatever its length.
+
+    - "quantized" (transformers' QuantizedCache, quanto or hqq): `nbits` per element, and a scale and a zero point in
+      the model's dtype per group of `q_group_size` (64) elements along the head dimension, for keys and values alike.
+    - "tiny-turboquant" (TinyKVCache): `key_bits` per key element plus a scale and a zero point (fp16) per channel and
+      block of `block_size` (128) tokens; `value_bits` per value element plus an fp16 scale and zero point per token
+      and `value_group_size` channels (the whole head without it). Codes are bit-packed (3-bit: 8 codes in 3 bytes).
+    """
+    implementation = METHODS[method][0]
+    if implementation is None:
+        return 16.0
+    if implementation == "oscar":
+        return average_bits(OscarConfig.from_dict(cache_config), head_dim, kv_heads)
+    if implementation == "quantized":
+        nbits = cache_config.get("nbits", _default(QuantizedLayer.__init__, "nbits"))
+        group = cache_config.get("q_group_size", _default(QuantizedLayer.__init__, "q_group_size"))
+        return nbits + 2 * 16 / group
+    if implementation == "tiny-turboquant":
+        cache_class = _tiny_kv_cache_class()
+        block = cache_config.get("block_size", _default(cache_class.__init__, "block_size"))
+        value_group = cache_config.get("value_group_size") or head_dim
+        per_token = cache_config["key_bits"] * head_dim + 2 * 16 * head_dim / block
+        per_token += cache_config["value_bits"] * head_dim + 2 * 16 * head_dim / value_group
+        return per_token / (2 * head_dim)
+    raise ValueError(f"method {method!r}: no stored-bits count for cache implementation {implementation!r}.")
+
+
+@functools.cache
+def _tiny_kv_cache_class():
+    """tiny-turboquant's TinyKVCache, taking the `update(..., kwargs=...)` call of transformers >= 5.24 (its own
+    `update` takes `cache_kwargs`, which it does not use)."""
+    try:
+        from tiny_turboquant import TinyKVCache
+    except ImportError as error:
+        raise ImportError(
+            'The tiny-turboquant methods need the tiny-turboquant package: pip install -e ".[eval]"'
+        ) from error
+
+    class TransformersTinyKVCache(TinyKVCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(key_states, value_states, layer_idx)
+
+    return TransformersTinyKVCache
 
 
 @register_model("oscar-hf")
@@ -133,13 +197,23 @@ class OscarHFLM(HFLM):
             return DynamicCache(config=config)
         if self.cache_implementation == "oscar":
             return OscarCache(config, OscarConfig.from_dict(self.cache_config))
+        if self.cache_implementation == "tiny-turboquant":
+            return _tiny_kv_cache_class()(**self.cache_config)
         options = dict(self.cache_config)
         return QuantizedCache(backend=options.pop("backend"), config=config.get_text_config(decoder=True), **options)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate_until
+    @property
+    def avg_bits(self) -> float:
+        """Stored bits per K/V element of this method's quantized region on this model (`avg_bits`)."""
+        kv_heads, head_dim = kv_heads_and_dim(self.model.config)
+        return avg_bits(self.method, self.cache_config, head_dim, kv_heads)
+
     def _model_generate(self, context, max_length, stop, **generation_kwargs):
-        if self.cache_implementation is not None:
+        if self.cache_implementation == "tiny-turboquant":
+            generation_kwargs.setdefault(CACHE_KWARG, self.make_cache())
+        elif self.cache_implementation is not None:
             generation_kwargs.setdefault("cache_implementation", self.cache_implementation)
             generation_kwargs.setdefault("cache_config", dict(self.cache_config))
         return super()._model_generate(context, max_length, stop, **generation_kwargs)
@@ -192,14 +266,23 @@ class OscarHFLM(HFLM):
             self.prefill_store.put(key, entry)
         first, exact, moments = entry
         cache = self.make_cache()
-        for idx, (layer, prefilled) in enumerate(zip(cache.layers, exact.layers, strict=True)):
-            if type(layer) is type(prefilled):
+        for idx, prefilled in enumerate(exact.layers):
+            # tiny-turboquant's cache creates its layers in `update`: it has none yet
+            if idx < len(cache.layers) and type(cache.layers[idx]) is type(prefilled):
                 # Same layer type (e.g. sliding window, or every layer of "bf16"): a copy is what it would hold.
                 cache.layers[idx] = copy.deepcopy(prefilled)
-            else:
-                cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
-                if isinstance(layer, OscarLayer) and layer.rotation.wants_queries:  # what its attention hands over
-                    layer.observe_query_moment(moments[idx])
+                continue
+            cache.update(prefilled.keys, prefilled.values, idx)  # what the prefill forward stores
+            layer = cache.layers[idx]
+            if layer.get_seq_length() != prefilled.get_seq_length():
+                raise ValueError(
+                    f"layer {idx} of the {self.method!r} cache keeps every token, but the exact prefill's layer is a "
+                    f"sliding window that kept only the last {prefilled.keys.shape[-2]} of "
+                    f"{prefilled.get_seq_length()} tokens: this method's cache cannot be filled from the shared "
+                    "prefill on a model with sliding-window layers."
+                )
+            if isinstance(layer, OscarLayer) and layer.rotation.wants_queries:  # what its attention hands over
+                layer.observe_query_moment(moments[idx])
         return first, cache
 
     # ------------------------------------------------------------------------------------------------------------
