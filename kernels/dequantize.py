@@ -1,9 +1,10 @@
 """Dequantize the packed storage straight into dense K/V in the model dtype: `reference.dequantize_kv` in one kernel.
 
-A prefill chunk arriving with history (chunked prefill, multi-turn) attends to the whole history through the model's
-sdpa (flash / memory-efficient attention, tensor cores, many query tokens): the cache hands it dense K/V. This kernel
-builds the quantized region of that dense history in place, in the output buffer the cache preallocates for the
-history, its exact window and the chunk, so that the only transient is the layer's dense K/V itself:
+Where a call attends over the dense history through the model's sdpa (a crop, an attention feature the fused kernels
+lack: dropout, softcap, sliding window, sinks; `kernels/chunk_attention.py` reads a chunk's history in place
+otherwise), the cache hands it dense K/V. This kernel builds the quantized region of that dense history in place, in
+the output buffer the cache preallocates for the history, its exact window and the chunk, so that the only transient
+is the layer's dense K/V itself:
 
     codes -> code * scale + min (fp32) -> times the token norm (keys, token scaling) -> un-rotate (x H, fp32
     butterflies in registers: keys of the heads that rotate, every value) -> model dtype
