@@ -14,6 +14,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from oscar_hf.kernels.chunk_attention import ChunkTuning, chunk_attention_triton
+from reference_checks import assert_close_to_reference
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
@@ -22,18 +23,9 @@ from oscar_hf.reference import quantize_kv
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
-# Against the float64 reference on the same stored codes, so only arithmetic is covered: the quantized part's dot
-# operands are fp16 (relative rounding 2^-11 per operand), the exact part's operands and the probabilities that weigh
-# the exact values are in the model dtype (bf16: 2^-8), the output is rounded once to the model dtype. The bounds are
-# the decode kernel's (tests/kernels/test_decode_attention.py), which has the same arithmetic; max-abs relative to the
-# largest reference value.
-TOLERANCES = {  # dtype: (relative RMSE, max-abs / max|ref|)
-    torch.bfloat16: (1.2e-2, 3e-2),
-    torch.float16: (2e-3, 6e-3),
-    torch.float32: (2e-3, 6e-3),
-}
 
-
+# The decode kernel's tolerances (reference_checks.py): the chunk kernel's arithmetic is the same (fp16 operands
+# for the quantized part, the model dtype for the exact part and the probabilities that weigh it).
 @dataclass(frozen=True)
 class Case:
     chunk: int = 37  # query tokens T
@@ -142,18 +134,6 @@ def _capacity_view(t: torch.Tensor) -> torch.Tensor:
     view = buf.to(t.device).narrow(2, 0, t.shape[2])
     view.copy_(t)
     return view
-
-
-def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, label: str) -> None:
-    rmse_tol, max_tol = TOLERANCES[dtype]
-    out64 = out.double()
-    assert torch.isfinite(out64).all(), f"{label}: non-finite outputs at {torch.nonzero(~torch.isfinite(out64))[:8]}"
-    err = out64 - ref
-    rel_rmse = (err.norm() / ref.norm()).item()
-    max_abs, scale = err.abs().max().item(), ref.abs().max().item()
-    assert rel_rmse <= rmse_tol and max_abs <= max_tol * scale, (
-        f"{label}: relative RMSE {rel_rmse:.3e} (tol {rmse_tol:.1e}), max-abs {max_abs:.3e} (tol {max_tol * scale:.3e})"
-    )
 
 
 def _check(case: Case, seed: int = 0, tuning: ChunkTuning | None = None) -> None:
