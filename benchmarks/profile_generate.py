@@ -2,17 +2,19 @@
 
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar static
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar dynamic --eager
+    python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar dynamic --eager --prefill
 
 Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 weights, generate's automatic
 compile, or none with `--eager`). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of
-steady decode steps, started and stopped from the streamer; the GPU-busy share of the window tells launch/host
-overhead from kernel time. Prints the kernels by total GPU time per step and writes
-benchmarks/results/profile_generate_<gpu>.json (`--eager`: profile_generate_eager_<gpu>.json; `rows: [{batch,
-context, cache, compiled, wall_ms, gpu_busy_ms, gpu_idle_ms, kernels, runtime_calls, host_operators: [{name,
-us_per_step, calls_per_step}], idle_host_operators: [{name, us_per_step}], inductor_counters}]`; wall_ms is measured
-under the profiler, which slows the host side). The runtime calls tell a replayed CUDA graph (one cudaGraphLaunch)
-from kernels launched one by one. gpu_idle_ms is the time per step with no kernel running between the window's first
-and last kernel, and idle_host_operators the outermost host operators running in that time: what the GPU waits for.
+steady decode steps (`--prefill`: the prefill, in a warm process), started and stopped from the streamer; the
+GPU-busy share of the window tells launch/host overhead from kernel time. Prints the kernels by total GPU time per
+step and writes benchmarks/results/profile_generate_<gpu>.json (`--eager`: profile_generate_eager_<gpu>.json,
+`--prefill`: profile_generate_prefill_<gpu>.json; `rows: [{batch, context, cache, compiled, wall_ms, gpu_busy_ms,
+gpu_idle_ms, kernels, runtime_calls, host_operators: [{name, us_per_step, calls_per_step}], idle_host_operators:
+[{name, us_per_step}], inductor_counters}]`; wall_ms is measured under the profiler, which slows the host side). The
+runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from kernels launched one by one. gpu_idle_ms is the
+time per step with no kernel running between the window's first and last kernel, and idle_host_operators the
+outermost host operators running in that time: what the GPU waits for.
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static", "dynamic"])
     parser.add_argument("--eager", action="store_true", help="disable_compile=True: where an eager step's time goes")
+    parser.add_argument("--prefill", action="store_true", help="profile the prefill (time to the first token) instead")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
@@ -97,7 +100,7 @@ def main() -> None:
         model = LlamaForCausalLM._from_config(LlamaConfig(**LLAMA_31_8B), dtype=torch.bfloat16).eval()
     model.generation_config.pad_token_id = 0
     ids = torch.randint(0, model.config.vocab_size, (args.batch, args.context), device="cuda")
-    start, stop = 16, 24
+    start, stop = (0, 1) if args.prefill else (16, 24)  # the streamer's first call carries the prompt, before prefill
     for cache in args.cache:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
@@ -110,6 +113,9 @@ def main() -> None:
             options["compile_config"] = CompileConfig(fullgraph=True)
         if cache == "oscar":
             options["cache_config"] = {"attention": "auto"}
+        if args.prefill:  # a warm process: Triton's kernels compiled, as for bench_generate's time to first token
+            with torch.inference_mode():
+                model.generate(ids, attention_mask=torch.ones_like(ids), **{**options, "streamer": None})
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), **options)
         steps = stop - start
@@ -164,7 +170,7 @@ def main() -> None:
         )
     slug = gpu_slug(record["device"])
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"profile_generate_{'eager_' if args.eager else ''}{slug}.json"
+    name = f"profile_generate_{'prefill_' if args.prefill else 'eager_' if args.eager else ''}{slug}.json"
     (args.out / name).write_text(json.dumps(record, indent=2))
 
 
