@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import math
 import platform
 import subprocess
 import sys
@@ -23,7 +22,7 @@ import transformers
 from chunked_prefill_consistency import MODELS, RESULTS, ROOT, hamlet, perplexity
 from transformers import DynamicCache
 
-from oscar_hf import OscarCache, cache_kwargs
+from oscar_hf import OscarCache
 from oscar_hf.offline_models import load_model
 
 
