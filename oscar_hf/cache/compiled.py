@@ -89,8 +89,9 @@ def refuse_step(layer, tokens: int) -> None:
     raise RuntimeError(
         "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "
         "sdpa model, supported head dims) with the maximum length reserved (`generate` reserves it; by hand: "
-        f"`cache.reserve(max_length)` before the prefill). Got {tokens} tokens, fused path "
-        f"{'on' if layer.use_kernels else 'off'}, reserved length {layer.max_cache_len}. Run this step eagerly."
+        f"`cache.reserve(max_length)` before the prefill) and sink_tokens=0. Got {tokens} tokens, fused path "
+        f"{'on' if layer.use_kernels else 'off'}, reserved length {layer.max_cache_len}, sink_tokens "
+        f"{layer.config.sink_tokens}. Run this step eagerly."
     )
 
 

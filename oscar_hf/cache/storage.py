@@ -73,6 +73,9 @@ class KVStorage:
         self._window_views()
 
     def _window_views(self) -> None:
+        if not self.sinks:  # the window is the whole buffer (compiled decode marks these very tensors static)
+            self.keys, self.values = self.exact_keys, self.exact_values
+            return
         self.keys, self.values = self.exact_keys[:, :, self.sinks :], self.exact_values[:, :, self.sinks :]
 
     def check_batch(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
