@@ -5,9 +5,9 @@ test_fused_chunked_prefill.py)."""
 
 import pytest
 import torch
-from transformers import LlamaConfig
+from transformers import DynamicCache, LlamaConfig
 
-from oscar_hf import OscarCache, OscarConfig
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 
 B, HKV, D = 2, 2, 32
 
@@ -173,3 +173,23 @@ def test_memory_counts_the_sinks_as_exact_tokens():
 def test_sink_tokens_must_be_a_non_negative_int(value):
     with pytest.raises(ValueError, match="sink_tokens"):
         OscarConfig(sink_tokens=value)
+
+
+def test_exact_cache_generate_with_sinks_equals_dynamic_cache(tiny_llama, exact_oscar_cache):
+    """Quantization made lossless (tests/conftest.py): the sinks change where tokens are kept, never what attention
+    sees (positions, masks, the flushes after the sinks), so a left-padded batch generates DynamicCache's tokens."""
+    model = tiny_llama()
+    lengths, width = [150, 90, 20], 150
+    ids = torch.randint(3, 97, (3, width))
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        ids[row, : width - length] = 0
+        mask[row, width - length :] = 1
+    options = dict(max_new_tokens=150, min_new_tokens=150, do_sample=False, return_dict_in_generate=True)
+    want = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config)), **options)
+    cache = exact_oscar_cache(model.config, OscarConfig(sink_tokens=4))
+    got = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), **options)
+    assert torch.equal(got.sequences, want.sequences)
+    layer = cache.layers[0]
+    # 4 sinks after the most padding (130); 299 tokens held: 134 exact sinks, 128 quantized, 37 in the window
+    assert (layer.storage.sinks, layer.quantized_length, layer.residual_length) == (134, 128, 37)
