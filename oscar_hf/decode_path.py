@@ -112,8 +112,8 @@ def config_compile_blockers(
 ) -> list[str]:
     """Why compiled decode cannot run with this model's config and this cache's settings, before any layer is
     initialized (empty: it can, if the layers allow it, `compile_blockers`): the fused path by the model's config (sdpa,
-    head dims the kernel supports), KV sharing only as transformers >= 5.24 represents it, no sinks, no offloading or
-    tensor parallelism."""
+    head dims the kernel supports), KV sharing only as transformers >= 5.24 represents it, no offloading or tensor
+    parallelism."""
     heads = getattr(text_config, "num_attention_heads", None) or 1
     head_dim = getattr(text_config, "head_dim", None) or getattr(text_config, "hidden_size", 0) // heads
     group = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
@@ -129,10 +129,6 @@ def config_compile_blockers(
             "KV-sharing layers (num_kv_shared_layers) before transformers 5.24: upgrade it to decode them compiled",
         ),
         (offloading, "cache offloading is on"),
-        (
-            oscar_config.sink_tokens > 0,
-            "sink_tokens > 0: compiled steps count the tokens held on the device with no sinks (use sink_tokens=0)",
-        ),
         (tensor_parallel, "tensor parallel: the token norms' all-reduce over the ranks' KV heads runs in eager code"),
     )
 

@@ -85,8 +85,8 @@ class OscarLayer(CacheLayerMixin):
     quantized_length = property(lambda self: self.storage.length, doc="Tokens in the quantized region.")
     _storage = property(lambda self: self.storage.buffers, doc="The quantized region's capacity buffers.")
     key_rotated = property(lambda self: self.rotation.flags, doc="method='oscar': [B, Hkv] bool, or None until chosen")
-    compiled_decode = property(  # compiled single-token steps can run: fused path, maximum length reserved, no sinks
-        lambda self: self.use_kernels and self.max_cache_len is not None and not self.config.sink_tokens
+    compiled_decode = property(  # compiled single-token steps can run: fused path, maximum length reserved
+        lambda self: self.use_kernels and self.max_cache_len is not None
     )
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
