@@ -13,8 +13,10 @@
 
 With `length` (compiled decode: a one-element int64 device tensor, the tokens held, the new ones included), `quantized`
 and the residual tensors are the whole reserved storage and window instead: the kernel reads L = (length - 1) // R * R
-quantized tokens and length - L residual ones, decided on the device, and `key_padding_mask` is [B, W] over positions
-(W >= capacity + R: the residual slot j is position L + j), so nothing on the host depends on how much is held.
+quantized tokens and length - L residual ones, decided on the device, and `key_padding_mask` is [B, W] (W >= capacity
++ R: the residual slot j is column L + j), so nothing on the host depends on how much is held. With `sinks` S (exact
+sink tokens held before the window, in the first S residual slots: the residual tensors hold S + R tokens), L =
+max(length - S - 1, 0) // R * R.
 
 Query i (0-based, of Tq) sees every quantized token and residual tokens 0 .. R - Tq + i (the queries are the last
 Tq residual tokens). Scores: `(q H . deq(u_t)) * n_t * scaling` for quantized tokens, `q . k_t * scaling` for
@@ -92,14 +94,16 @@ def decode_attention_triton(
     key_rotated: torch.Tensor | None = None,
     length: torch.Tensor | None = None,
     *,
+    sinks: int = 0,
     tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
     """Attention of the newest Tq queries over quantized + residual tokens (module docstring), fused, [B, Hq, Tq, D].
     `key_rotated`: method="oscar"'s `[B, Hkv]` bool, as given to `quantize_kv_triton` (None for method="paper").
-    `length`: None, or the tokens held as a device tensor, over the whole storage and window (module docstring).
-    `tuning`: launch choices (`bench_decode_attention.py --sweep`), else `default_tuning`'s."""
+    `length`: None, or the tokens held as a device tensor, over the whole storage and window (module docstring), of
+    which the first `sinks` residual slots are sinks. `tuning`: launch choices (`bench_decode_attention.py --sweep`),
+    else `default_tuning`'s."""
     plan = decode_plan(query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length,
-                       tuning)  # fmt: skip
+                       tuning, sinks)  # fmt: skip
     device = query.device
     if not plan.num_quantized:  # nothing to read: empty tensors of the right dtypes and ranks, never dereferenced
         quantized = no_storage(query, residual_keys, config)
@@ -132,11 +136,13 @@ def decode_plan(
     key_rotated: torch.Tensor | None = None,
     length: torch.Tensor | None = None,
     tuning: DecodeTuning | None = None,
+    sinks: int = 0,
 ) -> DecodePlan:
     """The launch plan of these inputs: made (the inputs validated: a ValueError names what is wrong) the first time
     their launch facts are seen, then looked up (the residual tokens and the mask's width checked against it)."""
     facts = (
-        config, tuning, quantized is None, _facts(query), _window_facts(residual_keys), _window_facts(residual_values),
+        config, tuning, sinks, quantized is None, _facts(query), _window_facts(residual_keys),
+        _window_facts(residual_values),
         None if key_padding_mask is None else _mask_facts(key_padding_mask),
         *(None if t is None else _facts(t) for t in (key_rotated, length, *(quantized or ()))),
     )  # fmt: skip
@@ -145,8 +151,9 @@ def decode_plan(
         # new facts, or a residual window or mask width the cached plan cannot read: made again (which refuses
         # inputs that break the contract, naming the problem)
         plan = _make_plan(
-            query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length, tuning
-        )
+            query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length, tuning,
+            sinks,
+        )  # fmt: skip
         if len(_PLANS) >= _MAX_PLANS:
             del _PLANS[next(iter(_PLANS))]
         _PLANS[facts] = plan
@@ -218,9 +225,14 @@ def _strides(prefix: str, tensor: torch.Tensor, axes: str) -> dict[str, int]:
 
 
 def _make_plan(
-    query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length, tuning
+    query, quantized, residual_keys, residual_values, key_padding_mask, config, key_rotated, length, tuning, sinks
 ) -> DecodePlan:
     num_quantized = _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config, length)
+    if sinks and (length is None or not 0 < sinks < residual_keys.shape[2]):
+        raise ValueError(
+            f"decode_attention_triton: sinks={sinks} apply with a device `length` only, and must leave a window in "
+            f"the {residual_keys.shape[2]} residual slots; without `length`, pass the sinks as residual tokens."
+        )
     check_key_rotated(
         key_rotated, query.shape[0], residual_keys.shape[1], query.device, config, "decode_attention_triton"
     )
@@ -267,6 +279,7 @@ def _make_plan(
     split_args = dict(
         num_kv_heads=kv_heads,
         num_quantized=num_quantized,
+        num_sinks=sinks,
         blocks_per_split=blocks_per_split,
         num_splits=splits,
         first_slot=gluon_parts,
@@ -298,7 +311,7 @@ def _make_plan(
         TOKEN_SCALING=config.token_scaling,
         HAS_MASK=key_padding_mask is not None,
         # with `length`, the tokens read are a multiple of the window R (`num_quantized` is the capacity)
-        PARTIAL_BLOCK=(num_quantized if length is None else residual) % block_n != 0,
+        PARTIAL_BLOCK=(num_quantized if length is None else residual - sinks) % block_n != 0,
         DEVICE_LENGTH=length is not None,
         GLUON_BLOCK=gluon_block,
         LAUNCH_DEPENDENTS=pdl,
@@ -311,7 +324,7 @@ def _make_plan(
         gluon = _gluon.bind(
             (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized,
             gluon_blocks_per_split, num_parts, rows, config.token_scaling, key_padding_mask is not None,
-            tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl,
+            tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl, sinks,
         )  # fmt: skip
     merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))
     merge_args = dict(

@@ -268,11 +268,13 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
-@gluon.jit(do_not_specialize=["num_quantized", "num_residual", "blocks_per_split", "num_parts", "stride_mb"])
+@gluon.jit(
+    do_not_specialize=["num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb"]
+)
 def _gluon_split_kernel(
     q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
     part_o_ptr, part_ml_ptr,
-    num_kv_heads, num_quantized, num_residual, blocks_per_split, num_parts,
+    num_kv_heads, num_quantized, num_residual, num_sinks, blocks_per_split, num_parts,
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
     stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
     stride_mt,
@@ -295,7 +297,8 @@ def _gluon_split_kernel(
     h = bh % num_kv_heads
     if DEVICE_LENGTH:  # as the Triton kernel: the tokens held decide what is read
         held = gl.load(length_ptr)
-        num_quantized = ((held - 1) // num_residual * num_residual).to(gl.int32)
+        window = num_residual - num_sinks
+        num_quantized = (gl.maximum(held - num_sinks - 1, 0) // window * window).to(gl.int32)
     kc_ptr += b * stride_kcb + h * stride_kch
     ks_ptr += b * stride_ksb + h * stride_ksh
     km_ptr += b * stride_kmb + h * stride_kmh
@@ -410,11 +413,12 @@ _PER_CALL = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", 
 
 def bind(
     grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, token_scaling,
-    has_mask, max_registers, ptxas_options, pdl,
+    has_mask, max_registers, ptxas_options, pdl, num_sinks=0,
 ) -> BoundKernel:  # fmt: skip
     """`_gluon_split_kernel` over `grid` = (B * Hkv, splits) with these inputs' strides and the launch's sizes (`mask`
     and `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a
-    string, or None for Triton's); `launch` gives it the tensors and sizes of each call (`_PER_CALL`)."""
+    string, or None for Triton's); `launch` gives it the tensors and sizes of each call (`_PER_CALL`). `num_sinks`:
+    with `length`, the exact tokens before the window (the quantized ones start after them)."""
     kc, vc, vs, vm = quantized.key_codes, quantized.value_codes, quantized.value_scale, quantized.value_min
     ks, km = quantized.key_scale.view(torch.int32), quantized.key_min.view(torch.int32)  # channel pairs
     strides = dict(
@@ -428,7 +432,8 @@ def bind(
         stride_mt=mask.stride(1),
     )
     constants = dict(
-        num_kv_heads=kc.shape[1], num_quantized=num_quantized, blocks_per_split=blocks_per_split, num_parts=num_parts,
+        num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks, blocks_per_split=blocks_per_split,
+        num_parts=num_parts,
         **strides,
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,

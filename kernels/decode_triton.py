@@ -57,8 +57,8 @@ def _residual_part(
     return acc, m_i, l_i
 
 
-_NOT_SPECIALISED = ("num_quantized", "num_residual", "blocks_per_split", "num_splits", "first_slot", "num_parts",
-                    "stride_mb")  # fmt: skip
+_NOT_SPECIALISED = ("num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_splits", "first_slot",
+                    "num_parts", "stride_mb")  # fmt: skip
 
 
 @triton.jit(do_not_specialize=_NOT_SPECIALISED)
@@ -85,6 +85,7 @@ def split_kernel(
     num_kv_heads,
     num_quantized,
     num_residual,
+    num_sinks,
     blocks_per_split,
     num_splits,
     first_slot,
@@ -161,9 +162,10 @@ def split_kernel(
     pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
     h = pid_bh % num_kv_heads
-    if DEVICE_LENGTH:  # the storage's capacity and the window R came in; the tokens held decide what is read
+    if DEVICE_LENGTH:  # the storage's capacity and the sinks + window R came in; the tokens held decide what is read
         held = tl.load(length_ptr)
-        num_quantized = (held - 1) // num_residual * num_residual
+        window = num_residual - num_sinks
+        num_quantized = tl.maximum(held - num_sinks - 1, 0) // window * window
         num_residual = held - num_quantized
 
     o_m = tl.arange(0, BLOCK_M)

@@ -55,17 +55,21 @@ def _decode_attention_op(
     config: str,
     key_rotated: torch.Tensor | None,
     length: torch.Tensor | None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     from . import decode_attention_triton
 
     stored = QuantizedKV(*quantized) if quantized else None
     return decode_attention_triton(
-        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config), key_rotated, length
-    )
+        query, stored, residual_keys, residual_values, key_padding_mask, scaling, _config(config), key_rotated, length,
+        sinks=sinks,
+    )  # fmt: skip
 
 
 @_decode_attention_op.register_fake
-def _(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, length):
+def _(
+    query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config, key_rotated, length, sinks=0
+):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -101,13 +105,15 @@ def decode_attention(
     config: str,
     key_rotated: torch.Tensor | None = None,
     length: torch.Tensor | None = None,
+    sinks: int = 0,
 ) -> torch.Tensor:
     """`decode_attention_triton` through the `oscar::decode_attention` op (same contract; `config` from
     `config_key`)."""
     fields = [] if quantized is None else list(quantized)
     return torch.ops.oscar.decode_attention(
-        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config, key_rotated, length
-    )
+        query, fields, residual_keys, residual_values, key_padding_mask, float(scaling), config, key_rotated, length,
+        sinks,
+    )  # fmt: skip
 
 
 def flush_residual(

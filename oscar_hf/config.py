@@ -31,6 +31,11 @@ class OscarConfig:
         group_size: tokens per key quantization group (per channel) and channels per value group (per token).
         residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
             quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
+        sink_tokens: the first tokens of each sequence kept exact, in the model dtype, never quantized (attention
+            sinks: the first tokens draw much of every query's attention). A left-padded row's sinks are its first
+            real tokens: the cache keeps the first `sink_tokens` + (the most left padding of any row) positions
+            exact. 0 (default) keeps none. Like the residual window, they are exact tokens: `KVMemory` counts them as
+            exact bytes, `average_bits` (the quantized region's bits per element) leaves them out.
         rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values (see `method` for keys).
         token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
@@ -61,6 +66,7 @@ class OscarConfig:
     value_bits: int | None = None
     group_size: int = 32
     residual_length: int = 128
+    sink_tokens: int = 0
     rotation: bool = True
     token_scaling: bool = True
     scale_dtype: str = "float16"
@@ -72,7 +78,7 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
-        for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length"):
+        for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length", "sink_tokens"):
             value = getattr(self, name)
             if value is None and name.endswith("bits"):
                 continue
@@ -92,6 +98,10 @@ class OscarConfig:
             self.residual_length > 0 and self.residual_length % self.group_size == 0,
             f"residual_length={self.residual_length} must be a positive multiple of group_size={self.group_size} "
             f"(e.g. {4 * self.group_size}), because whole blocks of it are quantized at once.",
+        )
+        check(
+            self.sink_tokens >= 0,
+            f"sink_tokens={self.sink_tokens} must be 0 (no sinks) or a positive number of first tokens kept exact.",
         )
         check(
             self.scale_dtype in _SCALE_DTYPES,

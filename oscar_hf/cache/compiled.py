@@ -32,7 +32,7 @@ class CompiledDecode:
         storage.allocate_reserved()
         self.length = torch.tensor(storage.total, dtype=torch.long, device=storage.keys.device)
         self.is_newer = False
-        for tensor in (storage.keys, storage.values, self.length, layer.key_rotated, *storage.buffers):
+        for tensor in (storage.exact_keys, storage.exact_values, self.length, layer.key_rotated, *storage.buffers):
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
@@ -43,19 +43,27 @@ class CompiledDecode:
             self.is_newer = False
 
     def step(self, layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Store one token per row from the counter alone: a full residual (held a positive multiple of R) goes to
-        tokens [held - R, held) first; the kernel reads the counter and returns at once on the other R - 1 steps."""
-        storage, window = layer.storage, layer.config.residual_length
+        """Store one token per row from the counter alone: a full residual (held a positive multiple of R past the
+        sinks) goes to tokens [held - R, held) of the quantized region first; the kernel reads the counter and returns
+        at once on the other R - 1 steps. The first tokens fill the sink slots, which precede the window's."""
+        storage, window, sinks = layer.storage, layer.config.residual_length, layer.storage.sinks
         held = self.length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
         torch._assert_async(held < layer.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
         if storage.capacity:
             padding = None if layer._padding is None else layer._padding.mask
+            after_sinks = held
+            if sinks:  # the quantized region starts after the sinks, its padding columns too
+                after_sinks = (held - sinks).clamp(min=0)
+                padding = None if padding is None else padding[:, sinks:]
             kernel_ops.flush_residual(
-                storage.keys, storage.values, storage.buffers, held, layer._op_config, padding, layer.key_rotated
-            )
-        slot = (held % window).view(1)
-        storage.keys.index_copy_(2, slot, key_states)
-        storage.values.index_copy_(2, slot, value_states)
+                storage.keys, storage.values, storage.buffers, after_sinks, layer._op_config, padding,
+                layer.key_rotated,
+            )  # fmt: skip
+        slot = held % window
+        if sinks:
+            slot = torch.where(held < sinks, held, sinks + (held - sinks) % window)
+        storage.exact_keys.index_copy_(2, slot.view(1), key_states)
+        storage.exact_values.index_copy_(2, slot.view(1), value_states)
         self.length.add_(1)
         self.is_newer = True
 
@@ -65,17 +73,32 @@ class CompiledDecode:
         storage = layer.storage
         stored = storage.buffers if storage.capacity else None
         padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
+        if storage.sinks and padding is not None:
+            padding = _storage_order(padding, self.length, storage.sinks, storage.window)
         return kernel_ops.decode_attention(
-            query, stored, storage.keys, storage.values, padding, scaling, layer._op_config, layer.key_rotated,
-            self.length,
+            query, stored, storage.exact_keys, storage.exact_values, padding, scaling, layer._op_config,
+            layer.key_rotated, self.length, storage.sinks,
         )  # fmt: skip
 
 
+def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+    """`padding.storage_order` with the quantized length on the device: the kernel reads column q for quantized token
+    q (q < L, position sinks + q) and column L + j for residual slot j (a sink, position j, for j < sinks; else the
+    window's token at position L + j)."""
+    columns = torch.arange(padding.shape[1], device=padding.device)
+    quantized = (held - sinks - 1).clamp(min=0) // window * window
+    index = torch.where(
+        columns < quantized, columns + sinks, torch.where(columns < quantized + sinks, columns - quantized, columns)
+    )
+    return padding[:, index]
+
+
 def mask_width(layer) -> int:
-    """The width of a compiled decode step's attention mask: the reserved storage and the window, one shape for the
-    whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's reads reach."""
+    """The width of a compiled decode step's attention mask: the reserved storage, the sinks and the window, one shape
+    for the whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's reads
+    reach."""
     storage = layer.storage
-    return (storage.reserved if storage.buffers is None else storage.capacity) + storage.window
+    return (storage.reserved if storage.buffers is None else storage.capacity) + storage.sinks + storage.window
 
 
 def refuse_step(layer, tokens: int) -> None:

@@ -142,7 +142,8 @@ class KeyRotation:
 
     def choose(self, layer) -> None:
         """Make the choice from the running moment (None: no queries came; an isotropic one, said once) and the first
-        `CHOICE_TOKENS` keys `layer` holds (the blocks' exact copies, then its window), write the blocks waiting for it,
+        `CHOICE_TOKENS` keys `layer` holds after its sinks (the blocks' exact copies, then its window; the sinks only
+        while they are all it holds), write the blocks waiting for it,
         and those already written again if any head's choice flipped (under tensor parallelism: any head of any rank,
         since each quantization all-reduces the token norms, so every rank must quantize the same blocks). Final once
         the layer holds more than `CHOICE_TOKENS`."""
@@ -155,12 +156,15 @@ class KeyRotation:
             count += keys.shape[-2]
         held.append(storage.window_keys())
         keys = torch.cat(held, dim=-2)[:, :, :CHOICE_TOKENS]
+        first = storage.sinks  # the position of the first key quantized: the sinks never are, nor choose ...
+        if not keys.shape[-2]:  # ... unless they are all the layer holds
+            keys, first = storage.exact_tokens()[0], 0
         moment = self.moment
         if moment is None:
             logger.warning_once(KEYS_ONLY_MESSAGE)
             batch, heads, _, dim = keys.shape
             moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
-        padding = valid(layer._padding, 0, keys)  # the keys held, from the first
+        padding = valid(layer._padding, first, keys)
         flags = query_rotation_choice(keys, moment.to(keys.device), self.config, padding)
         new = self.flags is None
         flipped = torch.zeros((), dtype=torch.int32, device=flags.device) if new else (flags != self.flags).any().int()

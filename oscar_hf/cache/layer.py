@@ -1,7 +1,9 @@
 """`OscarLayer`: one full-attention layer's storage in OScaR's 2-bit format.
 
-A layer holds two regions of its history, oldest first:
+A layer holds up to three regions of its history, oldest first:
 
+* the sinks (`sink_tokens`, 0 by default): the first tokens, exact, in the model dtype, never quantized; with left
+  padding, as many more as the most left padding of any row, so that every row keeps its first real tokens exact;
 * the quantized region: `quantized_length` tokens (a multiple of `residual_length`) in the storage contract of
   `oscar_hf.reference` (packed codes, scales/mins, token norms), in buffers that grow by doubling so that a
   flush copies one block, never the whole history;
@@ -41,7 +43,7 @@ from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
 from .key_rotation import KeyRotation
 from .memory import KVMemory
-from .padding import Padding, key_padding, valid
+from .padding import Padding, key_padding, storage_order, valid
 from .storage import KVStorage
 
 
@@ -91,7 +93,10 @@ class OscarLayer(CacheLayerMixin):
         for states in (key_states, value_states):
             check_head_dim(states.shape[-1], self.config)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.storage.allocate(key_states, value_states)
+        sinks = self.config.sink_tokens
+        if sinks and self._padding is not None:  # a left-padded row's sinks are its first real tokens
+            sinks += self._padding.left
+        self.storage.allocate(key_states, value_states, sinks)
         self.is_initialized = True
         if self.compiled_decode:
             self._compiled = CompiledDecode(self)
@@ -130,7 +135,7 @@ class OscarLayer(CacheLayerMixin):
             # with history for the chunk kernel, which reads it as the update found it (cache/chunk.py).
             chunk = None
             if not self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
-                chunk = ChunkHistory(self, storage.length, *storage.exact(key_states, value_states))
+                chunk = ChunkHistory(self, storage.sinks_held, storage.length, *storage.exact(key_states, value_states))
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
             fused_attention.FusedStep.start(self, key_states, value_states, chunk=chunk)
             return key_states, value_states
@@ -245,11 +250,12 @@ class OscarLayer(CacheLayerMixin):
 
     def _quantize_at(self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False) -> QuantizedKV:
         """Quantize the tokens at quantized position `start` (`BlockCodec.quantize`)."""
-        mask = valid(self._padding, start, keys)
+        mask = valid(self._padding, self.storage.sinks + start, keys)  # the sinks precede the quantized tokens
         return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, decoding)
 
     def _dequantize(self, start: int, end: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V of quantized tokens `[start, end)` (block-aligned) in the model dtype (`BlockCodec.dequantize`)."""
+        """Dense K/V of quantized tokens `[start, end)` (block-aligned) in the model dtype (`BlockCodec.dequantize`);
+        quantized token 0 is the first after the sinks."""
         return self.codec.dequantize(self.storage.rows(start, end), self.key_rotated, self.path, self.dtype, out)
 
     def quantized(self) -> QuantizedKV | None:
@@ -258,7 +264,8 @@ class OscarLayer(CacheLayerMixin):
         return self.storage.quantized()
 
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything stored, as dense K/V in the model dtype: dequantized region, then the exact residual."""
+        """Everything stored, as dense K/V in the model dtype, in position order: the sinks, the dequantized region,
+        the exact residual."""
         self.rotation.write_waiting(self)
         return self.storage.history()
 
@@ -269,10 +276,12 @@ class OscarLayer(CacheLayerMixin):
             return self._compiled.attention(self, query, attention_mask, scaling)
         from ..kernels import decode_attention_triton
 
-        padding = key_padding(attention_mask, query.shape[0], self.get_seq_length())
-        keys, values = self.storage.window_keys(), self.storage.window_values()
+        storage = self.storage
+        padding = key_padding(attention_mask, query.shape[0], storage.total)
+        padding = storage_order(padding, storage.sinks_held, storage.length)
+        keys, values = storage.exact_tokens()
         return decode_attention_triton(
-            query, self.storage.quantized(), keys, values, padding, scaling, self.config, self.key_rotated
+            query, storage.quantized(), keys, values, padding, scaling, self.config, self.key_rotated
         )
 
     # ----------------------------------------------------------------------------------------------------------

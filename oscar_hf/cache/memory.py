@@ -19,7 +19,7 @@ class KVMemory:
     model's dtype and in bf16. `print(memory)` shows the whole cache's ratios to both.
 
     `quantized_*` covers the 2-bit region of the OScaR layers; `exact_*` everything kept in full precision (residual
-    windows, and the layers OScaR leaves alone, e.g. sliding-window layers). `allocated_bytes` includes spare
+    windows, sinks, and the layers OScaR leaves alone, e.g. sliding-window layers). `allocated_bytes` includes spare
     capacity (buffers grow by doubling; `generate` reserves its maximum length up front).
     """
 
@@ -93,7 +93,7 @@ def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float
     token and KV head (the `StorageLayout`'s own shapes and dtypes). A layer's `kv_heads` share one norm per token;
     the default 1 charges each head a whole norm (the count that does not depend on the model). With fp16 scales at
     head_dim 128: 2 bits 3.125 (100 bytes per token and KV head), 4 bits 5.125, 4-bit keys and 2-bit values 4.125
-    (bf16 is 16). The exact residual window is not counted (`KVMemory` counts what a cache holds)."""
+    (bf16 is 16). The exact residual window and sinks are not counted (`KVMemory` counts what a cache holds)."""
     layout = StorageLayout.of(config)
     tokens = config.group_size  # whole key groups, and whole words of codes (a word holds at most 16 tokens)
     shapes = layout.shapes(1, kv_heads, head_dim, kv_heads, head_dim, tokens)

@@ -14,15 +14,19 @@ class Padding:
 
     mask: torch.Tensor  # [B, P] bool, True for real tokens; positions from P on are real
     end: int  # no row has padding at or after this position: blocks starting there need no mask (host-side)
+    left: int  # the most left padding of any row (positions before its first real token; host-side)
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor) -> Padding | None:
         mask = attention_mask.bool()
         positions = torch.arange(mask.shape[1], device=mask.device)
-        end = int(torch.where(mask, 0, positions + 1).amax()) if mask.numel() else 0  # one host sync per call
+        if not mask.numel():
+            return None
+        # one host sync per call: no padding at or after `end`; `left` padding positions before a row's first token
+        end, left = torch.stack((torch.where(mask, 0, positions + 1).amax(), mask.int().cumsum(1).eq(0).sum(1).amax()))
         if end == 0:
             return None
-        return cls(mask, end)
+        return cls(mask, int(end), int(left))
 
     def valid(self, start: int, keys: torch.Tensor) -> torch.Tensor | None:
         """`[B, N]` bool for the N tokens of `keys` at positions `start..start + N - 1` (on their device), or None
@@ -40,12 +44,22 @@ class Padding:
 
     def apply(self, fn) -> Padding:
         """This padding after a batch-axis (or device) transform of the cache."""
-        return Padding(fn(self.mask), self.end)
+        return Padding(fn(self.mask), self.end, self.left)
 
 
 def valid(padding: Padding | None, start: int, tensor: torch.Tensor) -> torch.Tensor | None:
     """`padding.valid`, None without padding."""
     return None if padding is None else padding.valid(start, tensor)
+
+
+def storage_order(padding: torch.Tensor | None, sinks: int, quantized: int) -> torch.Tensor | None:
+    """A key padding mask `[B, positions]` in position order (as transformers builds it) over `sinks` sink tokens,
+    `quantized` quantized tokens and exact ones, reordered as the fused kernels read the tokens: the quantized ones,
+    then the exact ones (the sinks, then the rest; `storage.KVStorage`)."""
+    if padding is None or not sinks:
+        return padding
+    end = sinks + quantized
+    return torch.cat((padding[:, sinks:end], padding[:, :sinks], padding[:, end:]), dim=1)
 
 
 def key_padding(attention_mask: torch.Tensor | None, batch: int, width: int | None = None) -> torch.Tensor | None:

@@ -1,10 +1,12 @@
-"""What an `OscarLayer` holds: the residual window and the quantized region (see layer.py's docstring).
+"""What an `OscarLayer` holds: the exact sinks, the quantized region and the residual window (see layer.py's docstring).
 
 The quantized region is packed blocks in the storage contract of `oscar_hf.layout`, in capacity buffers that grow by
-doubling (or are reserved once at full size), so that a flush copies one block, never the history. The window is a
-fixed buffer of `residual_length` tokens, exact, in the model dtype. How a block is quantized and dequantized (the
-key rotation, kernels, token norms, finite checks: `blocks.BlockCodec`) is the layer's: `KVStorage` takes it as two
-functions.
+doubling (or are reserved once at full size), so that a flush copies one block, never the history. The window is a fixed
+buffer of `residual_length` tokens, exact, in the model dtype; the sinks (`sink_tokens`, the first tokens of each
+sequence) sit just before it in the same buffer, so that the kernels read the sinks and the window as one run of exact
+tokens (attention does not depend on the order of its keys: RoPE is applied already). How a block is quantized and
+dequantized (the key rotation, kernels, token norms, finite checks: `blocks.BlockCodec`) is the layer's: `KVStorage`
+takes it as two functions.
 """
 
 from __future__ import annotations
@@ -21,8 +23,12 @@ QUANTIZE_CHUNK_TOKENS = 4096
 
 
 class KVStorage:
-    """`length` quantized tokens (a multiple of the window size R) in `buffers`, then `held` exact tokens (1..R once
-    anything is stored) at the start of the window buffers `keys`/`values` (`[B, Hkv, R, D]`).
+    """In position order: `sinks_held` exact sink tokens (up to `sinks`), `length` quantized tokens (a multiple of the
+    window size R) in `buffers`, then `held` exact tokens (1..R once anything follows the sinks) at the start of the
+    window buffers `keys`/`values` (`[B, Hkv, R, D]`). The sinks fill first: tokens follow them only once they are
+    full. The sinks and the window share the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys`
+    and `values` are views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels'
+    residual, in storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
     quantize(keys, values, decoding): the block of the tokens that follow the quantized region, or None when the
         layer writes it later (`store`).
@@ -39,8 +45,12 @@ class KVStorage:
     ):
         self.layout, self.window = layout, window
         self.quantize, self.dequantize = quantize, dequantize
-        self.keys: torch.Tensor | None = None
+        self.exact_keys: torch.Tensor | None = None  # [B, Hkv, sinks + R, D]: the sinks, then the window
+        self.exact_values: torch.Tensor | None = None
+        self.keys: torch.Tensor | None = None  # the window: views of the last R tokens of the exact buffers
         self.values: torch.Tensor | None = None
+        self.sinks = 0  # sink slots (`allocate`)
+        self.sinks_held = 0
         self.held = 0
         self.buffers: QuantizedKV | None = None  # capacity; the first `length` tokens are valid
         self.length = 0
@@ -49,15 +59,24 @@ class KVStorage:
 
     def clear(self) -> None:
         """Hold nothing (the reservation stays)."""
-        self.keys = self.values = self.buffers = None
-        self.held = self.length = 0
+        self.exact_keys = self.exact_values = self.keys = self.values = self.buffers = None
+        self.held = self.length = self.sinks = self.sinks_held = 0
         self._views = (None, 0, None)
 
-    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """The window buffers, for K/V like these. Zeros: compiled steps read (masked) unused slots, which must never
-        hold NaN garbage."""
-        self.keys = key_states.new_zeros(*key_states.shape[:2], self.window, key_states.shape[-1])
-        self.values = value_states.new_zeros(*value_states.shape[:2], self.window, value_states.shape[-1])
+    def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: int = 0) -> None:
+        """The exact buffers (`sinks` sink slots and the window), for K/V like these. Zeros: compiled steps read
+        (masked) unused slots, which must never hold NaN garbage."""
+        self.sinks = sinks
+        tokens = sinks + self.window
+        self.exact_keys = key_states.new_zeros(*key_states.shape[:2], tokens, key_states.shape[-1])
+        self.exact_values = value_states.new_zeros(*value_states.shape[:2], tokens, value_states.shape[-1])
+        self._window_views()
+
+    def _window_views(self) -> None:
+        if not self.sinks:  # the window is the whole buffer (compiled decode marks these very tensors static)
+            self.keys, self.values = self.exact_keys, self.exact_values
+            return
+        self.keys, self.values = self.exact_keys[:, :, self.sinks :], self.exact_values[:, :, self.sinks :]
 
     def check_batch(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse K/V whose batch, heads or head_dim differ from what is held (a cache reused for another batch),
@@ -75,19 +94,31 @@ class KVStorage:
 
     @property
     def total(self) -> int:
-        return self.length + self.held
+        return self.sinks_held + self.length + self.held
 
     def set_total(self, total: int) -> None:
-        """The lengths of `total` tokens stored by compiled steps: the window holds the last 1..R."""
-        self.length = (total - 1) // self.window * self.window
-        self.held = total - self.length
+        """The lengths of `total` tokens stored by compiled steps: the sinks fill first, then the window holds the
+        last 1..R."""
+        self.sinks_held = min(total, self.sinks)
+        rest = total - self.sinks_held
+        self.length = max(rest - 1, 0) // self.window * self.window
+        self.held = rest - self.length
 
     # ----------------------------------------------------------------------------------------------------------
     # writing
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Add tokens to the window, quantizing whole blocks but the newest: the window keeps the last 1..R tokens (a
         complete last block is quantized when the next update begins, `flush`), so a fused decode step finds its own
-        tokens in the window."""
+        tokens in the window. The first tokens fill the sinks."""
+        if self.sinks_held < self.sinks:
+            taken = min(self.sinks - self.sinks_held, key_states.shape[-2])
+            end = self.sinks_held + taken
+            self.exact_keys[:, :, self.sinks_held : end] = key_states[:, :, :taken]
+            self.exact_values[:, :, self.sinks_held : end] = value_states[:, :, :taken]
+            self.sinks_held = end
+            key_states, value_states = key_states[:, :, taken:], value_states[:, :, taken:]
+            if not key_states.shape[-2]:
+                return
         held, new = self.held, key_states.shape[-2]
         to_quantize = (held + new - 1) // self.window * self.window
         if to_quantize == 0:
@@ -129,7 +160,12 @@ class KVStorage:
 
     def crop(self, keep: int) -> None:
         """Keep the first `keep` tokens. Cropping into the quantized region moves the surviving tokens of the last
-        blocks back into the window as the values they decode to, so attention sees exactly what it saw before."""
+        blocks back into the window as the values they decode to, so attention sees exactly what it saw before.
+        Cropping into the sinks keeps the first `keep` of them (later tokens fill them again)."""
+        if keep <= self.sinks_held:
+            self.sinks_held, self.length, self.held = keep, 0, 0
+            return
+        keep -= self.sinks_held
         if keep >= self.length:
             self.held = keep - self.length
             return
@@ -162,30 +198,42 @@ class KVStorage:
     def window_values(self) -> torch.Tensor:
         return self.values[:, :, : self.held]
 
+    def exact_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The exact tokens as the kernels read them, the sinks then the window: one run of the exact buffers (the
+        window holds tokens only once the sinks are full)."""
+        tokens = self.sinks_held + self.held
+        return self.exact_keys[:, :, :tokens], self.exact_values[:, :, :tokens]
+
     def exact(self, new_keys: torch.Tensor, new_values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The exact window, then `new_keys`/`new_values`: one new buffer each (`append` may then rewrite the window),
-        the size of the window and the new tokens, whatever the history holds."""
-        return torch.cat((self.window_keys(), new_keys), dim=-2), torch.cat((self.window_values(), new_values), dim=-2)
+        """The exact tokens (`exact_tokens`), then `new_keys`/`new_values`: one new buffer each (`append` may then
+        rewrite the window), the size of the sinks, the window and the new tokens, whatever the history holds."""
+        keys, values = self.exact_tokens()
+        return torch.cat((keys, new_keys), dim=-2), torch.cat((values, new_values), dim=-2)
 
     def history(
         self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, then `new_keys`/`new_values` (tokens not stored yet) if given, as dense K/V in the model
-        dtype: the dequantized region, the exact window, the new tokens. One new buffer each for K and V, the
-        quantized region dequantized straight into it, so that the dense history of a chunk's attention is its only
-        transient (no concatenation copies), and `append` may then rewrite the window freely."""
+        dtype, in position order: the sinks, the dequantized region, the exact window, the new tokens. One new buffer
+        each for K and V, the quantized region dequantized straight into it, so that the dense history of a chunk's
+        attention is its only transient (no concatenation copies), and `append` may then rewrite the window freely."""
         window_keys, window_values = self.window_keys(), self.window_values()
         if new_keys is None:
             new_keys, new_values = window_keys[:, :, :0], window_values[:, :, :0]
-        length, held = self.length, self.held
-        total = length + held + new_keys.shape[-2]
+        sinks, length, held = self.sinks_held, self.length, self.held
+        end = sinks + length
+        total = end + held + new_keys.shape[-2]
         keys = window_keys.new_empty(*window_keys.shape[:2], total, window_keys.shape[-1])
         values = window_values.new_empty(*window_values.shape[:2], total, window_values.shape[-1])
         if length:
-            self.dequantize(0, length, (keys[:, :, :length], values[:, :, :length]))
-        for dense, window, new in ((keys, window_keys, new_keys), (values, window_values, new_values)):
-            dense[:, :, length : length + held] = window
-            dense[:, :, length + held :] = new
+            self.dequantize(0, length, (keys[:, :, sinks:end], values[:, :, sinks:end]))
+        for dense, exact, window, new in (
+            (keys, self.exact_keys, window_keys, new_keys),
+            (values, self.exact_values, window_values, new_values),
+        ):
+            dense[:, :, :sinks] = exact[:, :, :sinks]
+            dense[:, :, end : end + held] = window
+            dense[:, :, end + held :] = new
         return keys, values
 
     # ----------------------------------------------------------------------------------------------------------
@@ -217,7 +265,8 @@ class KVStorage:
 
     def apply(self, fn) -> None:
         """Apply a batch-axis (or device) transform to every stored tensor."""
-        self.keys, self.values = fn(self.keys), fn(self.values)
+        self.exact_keys, self.exact_values = fn(self.exact_keys), fn(self.exact_values)
+        self._window_views()
         if self.buffers is not None:
             self.buffers = QuantizedKV(*(None if t is None else fn(t) for t in self.buffers))
         self._views = (None, 0, None)
@@ -229,9 +278,9 @@ class KVStorage:
         return KVMemory(
             quantized_bytes=_nbytes(self.quantized()),
             quantized_bf16_bytes=2 * per_token * self.length,
-            exact_bytes=element_size * per_token * self.held,
-            exact_bf16_bytes=2 * per_token * self.held,
-            allocated_bytes=self.keys.nbytes + self.values.nbytes + _nbytes(self.buffers),
+            exact_bytes=element_size * per_token * (self.sinks_held + self.held),
+            exact_bf16_bytes=2 * per_token * (self.sinks_held + self.held),
+            allocated_bytes=self.exact_keys.nbytes + self.exact_values.nbytes + _nbytes(self.buffers),
             model_dtype_bytes=element_size * per_token * self.total,
         )
 

@@ -422,3 +422,40 @@ def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
                 break
             torch.cuda.synchronize()
     assert refused_at == 129
+
+
+def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
+    """sink_tokens=4 on a batch whose row 1 has 2 padding positions: 6 sink slots, 5 held after the 5-token prompt.
+    The first compiled step fills the last sink slot, the next 32 the window, the 34th flushes a block into the
+    quantized region after the sinks (the flush's count and padding columns offset by them), and the kernel reads
+    the quantized region, the sinks and the window, the padding mask put in that order on the device."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
+    ).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 101, (2, 5), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    prompt[1, :2], mask[1, :2] = 0, 0
+    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, sink_tokens=4)
+
+    def decode(forward, steps=36):
+        cache = OscarCache(model.config, OscarConfig(**options))
+        cache.set_padding(mask)
+        cache.reserve(prompt.shape[1] + steps)
+        attention_mask, logits = mask, []
+        with torch.no_grad():
+            out = model(prompt, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True)
+            for _ in range(steps):
+                token = out.logits[:, -1:].argmax(-1)
+                attention_mask = torch.cat([attention_mask, torch.ones_like(token)], 1)
+                out = forward(input_ids=token, attention_mask=attention_mask, **cache_kwargs(cache), use_cache=True)
+                logits.append(out.logits[:, -1].float())
+        return logits, cache
+
+    eager_logits, _ = decode(model.forward)
+    torch._dynamo.reset()
+    logits, cache = decode(torch.compile(model.forward, fullgraph=True, backend="aot_eager"))
+    for a, b in zip(logits, eager_logits):
+        torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
+    layer = cache.layers[0]
+    assert layer.storage.sinks == 6 and layer.get_seq_length() == 41 and layer.quantized_length == 32

@@ -274,6 +274,46 @@ def test_device_length_reads_only_what_is_held(case: Case, held_quantized: int, 
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
+@pytest.mark.parametrize(
+    ("case", "sinks", "held_quantized", "held_exact"),
+    [
+        (replace(BASE, quantized=128, residual=36, left_pad=9), 4, 64, 4 + 12),  # 4 sinks, a 32-token window
+        (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 3),  # the sinks still filling: 3 held
+        (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 4 + 32),  # a full window, nothing quantized
+        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): 16 sinks, held 384 of 640
+        (replace(BASE, quantized=640, residual=80, head_dim=128, dtype=torch.float16, row_major=True), 16, 384, 33),
+    ],
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+)
+def test_device_length_with_sinks_reads_the_sinks_then_the_window(case, sinks, held_quantized, held_exact):
+    """Compiled decode with sinks: the residual tensors hold `sinks` sink slots then the window (R = residual - sinks
+    slots), and the device length counts the sinks: the kernel reads L = max(length - sinks - 1, 0) // R * R quantized
+    tokens and the first length - L residual slots (mask columns [0, L), then L + j for slot j), nothing else."""
+    query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = make_inputs(case)
+    window = case.residual - sinks
+    assert held_quantized % window == 0 and 1 <= held_exact <= case.residual
+    assert held_quantized == 0 or held_exact > sinks  # the window holds 1..R once anything is quantized
+    length = torch.tensor(held_quantized + held_exact, device=DEVICE)
+    out = decode_attention_triton(
+        query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated, length, sinks=sinks
+    )
+    held = StorageLayout.of(config).rows(quantized, 0, held_quantized) if held_quantized else None
+    held_mask = None if mask is None else mask[:, : held_quantized + held_exact]
+    ref = decode_attention_reference(
+        query,
+        held,
+        residual_keys[:, :, :held_exact],
+        residual_values[:, :, :held_exact],
+        held_mask,
+        scaling,
+        config,
+        key_rotated,
+        compute_dtype=torch.float64,
+        out_dtype=torch.float64,
+    )
+    assert_close_to_reference(out, ref, case.dtype, case.id)
+
+
 def test_quantized_none_equals_zero_tokens():
     query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
     empty = QuantizedKV(*(None if t is None else t[..., :0, :] if t.dim() == 4 else t[..., :0] for t in quantized))

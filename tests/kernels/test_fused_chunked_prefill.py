@@ -13,9 +13,10 @@ FUSED = "auto" if torch.cuda.is_available() else "fused"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _chunked_prefill(model, ids, mask, attention, chunk, method):
+def _chunked_prefill(model, ids, mask, attention, chunk, method, sinks=0):
     """The logits of a left-padded prompt fed to a cache the caller owns in chunks of `chunk` tokens."""
-    cache = OscarCache(model.config, OscarConfig(attention=attention, residual_length=32, method=method))
+    config = OscarConfig(attention=attention, residual_length=32, method=method, sink_tokens=sinks)
+    cache = OscarCache(model.config, config)
     cache.set_padding(mask)
     logits = []
     for start in range(0, ids.shape[1], chunk):
@@ -25,20 +26,21 @@ def _chunked_prefill(model, ids, mask, attention, chunk, method):
     return torch.cat(logits, dim=1)
 
 
-@pytest.mark.parametrize("method", ["oscar", "paper"])
-def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method):
+@pytest.mark.parametrize("method, sinks, tokens", [("oscar", 0, 96), ("paper", 0, 96), ("paper", 4, 144)])
+def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method, sinks, tokens):
     """Chunks of 24 tokens (the 32-token window boundary falls inside chunks) over 2 layers with GQA 4, a left-padded
     row: the fused path's logits at every real position within bf16 noise of the portable path's, the same argmax
     wherever the portable top-2 margin is decisive, with one kernel call per layer and chunk with history, and no
-    dense history built."""
+    dense history built. With 4 sinks, 4 + 37 positions stay exact: the second chunk fills them and spills over, and
+    the last two chunks read a quantized block that follows them."""
     shape = dict(vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=8,
                  num_key_value_heads=2, num_hidden_layers=2)  # fmt: skip
     model = tiny_llama(torch.bfloat16, **shape).to(DEVICE)
     model.config._attn_implementation = "sdpa"
-    ids = torch.randint(3, 101, (2, 96), device=DEVICE)
+    ids = torch.randint(3, 101, (2, tokens), device=DEVICE)
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0
-    portable = _chunked_prefill(model, ids, mask, "portable", 24, method)
+    portable = _chunked_prefill(model, ids, mask, "portable", 24, method, sinks)
 
     calls = []
     kernel = chunk_attention.chunk_attention_triton
@@ -48,8 +50,8 @@ def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method)
         raise AssertionError("the fused path built a dense history")
 
     monkeypatch.setattr(KVStorage, "history", no_dense_history)
-    fused = _chunked_prefill(model, ids, mask, FUSED, 24, method)
-    assert len(calls) == 2 * 3  # 2 layers x the 3 chunks after the first
+    fused = _chunked_prefill(model, ids, mask, FUSED, 24, method, sinks)
+    assert len(calls) == 2 * (tokens // 24 - 1)  # 2 layers x the chunks after the first
 
     real = mask.bool()
     a, b = fused[real], portable[real]
