@@ -52,7 +52,7 @@ from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS, 
 from .common import MODEL_DTYPES, announce_first_launch, interpreting, on_device
 from .decode_merge import merge_kernel
 from .decode_triton import split_kernel
-from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, num_splits
+from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, gluon_programs_per_head, num_splits
 from .decode_workspace import no_storage, nothing, workspace
 from .launching import BoundKernel
 from .quantize_pack import check_key_rotated
@@ -371,9 +371,7 @@ def _gluon_splits(query, quantized, config, block_m: int, num_quantized: int, tu
     ok, reason = _gluon.supports(query, quantized, config, block_m)
     if not ok:
         return 0, reason
-    return _gluon.programs_per_head(
-        query.shape[0] * quantized.key_codes.shape[1], full_blocks, tuning, query.device
-    ), ""
+    return gluon_programs_per_head(query.shape[0] * quantized.key_codes.shape[1], full_blocks, tuning, query.device), ""
 
 
 def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config, length) -> int:

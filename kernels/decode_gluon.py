@@ -23,9 +23,8 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
   at bits 2 m of both halves, m < 4.
 - Codes to fp16 (`_code_bits`): with the code at bits 2 m of the mantissa of E = 2^(8 - 2 m), the `lop3`
   (p & mask) | E reads E + c / 4 exactly, and less E it is c / 4. Keys: k = (c / 4) (4 s) + m, one `fma.f16x2`
-  rounded once, as the Triton kernel's `c s + m`. (Folding E into the minimum, (E + c / 4) 4 s + (m - 4 E s), saves
-  the subtraction but rounds m - 4 E s to fp16: relative output errors of ~2e-3 at 32K tokens in a float64 simulation
-  of the 1.0-based variant, against 1.5e-4 exact.) A lane's tokens lie in one 32-token key group.
+  rounded once, as the Triton kernel's `c s + m` (docs/kernels.md: why E is not folded into the minimum). A lane's
+  tokens lie in one 32-token key group.
 - Scores as S^T = K Q^T (m16n8k16: the tokens are the MMA's M): lane (g, i) holds rows g + 8 r1 of m-tile mt, the
   stored token 16 (4 h + g // 2) + 8 (g % 2) + mt + 4 r1 (`stored_token`), and channel pairs (2 c, 2 c + 1). Their
   codes are in two words (one per channel) of word row 4 h + g // 2; one `prmt` joins half g % 2 of both, so that
@@ -82,7 +81,6 @@ from .decode_gluon_layouts import (
     expand,
     tokens,
 )
-from .decode_tuning import num_sms
 from .launching import BoundKernel
 
 # Gluon names that changed after Triton 3.6 (the GPU image's): the cp.async copy and the CTA barrier
@@ -268,9 +266,10 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
-@gluon.jit(
-    do_not_specialize=["num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb"]
-)
+_NOT_SPECIALISED = ("num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb")
+
+
+@gluon.jit(do_not_specialize=_NOT_SPECIALISED)
 def _gluon_split_kernel(
     q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
     part_o_ptr, part_ml_ptr,
@@ -398,13 +397,6 @@ def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     return True, ""
 
 
-def programs_per_head(batch_heads: int, full_blocks: int, tuning, device: torch.device) -> int:
-    """Programs per KV head: all in one wave of `tuning.gluon_programs_per_sm` two-warp programs per SM (its ~212
-    registers allow 4), at least two blocks each (a second, partly filled wave would add its whole time)."""
-    wave = tuning.gluon_programs_per_sm * num_sms(device)
-    return max(1, min(wave // batch_heads, full_blocks // 2))
-
-
 # what `launch` passes per call: the tensors, then the sizes a decode changes every step (the residual tokens held, the
 # padding mask's row stride: the attention mask grows by a token per step), which the kernel does not specialise on
 _PER_CALL = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", "vc_ptr", "vs_ptr", "vm_ptr",
@@ -432,9 +424,8 @@ def bind(
         stride_mt=mask.stride(1),
     )
     constants = dict(
-        num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks, blocks_per_split=blocks_per_split,
-        num_parts=num_parts,
-        **strides,
+        num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks,
+        blocks_per_split=blocks_per_split, num_parts=num_parts, **strides,
         ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -112,3 +112,11 @@ def num_splits(batch_heads: int, num_blocks: int, device: torch.device, tuning: 
     else:
         per_sm, min_blocks = tuning.programs_per_sm, tuning.min_blocks_per_split
     return max(1, min(math.ceil(per_sm * num_sms(device) / batch_heads), num_blocks // min_blocks))
+
+
+def gluon_programs_per_head(batch_heads: int, full_blocks: int, tuning: DecodeTuning, device: torch.device) -> int:
+    """Programs of the Gluon kernel per KV head: all in one wave of `tuning.gluon_programs_per_sm` two-warp programs
+    per SM (its ~212 registers allow 4), at least two blocks each (a second, partly filled wave would add its whole
+    time)."""
+    wave = tuning.gluon_programs_per_sm * num_sms(device)
+    return max(1, min(wave // batch_heads, full_blocks // 2))

@@ -43,7 +43,7 @@ from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
 from .key_rotation import KeyRotation
 from .memory import KVMemory
-from .padding import Padding, key_padding, storage_order, valid
+from .padding import Padding, key_padding, sink_slots, storage_order, valid
 from .storage import KVStorage
 
 
@@ -93,10 +93,7 @@ class OscarLayer(CacheLayerMixin):
         for states in (key_states, value_states):
             check_head_dim(states.shape[-1], self.config)
         self.dtype, self.device = key_states.dtype, key_states.device
-        sinks = self.config.sink_tokens
-        if sinks and self._padding is not None:  # a left-padded row's sinks are its first real tokens
-            sinks += self._padding.left
-        self.storage.allocate(key_states, value_states, sinks)
+        self.storage.allocate(key_states, value_states, sink_slots(self.config.sink_tokens, self._padding))
         self.is_initialized = True
         if self.compiled_decode:
             self._compiled = CompiledDecode(self)
@@ -236,7 +233,7 @@ class OscarLayer(CacheLayerMixin):
         if not self.is_initialized:
             return KVMemory()
         self.get_seq_length()  # lengths read back after compiled steps
-        return self.storage.memory()
+        return KVMemory.of_storage(self.storage)
 
     # ----------------------------------------------------------------------------------------------------------
     # quantizing and reading blocks
@@ -254,8 +251,7 @@ class OscarLayer(CacheLayerMixin):
         return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, decoding)
 
     def _dequantize(self, start: int, end: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense K/V of quantized tokens `[start, end)` (block-aligned) in the model dtype (`BlockCodec.dequantize`);
-        quantized token 0 is the first after the sinks."""
+        """Dense K/V of quantized tokens `[start, end)` (block-aligned; 0 follows the sinks) in the model dtype."""
         return self.codec.dequantize(self.storage.rows(start, end), self.key_rotated, self.path, self.dtype, out)
 
     def quantized(self) -> QuantizedKV | None:
@@ -264,8 +260,7 @@ class OscarLayer(CacheLayerMixin):
         return self.storage.quantized()
 
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything stored, as dense K/V in the model dtype, in position order: the sinks, the dequantized region,
-        the exact residual."""
+        """Everything stored, as dense K/V in the model dtype, in position order (sinks, quantized region, window)."""
         self.rotation.write_waiting(self)
         return self.storage.history()
 

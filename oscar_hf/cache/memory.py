@@ -10,7 +10,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from ..config import OscarConfig
-from ..layout import StorageLayout
+from ..layout import QuantizedKV, StorageLayout
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,21 @@ class KVMemory:
 
     def __add__(self, other: KVMemory) -> KVMemory:
         return KVMemory(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(KVMemory)))
+
+    @classmethod
+    def of_storage(cls, storage) -> KVMemory:
+        """What one layer's `KVStorage` holds now, and what a cache of the same tokens in the model's dtype and in
+        bf16 would hold."""
+        per_token = storage.keys[:, :, 0].numel() + storage.values[:, :, 0].numel()
+        element_size, exact = storage.keys.element_size(), storage.sinks_held + storage.held
+        return cls(
+            quantized_bytes=_nbytes(storage.quantized()),
+            quantized_bf16_bytes=2 * per_token * storage.length,
+            exact_bytes=element_size * per_token * exact,
+            exact_bf16_bytes=2 * per_token * exact,
+            allocated_bytes=storage.exact_keys.nbytes + storage.exact_values.nbytes + _nbytes(storage.buffers),
+            model_dtype_bytes=element_size * per_token * storage.total,
+        )
 
     @property
     def total_bytes(self) -> int:
@@ -99,3 +114,7 @@ def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float
     shapes = layout.shapes(1, kv_heads, head_dim, kv_heads, head_dim, tokens)
     stored = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, layout.dtypes) if shape)
     return 8 * stored / (2 * kv_heads * tokens * head_dim)
+
+
+def _nbytes(tensors: QuantizedKV | None) -> int:
+    return 0 if tensors is None else sum(t.nbytes for t in tensors if t is not None)

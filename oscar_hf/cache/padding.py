@@ -74,3 +74,9 @@ def key_padding(attention_mask: torch.Tensor | None, batch: int, width: int | No
     if padding.dtype != torch.bool:  # an additive float mask: 0 where attending
         padding = padding == 0
     return padding if padding.shape[0] == batch else padding.expand(batch, -1)
+
+
+def sink_slots(sink_tokens: int, padding: Padding | None) -> int:
+    """The sink slots a layer keeps: `sink_tokens`, and with left padding as many more as the most left padding of any
+    row, so that every row's sinks are its first real tokens (its padding stays masked)."""
+    return sink_tokens + padding.left if sink_tokens and padding is not None else sink_tokens

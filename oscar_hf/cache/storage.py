@@ -16,7 +16,6 @@ from collections.abc import Callable
 import torch
 
 from ..layout import QuantizedKV, StorageLayout
-from .memory import KVMemory
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 QUANTIZE_CHUNK_TOKENS = 4096
@@ -270,19 +269,6 @@ class KVStorage:
         if self.buffers is not None:
             self.buffers = QuantizedKV(*(None if t is None else fn(t) for t in self.buffers))
         self._views = (None, 0, None)
-
-    def memory(self) -> KVMemory:
-        """Bytes held now, and what a cache of the same tokens in the model's dtype and in bf16 would hold."""
-        per_token = self.keys[:, :, 0].numel() + self.values[:, :, 0].numel()
-        element_size = self.keys.element_size()
-        return KVMemory(
-            quantized_bytes=_nbytes(self.quantized()),
-            quantized_bf16_bytes=2 * per_token * self.length,
-            exact_bytes=element_size * per_token * (self.sinks_held + self.held),
-            exact_bf16_bytes=2 * per_token * (self.sinks_held + self.held),
-            allocated_bytes=self.exact_keys.nbytes + self.exact_values.nbytes + _nbytes(self.buffers),
-            model_dtype_bytes=element_size * per_token * self.total,
-        )
 
 
 def _nbytes(tensors: QuantizedKV | None) -> int:
