@@ -65,13 +65,18 @@ def hamlet() -> str:
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache, chunk: int) -> float:
-    """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time."""
-    logits = []
+def perplexity(model, ids: torch.Tensor, cache, chunk: int, reference: dict[int, torch.Tensor]) -> tuple[float, dict]:
+    """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time; and per chunk,
+    the mean NLL of the tokens it predicts and how many heads of the history it attends were quantized with a choice
+    other than `reference` (the flags as the chunk arrives: the cache revises them after each chunk's queries)."""
+    logits, differing = [], []
     for start in tqdm(range(0, ids.shape[1], chunk), desc=f"chunks of {chunk}", leave=False):
+        flags = _flags(cache)
+        differing.append(sum(int((f != reference[i]).sum()) for i, f in flags.items() if f is not None))
         logits.append(model(ids[:, start : start + chunk], **cache_kwargs(cache)).logits[0].float())
-    logits = torch.cat(logits)[:-1]
-    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], ids[0, 1:], reduction="none")
+    per_chunk = [round(part.mean().item(), 6) for part in nll.split(chunk)]
+    return math.exp(nll.mean().item()), {"chunk_nll": per_chunk, "chunk_heads_differing": differing}
 
 
 @torch.no_grad()
@@ -107,29 +112,35 @@ def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tenso
     }
 
 
-def measure(name: str, tokens: int, chunk: int, run: str, meta: dict, path: Path) -> None:
+def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dict, path: Path) -> None:
     """Each row, written to `path` as soon as it is measured (a model's passes take minutes each on a CPU)."""
     model, tokenizer = load_model(name)
-    ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, :tokens]
-    assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens"
+    ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, offset : offset + tokens]
+    assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens from token {offset}"
+    reference_ppl = None
 
     def row(method: str, used_chunk: int, ppl: float, **extra) -> None:
-        record = dict(model=name, tokens=tokens, chunk=used_chunk, method=method, ppl=ppl, run=run, **extra, **meta)
+        change = round(100 * (ppl / reference_ppl - 1), 3)
+        record = dict(
+            model=name, tokens=tokens, offset=offset, chunk=used_chunk, method=method, ppl=ppl, ppl_change_pct=change,
+            run=run, **extra, **meta,
+        )  # fmt: skip
         rows = json.loads(path.read_text()) if path.exists() else []
         path.write_text(json.dumps(rows + [record], indent=1) + "\n")
-        print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} {extra}", file=sys.stderr)
+        counts = {k: v for k, v in extra.items() if not k.startswith("chunk_")}
+        print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} ({change:+.2f} %) {counts}", file=sys.stderr)
 
     # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
     reference_ppl, one_prefill = choice_of(model, ids)
     row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
     cache = OscarCache(model.config, {"bits": 2})
-    row("oscar-int2", chunk, perplexity(model, ids, cache, chunk), **head_counts(_flags(cache), one_prefill))
-    cache = pinned(model, one_prefill)
-    ppl = perplexity(model, ids, cache, chunk)
-    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill))
+    ppl, chunks = perplexity(model, ids, cache, chunk, one_prefill)
+    row("oscar-int2", chunk, ppl, **head_counts(_flags(cache), one_prefill), **chunks)
+    ppl, chunks = perplexity(model, ids, pinned(model, one_prefill), chunk, one_prefill)
+    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill), **chunks)
     _, first_chunk = choice_of(model, ids[:, :chunk])
-    ppl = perplexity(model, ids, pinned(model, first_chunk), chunk)
-    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill))
+    ppl, chunks = perplexity(model, ids, pinned(model, first_chunk), chunk, one_prefill)
+    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill), **chunks)
 
 
 def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
@@ -141,9 +152,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--offset", type=int, default=0, help="the window's first token in the text")
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (the machine may be shared)")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     run = f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}"
@@ -153,7 +167,7 @@ def main() -> None:
     )  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # one after another: each is CPU-bound
-        measure(name, args.tokens, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
+        measure(name, args.tokens, args.offset, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
 
 
 if __name__ == "__main__":
