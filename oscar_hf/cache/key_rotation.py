@@ -6,8 +6,9 @@ turn is a short system prompt, scoring in windows) chooses as the same prompt fe
 
 * the queries of every multi-token update (handed over by its attention call: `OscarLayer.observe_queries`) add to
   the layer's running query moment, and the choice is made again from it and the first `CHOICE_TOKENS` keys the layer
-  holds. Prompts of up to `CHOICE_TOKENS` tokens therefore get the same flags fed whole or in chunks (up to the
-  summation order of the moment);
+  holds. Prompts of up to `CHOICE_TOKENS` tokens therefore get the same flags fed whole or in chunks, given the same
+  keys and queries (up to the summation order of the moment). Through a model they differ slightly past the first
+  layer (later chunks attend to the quantized history), so a head whose two costs nearly tie may end on the other side;
 * while the choice is open, the layer keeps the exact K/V of every block it quantized. The blocks of a multi-token
   update that returns dense K/V wait, exact, for that update's queries and are quantized once, with the choice; a
   later choice that flips a head quantizes the held blocks again from their exact copies;
