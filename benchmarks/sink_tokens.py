@@ -19,8 +19,7 @@ import sys
 
 import torch
 import transformers
-from chunked_prefill_consistency import MODELS, RESULTS, ROOT, hamlet, perplexity
-from transformers import DynamicCache
+from chunked_prefill_consistency import MODELS, RESULTS, ROOT, choice_of, hamlet, perplexity
 
 from oscar_hf import OscarCache
 from oscar_hf.offline_models import load_model
@@ -48,11 +47,11 @@ def main() -> None:
         ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, : args.tokens]
         assert ids.shape[1] == args.tokens, f"the text has only {ids.shape[1]} tokens"
         # the exact cache: the whole text in one forward (a prefill attends to its own exact K/V)
-        exact = perplexity(model, ids, DynamicCache(config=model.config), args.tokens)
+        exact, one_prefill = choice_of(model, ids)
         rows = [dict(method="bf16", sink_tokens=None, ppl=exact, chunk=args.tokens)]
         for sinks in args.sinks:
             cache = OscarCache(model.config, {"bits": 2, "sink_tokens": sinks})
-            ppl = perplexity(model, ids, cache, args.chunk)
+            ppl, _ = perplexity(model, ids, cache, args.chunk, one_prefill)
             rows.append(dict(method="oscar-int2", sink_tokens=sinks, ppl=ppl, chunk=args.chunk))
             print(f"{name} sink_tokens={sinks}: ppl {ppl:.4f} (exact {exact:.4f})", file=sys.stderr)
         old = json.loads(path.read_text()) if path.exists() else []
