@@ -187,6 +187,17 @@ def summary() -> None:
                 print(f"{name} {tokens} tokens, {len(values)} windows: mean gap {mean:+.2f} ± {se:.2f} points")
 
 
+def run_record() -> tuple[str, dict]:
+    """This invocation's run id (UTC time and commit) and what every row it writes carries (float32 on this CPU)."""
+    now = datetime.datetime.now(datetime.timezone.utc)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    meta = dict(
+        dtype="float32", device="cpu", torch=torch.__version__, transformers=transformers.__version__,
+        machine=platform.machine(), date=now.isoformat(timespec="seconds"),
+    )  # fmt: skip
+    return f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}", meta
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS, choices=MODELS)
@@ -200,13 +211,7 @@ def main() -> None:
         return summary()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    run = f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}"
-    meta = dict(
-        dtype="float32", device="cpu", torch=torch.__version__, transformers=transformers.__version__,
-        machine=platform.machine(), date=now.isoformat(timespec="seconds"),
-    )  # fmt: skip
+    run, meta = run_record()
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # one after another: each is CPU-bound
         measure(name, args.tokens, args.offset, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")

@@ -11,15 +11,11 @@ the exact cache), run.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
-import subprocess
 import sys
 
 import torch
-import transformers
-from chunked_prefill_consistency import MODELS, RESULTS, ROOT, choice_of, hamlet, perplexity
+from chunked_prefill_consistency import MODELS, RESULTS, choice_of, hamlet, perplexity, run_record
 
 from oscar_hf import OscarCache
 from oscar_hf.offline_models import load_model
@@ -34,13 +30,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(1)  # the CPU is shared
-    now = datetime.datetime.now(datetime.timezone.utc)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    run = f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}"
-    meta = dict(
-        dtype="float32", device="cpu", torch=torch.__version__, transformers=transformers.__version__,
-        machine=platform.machine(), date=now.isoformat(timespec="seconds"),
-    )  # fmt: skip
+    run, meta = run_record()
     path = RESULTS / "sink_tokens.json"
     for name in args.models:
         model, tokenizer = load_model(name)

@@ -231,67 +231,35 @@ def test_merge_over_several_steps():
 
 
 @pytest.mark.parametrize(
-    ("case", "held_quantized", "held_residual"),
-    [
-        (replace(BASE, quantized=160, residual=32), 96, 5),  # a 32-token window: partial 64-token blocks
-        (replace(BASE, quantized=160, residual=32, left_pad=40), 96, 32),  # a full window, padding over positions
-        (replace(BASE, quantized=128, residual=64, batch=1), 0, 17),  # storage reserved, nothing quantized yet
-        (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 128, 7),
-        (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 64, 12),
-        (replace(BASE, quantized=160, residual=32, key_bits=4, value_bits=2, left_pad=40), 96, 32),
-        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
-        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 384, 17),
-        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 416, 32),
-    ],
-    ids=lambda v: v.id if isinstance(v, Case) else str(v),
-)
-def test_device_length_reads_only_what_is_held(case: Case, held_quantized: int, held_residual: int):
-    """Compiled decode's launch: the whole storage (`case.quantized` tokens of capacity) and window (`case.residual`
-    slots), the tokens held in a device tensor. Everything past them holds random codes and values (and the mask past
-    them attends), so reading any of it would change the output; the expectation is the reference over the held
-    tokens alone, the padding mask taken over positions."""
-    query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = make_inputs(case)
-    window = case.residual
-    assert held_quantized % window == 0 and 1 <= held_residual <= window  # how the cache holds tokens
-    length = torch.tensor(held_quantized + held_residual, device=DEVICE)
-    out = decode_attention_triton(
-        query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated, length
-    )
-    held = StorageLayout.of(config).rows(quantized, 0, held_quantized) if held_quantized else None
-    held_mask = None if mask is None else mask[:, : held_quantized + held_residual]
-    ref = decode_attention_reference(
-        query,
-        held,
-        residual_keys[:, :, :held_residual],
-        residual_values[:, :, :held_residual],
-        held_mask,
-        scaling,
-        config,
-        key_rotated,
-        compute_dtype=torch.float64,
-        out_dtype=torch.float64,
-    )
-    assert_close_to_reference(out, ref, case.dtype, case.id)
-
-
-@pytest.mark.parametrize(
     ("case", "sinks", "held_quantized", "held_exact"),
     [
+        (replace(BASE, quantized=160, residual=32), 0, 96, 5),  # a 32-token window: partial 64-token blocks
+        (replace(BASE, quantized=160, residual=32, left_pad=40), 0, 96, 32),  # a full window, padding over positions
+        (replace(BASE, quantized=128, residual=64, batch=1), 0, 0, 17),  # storage reserved, nothing quantized yet
+        (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 0, 128, 7),
+        (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 0, 64, 12),
+        (replace(BASE, quantized=160, residual=32, key_bits=4, value_bits=2, left_pad=40), 0, 96, 32),
+        # sinks: the residual holds `sinks` sink slots, then the window
         (replace(BASE, quantized=128, residual=36, left_pad=9), 4, 64, 4 + 12),  # 4 sinks, a 32-token window
         (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 3),  # the sinks still filling: 3 held
         (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 4 + 32),  # a full window, nothing quantized
-        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): 16 sinks, held 384 of 640
+        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
+        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17),
+        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
         (replace(BASE, quantized=640, residual=80, head_dim=128, dtype=torch.float16, row_major=True), 16, 384, 33),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
-def test_device_length_with_sinks_reads_the_sinks_then_the_window(case, sinks, held_quantized, held_exact):
-    """Compiled decode with sinks: the residual tensors hold `sinks` sink slots then the window (R = residual - sinks
-    slots), and the device length counts the sinks: the kernel reads L = max(length - sinks - 1, 0) // R * R quantized
-    tokens and the first length - L residual slots (mask columns [0, L), then L + j for slot j), nothing else."""
+def test_device_length_reads_only_what_is_held(case: Case, sinks: int, held_quantized: int, held_exact: int):
+    """Compiled decode's launch: the whole storage (`case.quantized` tokens of capacity) and the exact slots
+    (`case.residual`: `sinks` sink slots, then a window of R = residual - sinks), the tokens held (sinks included) in a
+    device tensor: the kernel reads L = max(length - sinks - 1, 0) // R * R quantized tokens and the first length - L
+    exact slots (mask columns [0, L), then L + j for slot j). Everything past them holds random codes and values (and
+    the mask past them attends), so reading any of it would change the output; the expectation is the reference over
+    the held tokens alone."""
     query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = make_inputs(case)
     window = case.residual - sinks
-    assert held_quantized % window == 0 and 1 <= held_exact <= case.residual
+    assert held_quantized % window == 0 and 1 <= held_exact <= case.residual  # how the cache holds tokens
     assert held_quantized == 0 or held_exact > sinks  # the window holds 1..R once anything is quantized
     length = torch.tensor(held_quantized + held_exact, device=DEVICE)
     out = decode_attention_triton(
