@@ -41,6 +41,7 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from . import DECODE_HEAD_DIMS
 from .common import MODEL_DTYPES, announce_first_launch, fwht_rows, interpreting, on_device
 from .decode_tiles import any_masked, dot, online_softmax_step, quantized_blocks, query_operand
+from .decode_workspace import no_storage, nothing
 from .quantize_pack import check_key_rotated
 
 _LOG2E = 1.4426950408889634
@@ -199,17 +200,16 @@ def chunk_attention_triton(
     tuning = tuning or default_chunk_tuning(head_dim)
     block_m = max(16, min(tuning.block_m, triton.next_power_of_2(gqa * q_len)))  # tl.dot: at least 16 rows
     if quantized is None or num_quantized == 0:  # nothing to read: empty stand-ins, never dereferenced
-        quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, 0, device)
-    nothing = torch.empty(0, device=device, dtype=torch.uint8)
+        quantized = no_storage(query, exact_keys, config)
     norms = quantized.key_norms
-    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else nothing.view(1, 0)
-    flags = key_rotated.view(torch.uint8) if key_rotated is not None else nothing.view(1, 0)
+    mask = key_padding_mask.view(torch.uint8) if key_padding_mask is not None else nothing(device, 2)
+    flags = key_rotated.view(torch.uint8) if key_rotated is not None else nothing(device, 2)
     out = torch.empty(batch, q_len, q_heads, head_dim, dtype=query.dtype, device=device).transpose(1, 2)
     grid = (triton.cdiv(gqa * q_len, block_m), batch * kv_heads)
     with on_device(device):
         _chunk_attention_kernel[grid](
             query, quantized.key_codes, quantized.key_scale, quantized.key_min,
-            norms if norms is not None else nothing, quantized.value_codes, quantized.value_scale,
+            norms if norms is not None else nothing(device, 3), quantized.value_codes, quantized.value_scale,
             quantized.value_min, exact_keys, exact_values, mask, flags, out,
             kv_heads, num_quantized, num_exact, q_len, scaling * _LOG2E,
             *query.stride(), *quantized.key_codes.stride(), *quantized.key_scale.stride(),
