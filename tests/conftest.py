@@ -57,10 +57,9 @@ def tiny_llama():
     return make
 
 
-@pytest.fixture
-def gemma3_config():
-    """A tiny Gemma-3-style hybrid: sliding-window and full-attention layers alternate."""
-    return Gemma3TextConfig(
+def _tiny_gemma() -> dict:
+    """The tiny Gemma 3 / Gemma 3n hybrids' shared shape (a new dict: each config owns its `layer_types` list)."""
+    return dict(
         vocab_size=97,
         hidden_size=64,
         intermediate_size=128,
@@ -74,20 +73,18 @@ def gemma3_config():
 
 
 @pytest.fixture
+def gemma3_config():
+    """A tiny Gemma-3-style hybrid: sliding-window and full-attention layers alternate."""
+    return Gemma3TextConfig(**_tiny_gemma())
+
+
+@pytest.fixture
 def gemma3n_config():
     """A tiny Gemma-3n-style hybrid whose last two layers reuse the K/V of the last sliding and full layers."""
     return Gemma3nTextConfig(
-        vocab_size=97,
+        **_tiny_gemma(),
         vocab_size_per_layer_input=97,
-        hidden_size=64,
         hidden_size_per_layer_input=8,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         num_kv_shared_layers=2,
         laurel_rank=8,
         activation_sparsity_pattern=[0.0] * 4,

@@ -269,7 +269,3 @@ class KVStorage:
         if self.buffers is not None:
             self.buffers = QuantizedKV(*(None if t is None else fn(t) for t in self.buffers))
         self._views = (None, 0, None)
-
-
-def _nbytes(tensors: QuantizedKV | None) -> int:
-    return 0 if tensors is None else sum(t.nbytes for t in tensors if t is not None)
