@@ -1,13 +1,14 @@
 """Fuzz the fused decode-attention kernel against the float64 reference on the GPU.
 
-    python benchmarks/fuzz_kernels.py [--cases 1000] [--minutes 8] [--seed 0] [--out benchmarks/results]
+    python benchmarks/fuzz_kernels.py [--cases 1000] [--minutes 8.5] [--workers 12] [--seed 0] [--out DIR]
 
 Each case is drawn by `random_case` of tests/kernels/test_decode_attention.py (batch 1-64, GQA 1/2/4/5/8, head_dim
 64/128/256, quantized and residual lengths that are multiples of nothing but the group size, 1-128 residual tokens,
-1-16 query tokens, left padding, strided capacity views, bf16/fp16, 2/4 bits, rotation and token scaling on or off,
-fp16/fp32 scales) and checked with that module's tolerances; CI runs a seeded slice of the same sampler under
-Triton's interpreter (`test_fuzz_slice`). Writes `kernel_fuzz_<gpu>.json`: cases, failures (with their ids and
-messages), the worst relative error, and the seed, so any failure is reproducible.
+1-16 query tokens, left padding, strided capacity views, bf16/fp16, 2 or 4 bits for keys and values each, rotation
+and token scaling on or off, fp16/fp32 scales) and checked with that module's tolerances; CI runs a seeded slice of
+the same sampler under Triton's interpreter (`test_fuzz_slice`). Writes `kernel_fuzz_<gpu>.json` (under
+benchmarks/results by default): cases, failures (with their ids and messages), the worst relative error, and the
+seed, so any failure is reproducible.
 """
 
 from __future__ import annotations
@@ -71,8 +72,8 @@ def _run_cases(cases: list[tuple[int, dict]], seed: int, minutes: float) -> list
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", type=int, default=1000)
-    parser.add_argument("--minutes", type=float, default=7.0, help="workers stop drawing cases after this long")
-    parser.add_argument("--workers", type=int, default=6, help="processes (Triton compiles each variant once)")
+    parser.add_argument("--minutes", type=float, default=8.5, help="workers stop drawing cases after this long")
+    parser.add_argument("--workers", type=int, default=12, help="processes (each compiles the variants it draws)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-tokens", type=int, default=1 << 17, help="bound on batch * KV heads * length")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
