@@ -3,6 +3,7 @@
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar static
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar dynamic --eager
     python benchmarks/profile_generate.py --batch 1 --context 32768 --cache oscar dynamic --eager --prefill
+    python benchmarks/profile_generate.py --batch 4 --cache oscar static --prefill --prefill-chunk-size 4096
 
 Same model and options as bench_generate.py (Llama-3.1-8B shape, random bf16 weights, generate's automatic
 compile, or none with `--eager`). The profiler (CUPTI: kernels inside CUDA graphs included) records a window of
@@ -10,8 +11,9 @@ steady decode steps (`--prefill`: the prefill, in a warm process), started and s
 GPU-busy share of the window tells launch/host overhead from kernel time. Prints the kernels by total GPU time per
 step and writes benchmarks/results/profile_generate_<gpu>.json (`--eager`: profile_generate_eager_<gpu>.json,
 `--prefill`: profile_generate_prefill_<gpu>.json; `rows: [{batch, context, cache, compiled, wall_ms, gpu_busy_ms,
-gpu_idle_ms, kernels, runtime_calls, host_operators: [{name, us_per_step, calls_per_step}], idle_host_operators:
-[{name, us_per_step}], inductor_counters}]`; wall_ms is measured under the profiler, which slows the host side). The
+gpu_idle_ms, kernels, runtime_calls, host_operators: [{name, us_per_step, calls_per_step}], oscar_regions: [{name,
+host_us_per_step, gpu_us_per_step, calls_per_step}], idle_host_operators: [{name, us_per_step}], inductor_counters,
+prefill_chunk_size}]`; wall_ms is measured under the profiler, which slows the host side). The
 runtime calls tell a replayed CUDA graph (one cudaGraphLaunch) from kernels launched one by one. gpu_idle_ms is the
 time per step with no kernel running between the window's first and last kernel, and idle_host_operators the
 outermost host operators running in that time: what the GPU waits for.
@@ -31,6 +33,32 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
 
 import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
+from oscar_hf.cache import chunk, key_rotation, layer, storage
+from oscar_hf.integrations import fused_attention
+
+# The cache's own jobs, timed as labelled ranges (`oscar::<name>`: host time and the GPU time of the kernels they
+# launch) so that a prefill's profile says what the cache adds to the model's forward.
+REGIONS = (
+    ("update", layer.OscarLayer, "update"),
+    ("rotation_choice", key_rotation.KeyRotation, "choose"),
+    ("query_moment", fused_attention, "query_moment"),  # the prefill's queries, handed over by the sdpa entry
+    ("query_moment", key_rotation, "query_moment"),  # queries handed over by hand
+    ("append_quantize", storage.KVStorage, "append"),
+    ("chunk_attention", chunk.ChunkHistory, "attention"),
+    ("model_sdpa", fused_attention, "sdpa_attention_forward"),  # transformers' sdpa, called by the sdpa entry
+)
+
+
+def _label_regions() -> None:
+    """Wrap each of `REGIONS` in a `torch.profiler.record_function` range (this process only)."""
+    for name, owner, attr in REGIONS:
+        function = getattr(owner, attr)
+
+        def labelled(*args, _function=function, _name=f"oscar::{name}", **kwargs):
+            with torch.profiler.record_function(_name):
+                return _function(*args, **kwargs)
+
+        setattr(owner, attr, labelled)
 
 
 class _ProfileWindow:
@@ -85,9 +113,11 @@ def main() -> None:
     parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static", "dynamic"])
     parser.add_argument("--eager", action="store_true", help="disable_compile=True: where an eager step's time goes")
     parser.add_argument("--prefill", action="store_true", help="profile the prefill (time to the first token) instead")
+    parser.add_argument("--prefill-chunk-size", type=int, default=None, help="generate's chunked prefill")
     parser.add_argument("--top", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
+    _label_regions()
     record = {
         **record_header(
             "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights"
@@ -113,6 +143,8 @@ def main() -> None:
             options["compile_config"] = CompileConfig(fullgraph=True)
         if cache == "oscar":
             options["cache_config"] = {"attention": "auto"}
+        if args.prefill_chunk_size:
+            options["prefill_chunk_size"] = args.prefill_chunk_size
         if args.prefill:  # a warm process: Triton's kernels compiled, as for bench_generate's time to first token
             with torch.inference_mode():
                 model.generate(ids, attention_mask=torch.ones_like(ids), **{**options, "streamer": None})
@@ -142,8 +174,14 @@ def main() -> None:
         operators = [
             {"name": e.key, "us_per_step": e.cpu_time_total / steps, "calls_per_step": e.count / steps}
             for e in sorted(host, key=lambda e: -e.cpu_time_total)
-            if not e.key.startswith(("cuda", "cu"))
+            if not e.key.startswith(("cuda", "cu", "oscar::"))
         ][: args.top]
+        regions = [
+            {"name": e.key, "host_us_per_step": e.cpu_time_total / steps,
+             "gpu_us_per_step": e.device_time_total / steps, "calls_per_step": e.count / steps}
+            for e in sorted(host, key=lambda e: -e.cpu_time_total)
+            if e.key.startswith("oscar::")
+        ]  # fmt: skip
         idle_ms, idle_operators = _idle_host_time(window.profiler.events(), steps, args.top)
         print(f"  GPU idle {idle_ms:.2f} ms per step; outermost host operators in that time:")
         for k in idle_operators:
@@ -152,6 +190,9 @@ def main() -> None:
         print(f"  host: Inductor counters {inductor_counters}")
         for k in runtime + operators:
             print(f"  {k['us_per_step']:9.1f} us  {k['calls_per_step']:6.1f}x  {k['name'][:100]}")
+        for k in regions:
+            print(f"  {k['name']:24s} host {k['host_us_per_step']:10.1f} us, GPU {k['gpu_us_per_step']:10.1f} us, "
+                  f"{k['calls_per_step']:6.1f}x")  # fmt: skip
         record["rows"].append(
             dict(
                 batch=args.batch,
@@ -163,7 +204,9 @@ def main() -> None:
                 gpu_idle_ms=idle_ms,
                 kernels=kernels,
                 runtime_calls=runtime,
+                prefill_chunk_size=args.prefill_chunk_size,
                 host_operators=operators,
+                oscar_regions=regions,
                 idle_host_operators=idle_operators,
                 inductor_counters=inductor_counters,
             )  # fmt: skip
