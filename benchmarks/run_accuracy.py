@@ -52,9 +52,16 @@ COMPARED_METHODS = ["bf16", "oscar-int2", "oscar-paper-int2", "kivi-int2"]
 ABLATIONS = ["oscar-int2-rotation-only", "oscar-int2-scaling-only"]
 RETRIEVAL = ("passkey", "niah", "multikey")
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
-# Issue 39: quality against stored bits (`avg_bits`) between INT2 and INT4, ours and the peers': transformers'
+# Quality against stored bits (`avg_bits`) between INT2 and INT4, ours and the peers': transformers'
 # QuantizedCache (quanto) and tiny-turboquant.
-BITS_METHODS = ["oscar-k4v2", "hf-quanto-int2", "hf-quanto-int4", "tiny-turboquant-k3v2", "tiny-turboquant-k4v4"]
+BITS_METHODS = [
+    "oscar-k4v2",
+    "oscar-int2-sinks4",
+    "hf-quanto-int2",
+    "hf-quanto-int4",
+    "tiny-turboquant-k3v2",
+    "tiny-turboquant-k4v4",
+]
 
 
 def retrieval(*lengths: str) -> list[str]:

@@ -18,6 +18,7 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
     "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
     "oscar-k4v2": ("oscar", {"key_bits": 4, "value_bits": 2}),  # the default with 4-bit keys and 2-bit values
+    "oscar-int2-sinks4": ("oscar", {"bits": 2, "sink_tokens": 4}),  # the default with 4 exact attention-sink tokens
     "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
