@@ -14,7 +14,10 @@ a quantized history of H tokens followed by a 64-token exact window, then the ch
 - `fused_chunk`: what the cache does now (`ChunkHistory`): the exact window and the chunk concatenated
   (`KVStorage.exact`), `chunk_attention_triton` over the packed history in place;
 - `sdpa_dense_bf16`: the sdpa call of `dequant_sdpa` alone, on dense K/V already there (what a bf16 cache's chunk costs
-  in attention): a reference point, not a path of the cache.
+  in attention): a reference point, not a path of the cache;
+- `flash_dense_bf16`: the same attention by torch's flash attention on dense K/V already there (`causal_lower_right`,
+  GQA without expanding K/V: no mask tensor), and `dequant_flash` the dequantization followed by it: what
+  dequantize-then-flash would cost, whose transient grows with the history unless it runs piece by piece.
 
 Each row: the median time of `triton.testing.do_bench` (ms) and the peak memory the call allocates beyond its inputs
 (`transient_mib`, from `torch.cuda.max_memory_allocated`). The causal mask (built once per forward by transformers,
@@ -35,6 +38,8 @@ from types import SimpleNamespace
 import torch
 from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 from oscar_hf.kernels.chunk_attention import ChunkTuning, chunk_attention_triton, default_chunk_tuning
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from triton.testing import do_bench
 
@@ -49,6 +54,9 @@ SWEEP = (
     ChunkTuning(128, 64, 8, 3),
     ChunkTuning(128, 32, 4, 2),
     ChunkTuning(128, 128, 8, 2),
+    ChunkTuning(128, 128, 8, 3),
+    ChunkTuning(256, 64, 16, 2),  # twice the query rows per dequantized K/V tile (4 warpgroups)
+    ChunkTuning(256, 128, 16, 2),
     ChunkTuning(64, 64, 4, 2),
     ChunkTuning(64, 64, 4, 3),
 )
@@ -115,6 +123,16 @@ def sdpa_dense(inputs: dict, history: tuple, mask: torch.Tensor, scale: float) -
     return sdpa_attention_forward(_MODULE, inputs["query"], *history, mask, scaling=scale)[0]
 
 
+def flash_dense(inputs: dict, history: tuple, scale: float) -> torch.Tensor:
+    """Flash attention only (an error if torch cannot use it here), bottom-right causal, K/V not expanded."""
+    query, (keys, values) = inputs["query"], history
+    mask = causal_lower_right(query.shape[2], keys.shape[2])
+    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(
+            query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+
+
 def fused_chunk(inputs: dict, config: OscarConfig, scale: float, tuning: ChunkTuning | None = None) -> torch.Tensor:
     """`ChunkHistory`: the exact window then the chunk (`KVStorage.exact`), the kernel over the packed history."""
     (wk, wv), (nk, nv) = inputs["window"], inputs["new"]
@@ -148,6 +166,7 @@ def bench_history(batch: int, history: int, chunk: int, config: OscarConfig, swe
     rows = [
         {**shape, "path": "dequant_sdpa", **measure(lambda: dequant_sdpa(inputs, config, mask, scale))},
         {**shape, "path": "sdpa_dense_bf16", **measure_sdpa_dense(inputs, config, mask, scale)},
+        *flash_rows(inputs, config, scale, reference, shape),
     ]
     for tuning in SWEEP if sweep else (default_chunk_tuning(HEAD_DIM),):
         out = fused_chunk(inputs, config, scale, tuning).float()
@@ -156,6 +175,24 @@ def bench_history(batch: int, history: int, chunk: int, config: OscarConfig, swe
         row = {**shape, "path": "fused_chunk", "tuning": dataclasses.asdict(tuning), "rel_err": err}
         rows.append({**row, **measure(lambda t=tuning: fused_chunk(inputs, config, scale, t))})
     return rows
+
+
+def flash_rows(inputs: dict, config: OscarConfig, scale: float, reference: torch.Tensor, shape: dict) -> list[dict]:
+    """`flash_dense_bf16` and `dequant_flash`, with their error against `dequant_sdpa`."""
+    flash = measure_flash_dense(inputs, config, scale, reference)
+    dequant_flash = measure(lambda: flash_dense(inputs, dense_history(inputs, config), scale))
+    return [
+        {**shape, "path": "flash_dense_bf16", **flash},
+        {**shape, "path": "dequant_flash", "rel_err": flash["rel_err"], **dequant_flash},
+    ]
+
+
+def measure_flash_dense(inputs: dict, config: OscarConfig, scale: float, reference: torch.Tensor) -> dict:
+    """`measure` of the flash call alone, its dense K/V an input (freed on return), and its error."""
+    dense = dense_history(inputs, config)
+    out = flash_dense(inputs, dense, scale).float()
+    err = ((out - reference.float()).norm() / reference.float().norm()).item()
+    return {"rel_err": err, **measure(lambda: flash_dense(inputs, dense, scale))}
 
 
 def measure_sdpa_dense(inputs: dict, config: OscarConfig, mask: torch.Tensor, scale: float) -> dict:
