@@ -45,6 +45,7 @@ _HOMES = {
 
 
 def __getattr__(name: str):
-    if name in _HOMES:
-        return getattr(importlib.import_module(_HOMES[name], __name__), name)
+    if name in _HOMES:  # imported once: later lookups (every decode step's) find the launcher in this module
+        launcher = globals()[name] = getattr(importlib.import_module(_HOMES[name], __name__), name)
+        return launcher
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
