@@ -36,11 +36,54 @@ class ChunkHistory:
 
         layer, length = self.layer, self.quantized_length
         quantized = layer.storage.rows(0, length) if length else None
-        padding = key_padding(attention_mask, query.shape[0], length + self.keys.shape[-2])
-        padding = storage_order(padding, self.sinks, length)
+        padding = storage_order(self.key_padding(attention_mask, query.shape[-2]), self.sinks, length)
         return chunk_attention_triton(
             query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
         )
+
+    @property
+    def positions(self) -> int:
+        """The tokens this chunk attends to: the history, then its own."""
+        return self.quantized_length + self.keys.shape[-2]
+
+    def covers_history(self, attention_mask: torch.Tensor | None) -> bool:
+        """Whether the attention call's mask spans the history too; else (`OscarLayer.get_mask_sizes` asked for the
+        chunk's own tokens only) it is `[B, 1, T, T]`, or None where transformers needed none."""
+        return attention_mask is not None and attention_mask.shape[-1] >= self.positions
+
+    def key_padding(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+        """`[B, positions]` bool in position order (None: no padding): read from the mask where it spans the
+        history, else the history's from the layer's padding (`set_padding`) and the chunk's `tokens` from the mask."""
+        batch = self.keys.shape[0]
+        if self.covers_history(attention_mask):
+            return key_padding(attention_mask, batch, self.positions)
+        padding, own = self.layer._padding, None
+        history = None if padding is None else padding.columns(0, self.positions - tokens, batch, self.keys.device)
+        if attention_mask is not None:
+            own = key_padding(attention_mask, batch)
+        if history is None and own is None:
+            return None
+        ones = self.keys.new_ones((), dtype=torch.bool)
+        history = ones.expand(batch, self.positions - tokens) if history is None else history
+        return torch.cat((history, ones.expand(batch, tokens) if own is None else own), dim=1)
+
+    def dense_mask(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+        """The mask for the model's sdpa over `dense()`: the call's own where it spans the history, else
+        `[B, 1, T, positions]` bool: every real token of the history, then the chunk's mask (causal where None)."""
+        if self.covers_history(attention_mask):
+            return attention_mask
+        batch, history = self.keys.shape[0], self.positions - tokens
+        own = attention_mask
+        if own is None:
+            own = torch.ones(tokens, tokens, dtype=torch.bool, device=self.keys.device).tril()
+        elif own.dtype != torch.bool:  # an additive float mask: 0 where attending
+            own = own == 0
+        own = own.expand(batch, 1, tokens, tokens)
+        real = self.key_padding(attention_mask, tokens)
+        seen = own.new_ones(()).expand(batch, 1, tokens, history)
+        if real is not None:
+            seen = real[:, None, None, :history].expand(batch, 1, tokens, history)
+        return torch.cat((seen, own), dim=-1)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same history as dense K/V in the model dtype, as the portable path hands it to the model's sdpa."""

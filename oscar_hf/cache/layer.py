@@ -65,6 +65,7 @@ class OscarLayer(CacheLayerMixin):
         self._compiled: CompiledDecode | None = None  # compiled decode only
         self.rotation = KeyRotation(config)
         self._padding: Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
+        self._padding_given = False  # whether `set_padding` said so (else padding is known from the masks only)
         self.codec = BlockCodec(config)
 
     def configure(self, path: DecodePath) -> None:
@@ -72,8 +73,9 @@ class OscarLayer(CacheLayerMixin):
         self.path = path
 
     def set_padding(self, padding: Padding | None) -> None:
-        """Which positions hold padding, from `OscarCache.set_padding` (quantization leaves them out)."""
-        self._padding = padding
+        """Which positions hold padding, from `OscarCache.set_padding` (quantization leaves them out, and a prefill
+        chunk arriving with history reads its history's padding from it: `get_mask_sizes`)."""
+        self._padding, self._padding_given = padding, True
 
     # What the layer holds, and how it decodes, as tests, benchmarks and transformers read them.
     use_kernels = property(lambda self: self.path.fused, doc="Whether the Triton kernels quantize and attend.")
@@ -131,7 +133,7 @@ class OscarLayer(CacheLayerMixin):
             # sdpa entry recognises (integrations/fused_attention.py): a decode step for the decode kernel, or a chunk
             # with history for the chunk kernel, which reads it as the update found it (cache/chunk.py).
             chunk = None
-            if not self.path.fused_step(storage.held, key_states.shape[-2], storage.window):
+            if self._takes_chunk_kernel(key_states.shape[-2]):
                 chunk = ChunkHistory(self, storage.sinks_held, storage.length, *storage.exact(key_states, value_states))
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
             fused_attention.FusedStep.start(self, key_states, value_states, chunk=chunk)
@@ -165,7 +167,20 @@ class OscarLayer(CacheLayerMixin):
                 return mask_width(self), 0
             if self.get_seq_length():
                 return max(mask_width(self), self.get_seq_length() + 1), 0
-        return self.get_seq_length() + query_length, 0
+        held = self.get_seq_length()
+        if self._padding_given and not torch.compiler.is_compiling() and self._takes_chunk_kernel(query_length):
+            # The chunk kernel reads the history's padding from `set_padding` and the chunk's own from the mask: the
+            # mask transformers builds covers the chunk's tokens only, [B, 1, T, T], not [B, 1, T, held + T], which
+            # would grow with the prompt times the batch (`ChunkHistory.key_padding`).
+            return query_length, held
+        return held + query_length, 0
+
+    def _takes_chunk_kernel(self, tokens: int) -> bool:
+        """Whether an update of `tokens` tokens attends with the chunk kernel: the fused path, a history, more tokens
+        than a fused decode step takes at the window as the update finds it (a full window is flushed first)."""
+        storage = self.storage
+        held = 0 if storage.held == storage.window else storage.held  # `KVStorage.flush`
+        return self.path.fused and storage.total > 0 and not self.path.fused_step(held, tokens, storage.window)
 
     def get_max_length(self) -> int:
         return -1
@@ -173,6 +188,7 @@ class OscarLayer(CacheLayerMixin):
     def reset(self) -> None:
         self.storage.clear()
         self.fused_step = self._compiled = self._padding = None
+        self._padding_given = False
         self.rotation.reset()
         self.codec.finite.reset()
         self.is_initialized = False

@@ -31,16 +31,19 @@ class Padding:
     def valid(self, start: int, keys: torch.Tensor) -> torch.Tensor | None:
         """`[B, N]` bool for the N tokens of `keys` at positions `start..start + N - 1` (on their device), or None
         when they hold no padding."""
+        return self.columns(start, keys.shape[-2], keys.shape[0], keys.device)
+
+    def columns(self, start: int, tokens: int, batch: int, device: torch.device) -> torch.Tensor | None:
+        """`valid` for `tokens` positions from `start` of a batch of `batch` rows, on `device`."""
         if start >= self.end:
             return None
-        batch, tokens = keys.shape[0], keys.shape[-2]
         if self.mask.shape[0] != batch:
             raise ValueError(
                 f"OscarCache: the padding mask given to set_padding has {self.mask.shape[0]} rows but the cache "
                 f"holds a batch of {batch}; pass the attention mask of this batch."
             )
         part = self.mask[:, start : start + tokens]
-        return torch.cat([part, part.new_ones(batch, tokens - part.shape[1])], dim=1).to(keys.device)
+        return torch.cat([part, part.new_ones(batch, tokens - part.shape[1])], dim=1).to(device)
 
     def apply(self, fn) -> Padding:
         """This padding after a batch-axis (or device) transform of the cache."""

@@ -107,6 +107,10 @@ class FusedStep:
         """What the step attends to as dense K/V (for attention features the fused kernels lack)."""
         return self.chunk.dense() if self.chunk is not None else self.layer.dense_history()
 
+    def dense_mask(self, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
+        """The mask of `dense_history` (a chunk's mask may cover its own tokens only: `ChunkHistory.dense_mask`)."""
+        return attention_mask if self.chunk is None else self.chunk.dense_mask(attention_mask, query.shape[-2])
+
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """The step's attention by the fused kernels, `[B, Hq, Tq, D]`."""
         if self.chunk is not None:
@@ -190,9 +194,8 @@ def _fused(module, step: FusedStep, query, value, attention_mask, dropout, scali
                 "window or sinks). Run this model eagerly."
             )
         keys, values = step.dense_history()  # includes this step's tokens: `update` stored them already
-        return sdpa_attention_forward(
-            module, query, keys, values, attention_mask, dropout=dropout, scaling=scaling, **kwargs
-        )
+        mask = step.dense_mask(attention_mask, query)
+        return sdpa_attention_forward(module, query, keys, values, mask, dropout=dropout, scaling=scaling, **kwargs)
     out = step.attention(query, attention_mask, scaling)  # [B, Hq, Tq, D]
     return out.transpose(1, 2).contiguous(), None  # sdpa's layout: [B, Tq, Hq, D]
 

@@ -6,24 +6,52 @@ import pytest
 import torch
 from oscar_hf.kernels import chunk_attention
 
-from oscar_hf import OscarCache, OscarConfig, cache_kwargs
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs, decode_path
+from oscar_hf.cache.chunk import ChunkHistory
 from oscar_hf.cache.storage import KVStorage
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def _chunked_prefill(model, ids, mask, attention, chunk, method, sinks=0):
+def _chunked_prefill(model, ids, mask, attention, chunk, method, sinks=0, set_padding=True):
     """The logits of a left-padded prompt fed to a cache the caller owns in chunks of `chunk` tokens."""
     config = OscarConfig(attention=attention, residual_length=32, method=method, sink_tokens=sinks)
     cache = OscarCache(model.config, config)
-    cache.set_padding(mask)
+    if set_padding:
+        cache.set_padding(mask)
     logits = []
     for start in range(0, ids.shape[1], chunk):
         end = start + chunk
         out = model(ids[:, start:end], attention_mask=mask[:, :end], **cache_kwargs(cache), use_cache=True)
         logits.append(out.logits.float())
     return torch.cat(logits, dim=1)
+
+
+def _model_and_prompt(tiny_llama, tokens: int):
+    """2 layers with GQA 4 in bf16, sdpa; a batch of two prompts, the second left-padded by 37 tokens."""
+    shape = dict(vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=8,
+                 num_key_value_heads=2, num_hidden_layers=2)  # fmt: skip
+    model = tiny_llama(torch.bfloat16, **shape).to(DEVICE)
+    model.config._attn_implementation = "sdpa"
+    ids = torch.randint(3, 101, (2, tokens), device=DEVICE)
+    mask = torch.ones_like(ids)
+    ids[1, :37], mask[1, :37] = 0, 0
+    return model, ids, mask
+
+
+def _assert_bf16_close(fused: torch.Tensor, portable: torch.Tensor, mask: torch.Tensor) -> None:
+    """Logits at every real position within bf16 noise of the portable path's, the same argmax wherever the portable
+    top-2 margin is decisive."""
+    real = mask.bool()
+    a, b = fused[real], portable[real]
+    # Both paths read the same codes; they differ by the kernel's fp16/bf16 dot operands with fp32 accumulation
+    # against dequantize-to-bf16 + sdpa: bf16-level (2^-8) relative noise on the logits, as on the fused decode path.
+    err = ((a - b).norm() / b.norm()).item()
+    assert err < 2e-2, err
+    top2 = b.topk(2, dim=-1).values
+    decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
+    assert decisive.any() and torch.equal(a.argmax(-1)[decisive], b.argmax(-1)[decisive])
 
 
 @pytest.mark.parametrize("method, sinks, tokens", [("oscar", 0, 96), ("paper", 0, 96), ("paper", 4, 144)])
@@ -33,13 +61,7 @@ def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method,
     wherever the portable top-2 margin is decisive, with one kernel call per layer and chunk with history, and no
     dense history built. With 4 sinks, 4 + 37 positions stay exact: the second chunk fills them and spills over, and
     the last two chunks read a quantized block that follows them."""
-    shape = dict(vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_attention_heads=8,
-                 num_key_value_heads=2, num_hidden_layers=2)  # fmt: skip
-    model = tiny_llama(torch.bfloat16, **shape).to(DEVICE)
-    model.config._attn_implementation = "sdpa"
-    ids = torch.randint(3, 101, (2, tokens), device=DEVICE)
-    mask = torch.ones_like(ids)
-    ids[1, :37], mask[1, :37] = 0, 0
+    model, ids, mask = _model_and_prompt(tiny_llama, tokens)
     portable = _chunked_prefill(model, ids, mask, "portable", 24, method, sinks)
 
     calls = []
@@ -52,13 +74,44 @@ def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method,
     monkeypatch.setattr(KVStorage, "history", no_dense_history)
     fused = _chunked_prefill(model, ids, mask, FUSED, 24, method, sinks)
     assert len(calls) == 2 * (tokens // 24 - 1)  # 2 layers x the chunks after the first
+    _assert_bf16_close(fused, portable, mask)
 
-    real = mask.bool()
-    a, b = fused[real], portable[real]
-    # Both paths read the same codes; they differ by the kernel's fp16/bf16 dot operands with fp32 accumulation
-    # against dequantize-to-bf16 + sdpa: bf16-level (2^-8) relative noise on the logits, as on the fused decode path.
-    err = ((a - b).norm() / b.norm()).item()
-    assert err < 2e-2, err
-    top2 = b.topk(2, dim=-1).values
-    decisive = (top2[:, 0] - top2[:, 1]) > 4 * (a - b).abs().amax()
-    assert decisive.any() and torch.equal(a.argmax(-1)[decisive], b.argmax(-1)[decisive])
+
+def test_a_chunk_with_history_gets_the_mask_of_its_own_tokens(tiny_llama, monkeypatch):
+    """With the padding given (`set_padding`, as generate does), the mask transformers builds for a chunk arriving
+    with history covers the chunk's tokens only ([B, 1, T, T], or none where they hold no padding: nothing that grows
+    with the prompt), the history's padding coming from the cache; without it, the mask spans the history as for any
+    cache. The logits are the portable path's."""
+    model, ids, mask = _model_and_prompt(tiny_llama, 96)
+    widths = []
+    attention = ChunkHistory.attention
+
+    def recording(self, query, attention_mask, scaling):
+        widths.append(None if attention_mask is None else attention_mask.shape[-1])
+        return attention(self, query, attention_mask, scaling)
+
+    monkeypatch.setattr(ChunkHistory, "attention", recording)
+    given = _chunked_prefill(model, ids, mask, FUSED, 24, "paper")
+    # 2 layers x the 3 chunks after the first; the second chunk holds padding of the second row (positions 24 to 36),
+    # the others none, so transformers builds no mask for them
+    assert widths == [24, 24, None, None, None, None]
+    widths.clear()
+    _chunked_prefill(model, ids, mask, FUSED, 24, "paper", set_padding=False)
+    assert widths == [48, 48, 72, 72, 96, 96]
+    portable = _chunked_prefill(model, ids, mask, "portable", 24, "paper")
+    _assert_bf16_close(given, portable, mask)
+
+
+def test_a_chunk_the_kernel_cannot_serve_gets_the_mask_of_its_whole_history(tiny_llama, monkeypatch):
+    """An attention call with a feature the chunk kernel lacks (here: every call, forced) attends over the dense
+    history with the model's sdpa, the mask of the chunk's own tokens widened to the history (its padding from the
+    cache): the portable path's logits."""
+    model, ids, mask = _model_and_prompt(tiny_llama, 96)
+    portable = _chunked_prefill(model, ids, mask, "portable", 24, "paper")
+    monkeypatch.setattr(decode_path, "attention_blockers", lambda dropout, kwargs: ["a feature the kernel lacks"])
+    dense = ChunkHistory.dense
+    calls = []
+    monkeypatch.setattr(ChunkHistory, "dense", lambda self: calls.append(1) or dense(self))
+    fused = _chunked_prefill(model, ids, mask, FUSED, 24, "paper")
+    assert len(calls) == 6
+    _assert_bf16_close(fused, portable, mask)
