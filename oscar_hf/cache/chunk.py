@@ -6,7 +6,9 @@ tokens exact. `OscarLayer.update` stores the chunk and returns it alone, carryin
 `kernels/chunk_attention.py`) and the exact tokens (the sinks and the window) followed by the chunk (a new buffer:
 storing the chunk rewrites the window). The sdpa entry (integrations/fused_attention.py) runs the kernel, whose
 transients are the size of the chunk, never of the history: the dense history of the portable path (`KVStorage.history`)
-is built only for attention features the kernel lacks (`dense`).
+is built only for attention features the kernel lacks (`dense`). So is the mask: where the cache was told the padding
+(`OscarCache.set_padding`, as generate does), the layer asks transformers for the mask of the chunk's own tokens only
+(`OscarLayer.get_mask_sizes`), and the history's padding comes from the cache (`key_padding`).
 """
 
 from __future__ import annotations
