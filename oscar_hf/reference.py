@@ -281,8 +281,9 @@ def layer_bit_costs(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """bits="auto": what each key width and each value width of `LAYER_WIDTHS` costs a layer's attention,
     `(key_costs [W], value_costs [W], key_rotated [W, B, Hkv] bool)`, from its prompt's `bit_cost_sums` and `moment`
-    (`[B, Hkv, D, D]`: the mean over the query rows of q q^T, summed over the query heads of a KV head's group;
-    `rotations` as given to `bit_cost_sums`; `scaling` the attention's logit scale, e.g. head_dim ** -0.5).
+    (`[B, Hkv, D, D]`: the mean of q q^T over the query rows that read a KV head, i.e. its group's query heads at each
+    query position; the identity where the queries are unknown; `rotations` as given to `bit_cost_sums`; `scaling`
+    the attention's logit scale, e.g. head_dim ** -0.5).
 
     The cost is the first-order error of the attention output o = sum_t a_t v_t, per query row, summed over KV heads
     and batch rows. A logit error d_t moves it by sum_t a_t (d_t - mean d) (v_t - o), a value error e_t by
