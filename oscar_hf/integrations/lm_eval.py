@@ -283,6 +283,8 @@ class OscarHFLM(HFLM):
                 )
             if isinstance(layer, OscarLayer) and layer.rotation.wants_queries:  # what its attention hands over
                 layer.observe_query_moment(moments[idx])
+        if isinstance(cache, OscarCache):
+            cache.choose_bits()  # bits="auto": the prompt ends here, as generate's prefill does
         return first, cache
 
     # ------------------------------------------------------------------------------------------------------------
