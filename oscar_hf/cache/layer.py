@@ -280,28 +280,39 @@ class OscarLayer(CacheLayerMixin):
 
     def convert_widths(self, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
         """bits="auto" (`OscarCache.choose_bits`): store keys of `key_bits` and values of `value_bits` from now on, and
-        the quantized region again at those widths (its blocks dequantized, in float32, and quantized again, with
-        `key_rotated` the heads' key rotation at `key_bits`, method="oscar"), which makes the choice final. A layer
-        that may decode compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
+        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32)
+        and quantized again, with `key_rotated` the heads' key rotation at `key_bits` (method="oscar"); a half whose
+        width and rotation stay keeps its codes (quantizing them again would only add error). A layer that may decode
+        compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
         self.rotation.write_waiting(self)
         self.codec.finite.read(wait=True)
-        storage, old_codec, old_layout = self.storage, self.codec, self.layout
-        old_rotated = None if self.key_rotated is None else self.key_rotated.clone()
-        old, length = storage.buffers, storage.length
-        self._set_config(self.config.with_widths(key_bits, value_bits))
+        storage, old_codec, old_layout, old_rotated = self.storage, self.codec, self.layout, self.key_rotated
+        same_rotation = key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
+        keep_keys = key_bits == old_layout.key_bits and same_rotation
+        keep_values = value_bits == old_layout.value_bits
+        old_rotated = None if old_rotated is None else old_rotated.clone()
         if key_rotated is not None and self.rotation.flags is not None:
             self.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
         elif key_rotated is not None:
             self.rotation.flags = key_rotated.clone()
         if not self.rotation.final:
             self.rotation.finalize()
-        storage.layout, storage.buffers, storage.length, storage._views = self.layout, None, 0, (None, 0, None)
-        for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
-            end = min(start + QUANTIZE_CHUNK_TOKENS, length)
-            rows = old_layout.rows(old, start, end)
-            keys, values = old_codec.dequantize(rows, old_rotated, self.path, torch.float32)
-            storage.store(self._quantize_at(keys, values, start))
+        self._set_config(self.config.with_widths(key_bits, value_bits))
         self.bits.close()
+        if not (keep_keys and keep_values):
+            old, length = storage.buffers, storage.length
+            storage.layout, storage.buffers, storage.length, storage._views = self.layout, None, 0, (None, 0, None)
+            key_fields = ("key_codes", "key_scale", "key_min", "key_norms")
+            for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
+                end = min(start + QUANTIZE_CHUNK_TOKENS, length)
+                rows = old_layout.rows(old, start, end)
+                keys, values = old_codec.dequantize(rows, old_rotated, self.path, torch.float32)
+                block = self._quantize_at(keys, values, start)
+                if keep_keys:
+                    block = block._replace(**{name: getattr(rows, name) for name in key_fields})
+                if keep_values:
+                    block = block._replace(**{name: getattr(rows, name) for name in QuantizedKV._fields[4:]})
+                storage.store(block)
         if self._compiled is not None:
             self._compiled = CompiledDecode(self)
 
