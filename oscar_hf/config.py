@@ -87,6 +87,10 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
+        check(
+            self.bits in (None, 2, 4, "auto"),
+            f"bits={self.bits!r} is not supported; use 2 (default) or 4, or 'auto' with avg_bits (layer-wise widths).",
+        )
         for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length", "sink_tokens"):
             value = getattr(self, name)
             if (value is None and name.endswith("bits")) or (name == "bits" and value == "auto"):
@@ -98,10 +102,6 @@ class OscarConfig:
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             check(value in (None, 2, 4), f"{name}={value} is not supported; use 2 (default) or 4.")
-        check(
-            self.bits in (None, 2, 4, "auto"),
-            f"bits={self.bits!r} is not supported; use 2 (default), 4, or 'auto' (layer-wise widths under avg_bits).",
-        )
         if self.bits == "auto":
             self._check_auto(check)
         else:
