@@ -289,3 +289,26 @@ def test_a_cache_filled_by_hand_chooses_from_the_keys_at_its_first_decode_step(t
     assert cache.average_bits() <= 3.9 and cache.get_seq_length() == 101
     keys, _ = cache.layers[2].dense_history()
     assert keys.shape[-2] == 101
+    cache.reset()  # the next prompt chooses again
+    assert all(layer.bits_open and layer.config.bits == 4 for layer in cache.layers)
+    cache.update(torch.randn(1, 2, 100, 32), torch.randn(1, 2, 100, 32), 0)
+    assert cache.layers[0].quantized().key_codes.shape[2] == 96 // 8  # 4-bit codes: 8 tokens per word
+
+
+def test_a_prompt_fed_in_chunks_chooses_after_the_last_chunk(tiny_llama):
+    """generate's chunked prefill: the widths are chosen once, after the last chunk, within the budget, as for the
+    prompt fed whole."""
+    model = tiny_llama(num_hidden_layers=4)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 97, (1, 150))
+    options = {"bits": "auto", "avg_bits": 3.9, "residual_length": 32}
+    runs = [
+        model.generate(
+            prompt, max_new_tokens=3, cache_implementation="oscar", cache_config=options, prefill_chunk_size=chunk,
+            return_dict_in_generate=True, **GREEDY,
+        ).past_key_values
+        for chunk in (None, 48)
+    ]  # fmt: skip
+    for cache in runs:
+        assert cache.average_bits() <= 3.9 and not any(layer.bits_open for layer in cache.layers)
+    assert [layer.config for layer in runs[0].layers] == [layer.config for layer in runs[1].layers]

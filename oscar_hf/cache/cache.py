@@ -181,6 +181,11 @@ class OscarCache(DynamicCache):
             f"{self.average_bits():.3f} stored bits per K/V element on average."
         )
 
+    def reset(self) -> None:
+        """Hold nothing; bits="auto" chooses again from the next prompt (storing the widest widths until then)."""
+        super().reset()
+        self._choosing_bits = self.oscar_config.auto_bits
+
     def _kv_shape(self) -> tuple[int, int]:
         """(KV heads, head_dim) of the model's full-attention layers, from its config."""
         text_config = self._text_config
