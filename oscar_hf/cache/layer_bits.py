@@ -10,7 +10,8 @@ key rotation where method="oscar" chooses it, and the value round trip's errors)
 The choice is made once, for every layer together, at the end of the prompt (`OscarCache.choose_bits`): `generate`
 calls it after its prefill, before the first decode step, compiled or not; by hand the first single-token update that
 follows a prompt (a decode step) makes it, before that step is stored; a compiled step refuses an open choice
-(`compiled.refuse_step`). `reference.layer_bit_costs` prices each width, `reference.choose_layer_bits` spends the
+(`compiled.refuse_step`). `reference.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
+that width: method="oscar"'s choice is made again at the width stored), `reference.choose_layer_bits` spends the
 budget greedily, and each layer stores its quantized region again at its widths (`OscarLayer.convert_widths`: the 4-bit
 blocks dequantized and quantized again; the 4-bit round trip adds little next to a 2-bit one: tests/test_layer_bits.py
 measures it). From then on the layer's storage layout, codec, kernel config and compiled buffers are those widths.
