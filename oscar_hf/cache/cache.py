@@ -206,13 +206,13 @@ class OscarCache(DynamicCache):
         if budget > high + 1e-9:
             logger.warning_once(
                 f"OscarConfig(bits='auto', avg_bits={budget}): the budget exceeds this model's all-4-bit cost "
-                f"({high:.4g} bits per K/V element), so every layer stores 4-bit keys and values; bits=4 says so."
+                f"({high:.4g} bits per K/V element), so every layer stores 4-bit keys and values, as with bits=4."
             )
 
     def average_bits(self) -> float:
-        """Stored bits per K/V element of the quantized regions (`oscar_hf.average_bits` of each OScaR layer's widths:
-        under bits="auto" the chosen ones, the widest until chosen), averaged over the layers weighted by their K/V
-        elements per token (KV heads x head_dim)."""
+        """Stored bits per K/V element of the quantized regions: `oscar_hf.average_bits` of each OScaR layer's widths
+        (under bits="auto" the chosen ones, the widest until chosen) at the model's head_dim and KV heads, averaged over
+        the layers (all of one shape, so the average weighted by their K/V elements per token)."""
         layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
         heads, head_dim = self._kv_shape()
         per_layer = [average_bits(layer.config, head_dim, heads) for layer in layers]

@@ -187,7 +187,7 @@ class OscarLayer(CacheLayerMixin):
         if self.bits is not None:  # bits="auto" chooses again for the next prompt, storing the widest until then
             self.bits.reset()
             self._set_config(self.config.with_widths(*LayerBits.widest))
-            self.storage.layout = self.layout
+            self.storage.empty_quantized(self.layout)
         self.storage.clear()
         self.fused_step = self._compiled = self._padding = None
         self.rotation.reset()
@@ -301,17 +301,14 @@ class OscarLayer(CacheLayerMixin):
         self.bits.close()
         if not (keep_keys and keep_values):
             old, length = storage.buffers, storage.length
-            storage.layout, storage.buffers, storage.length, storage._views = self.layout, None, 0, (None, 0, None)
-            key_fields = ("key_codes", "key_scale", "key_min", "key_norms")
+            storage.empty_quantized(self.layout)
             for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
                 end = min(start + QUANTIZE_CHUNK_TOKENS, length)
                 rows = old_layout.rows(old, start, end)
                 keys, values = old_codec.dequantize(rows, old_rotated, self.path, torch.float32)
                 block = self._quantize_at(keys, values, start)
-                if keep_keys:
-                    block = block._replace(**{name: getattr(rows, name) for name in key_fields})
-                if keep_values:
-                    block = block._replace(**{name: getattr(rows, name) for name in QuantizedKV._fields[4:]})
+                kept = (keep_keys,) * 4 + (keep_values,) * 3  # QuantizedKV: four key fields, then three value fields
+                block = QuantizedKV(*(old if keep else new for old, new, keep in zip(rows, block, kept)))
                 storage.store(block)
         if self._compiled is not None:
             self._compiled = CompiledDecode(self)
