@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +22,14 @@ class OscarConfig:
 
     Args:
         bits: bits per stored K/V value, 2 (the paper's setting) or 4: the shorthand for `key_bits` and
-            `value_bits` both. Default: 2 each.
+            `value_bits` both. Default: 2 each. "auto": each full-attention layer chooses its own key and value widths
+            (K2V2, K4V2, K2V4 or K4V4) from the prompt, under the budget `avg_bits` (`cache/layer_bits.py`).
+        avg_bits: with bits="auto" (required there, refused otherwise): the average stored bits per K/V element over
+            the layers, everything counted as `oscar_hf.average_bits` counts it (at head_dim 128: all 2-bit 3.125,
+            4-bit keys 4.125, all 4-bit 5.125). The greedy rule of `reference.choose_layer_bits` upgrades the layers
+            whose prompt shows the largest attention error per added bit until the budget is spent. Below the
+            all-2-bit cost is an error (the cache says the minimum for its model); above the all-4-bit cost every
+            layer stores 4-bit keys and values.
         key_bits, value_bits: bits per stored key and per stored value, each 2 or 4, where they differ (keys are the
             sensitive half: `key_bits=4, value_bits=2` stores 4.1 bits per K/V element at head_dim 128, between
             2 bits' 3.1 and 4 bits' 5.1: `oscar_hf.average_bits`). One left out is 2. Given with `bits`, they
@@ -61,7 +69,7 @@ class OscarConfig:
             uses the model's own attention, for comparison.
     """
 
-    bits: int | None = None
+    bits: int | str | None = None
     key_bits: int | None = None
     value_bits: int | None = None
     group_size: int = 32
@@ -72,24 +80,37 @@ class OscarConfig:
     scale_dtype: str = "float16"
     attention: str = "auto"
     method: str = "auto"
+    avg_bits: float | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
+        check(
+            self.bits in (None, 2, 4, "auto"),
+            f"bits={self.bits!r} is not supported; use 2 (default) or 4, or 'auto' with avg_bits (layer-wise widths).",
+        )
         for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length", "sink_tokens"):
             value = getattr(self, name)
-            if value is None and name.endswith("bits"):
+            if (value is None and name.endswith("bits")) or (name == "bits" and value == "auto"):
                 continue
             check(isinstance(value, int) and not isinstance(value, bool), f"{name} must be an int, got {value!r}.")
         for name in ("rotation", "token_scaling"):
             value = getattr(self, name)
             check(isinstance(value, bool), f"{name} must be True or False, got {value!r}.")
-        for name in ("bits", "key_bits", "value_bits"):
+        for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
             check(value in (None, 2, 4), f"{name}={value} is not supported; use 2 (default) or 4.")
-        self._resolve_bits(check)
+        if self.bits == "auto":
+            self._check_auto(check)
+        else:
+            check(
+                self.avg_bits is None,
+                f"avg_bits={self.avg_bits} is the budget of bits='auto' (layer-wise widths); pass bits='auto' with it, "
+                "or drop it (otherwise every layer stores key_bits and value_bits).",
+            )
+            self._resolve_bits(check)
         check(
             self.group_size in (32, 64, 128),
             f"group_size={self.group_size} is not supported; use 32 (default), 64 or 128.",
@@ -118,6 +139,29 @@ class OscarConfig:
             f"attention={self.attention!r} is not supported; use 'auto' (fused kernels where they apply), 'fused' "
             "or 'portable'.",
         )
+
+    def _check_auto(self, check) -> None:
+        """bits="auto": a finite `avg_bits` is required; the layers choose `key_bits` and `value_bits` (None here)."""
+        check(
+            self.key_bits is None and self.value_bits is None,
+            f"bits='auto' chooses key_bits and value_bits per layer; drop key_bits={self.key_bits} and "
+            f"value_bits={self.value_bits}, or pass fixed widths without bits='auto'.",
+        )
+        value = self.avg_bits
+        check(
+            isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0,
+            f"bits='auto' needs avg_bits, the average stored bits per K/V element over the layers (e.g. 3.6 or 4.1; "
+            f"at head_dim 128 all 2-bit layers cost 3.125 and all 4-bit 5.125), got avg_bits={value!r}.",
+        )
+
+    @property
+    def auto_bits(self) -> bool:
+        """Whether each layer chooses its widths (bits="auto")."""
+        return self.bits == "auto"
+
+    def with_widths(self, key_bits: int, value_bits: int) -> OscarConfig:
+        """This config with fixed widths (a layer's config under bits="auto")."""
+        return dataclasses.replace(self, bits=None, avg_bits=None, key_bits=key_bits, value_bits=value_bits)
 
     def _resolve_bits(self, check) -> None:
         """Set `key_bits` and `value_bits` (from `bits`, else 2 each) and `bits` (their common width, or None)."""

@@ -20,6 +20,9 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-k4v2": ("oscar", {"key_bits": 4, "value_bits": 2}),  # the default with 4-bit keys and 2-bit values
     "oscar-int2-sinks4": ("oscar", {"bits": 2, "sink_tokens": 4}),  # the default with 4 exact attention-sink tokens
     "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
+    # layer-wise widths chosen from each prompt under a budget of average stored bits per K/V element
+    "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6}),
+    "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1}),
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
     "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),

@@ -93,6 +93,7 @@ def test_bf16_rolling_matches_hflm(model, tokenizer):
     # transformers' QuantizedCache backends are baselines, and slow on a CPU (quanto: minutes)
     [
         "oscar-int2",
+        "oscar-auto-3.6",
         "kivi-int2",
         pytest.param("hf-quanto-int2", marks=pytest.mark.slow),
         "hf-hqq-int2",
@@ -194,6 +195,15 @@ def test_the_shared_prefill_fills_each_method_cache(model, tokenizer, method, la
     _, cache = wrapper._prefill(context)
     assert [type(layer).__name__ for layer in cache.layers] == [layer_class] * model.config.num_hidden_layers
     assert cache.get_seq_length() == len(context)
+
+
+def test_the_shared_prefill_chooses_auto_bits_within_the_budget(model, tokenizer):
+    """bits="auto": the context is the prompt, so the wrapper's prefill chooses every layer's widths, and the
+    recorded `avg_bits` is the budget they stay within."""
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-auto-3.6")
+    _, cache = wrapper._prefill(tokenizer(PAIRS[0][0]).input_ids)
+    assert not any(layer.bits_open for layer in cache.layers)
+    assert cache.average_bits() <= wrapper.avg_bits == 3.6
 
 
 def test_a_full_length_cache_is_not_filled_from_a_sliding_window_prefill(tokenizer):

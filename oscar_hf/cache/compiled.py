@@ -108,6 +108,12 @@ def refuse_step(layer, tokens: int) -> None:
     if layer.compiled_decode and tokens == 1:
         if rotation.unwritten or (rotation.active and rotation.flags is None):
             raise RuntimeError(rotation.unsettled_message())
+        if layer.bits_open:
+            raise RuntimeError(
+                "OscarCache(bits='auto'): a compiled decode step reached a layer whose widths are not chosen yet, "
+                "and a compiled step cannot choose them. Call `cache.choose_bits()` after the prefill (generate does), "
+                "or run the first decode step eagerly."
+            )
         return
     raise RuntimeError(
         "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "

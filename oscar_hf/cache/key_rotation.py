@@ -65,6 +65,7 @@ class KeyRotation:
     def reset(self) -> None:
         self.flags: torch.Tensor | None = None
         self.moment: torch.Tensor | None = None
+        self.positions: torch.Tensor | None = None  # [B] float: the query positions `moment` sums (padding left out)
         self.blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
         self.unwritten = 0
         self._deferring = False  # while the layer appends a multi-token update that returns dense K/V (`deferring`)
@@ -85,9 +86,12 @@ class KeyRotation:
         reading another's K/V, or a second call with the same keys, adds nothing)."""
         return self.wants_queries and (keys is None or keys is self.awaiting_keys)
 
-    def add(self, moment: torch.Tensor) -> None:
-        """The awaited queries' second moment (`reference.query_moment`): add it to the running moment."""
+    def add(self, moment: torch.Tensor, positions: torch.Tensor) -> None:
+        """The awaited queries' second moment (`reference.query_moment`) over `positions` query positions per row
+        (`[B]`): add it to the running moment."""
         self.moment = moment if self.moment is None else self.moment + moment.to(self.moment.device)
+        positions = positions.to(self.moment.device, torch.float32)
+        self.positions = positions if self.positions is None else self.positions + positions
         self.awaiting_keys = None
 
     @contextlib.contextmanager
@@ -123,12 +127,18 @@ class KeyRotation:
         """`OscarLayer.observe_queries`: the moment of `query` (its newest positions' padding left out) joins."""
         if self.is_for(keys):
             mask = valid(layer._padding, layer.get_seq_length() - query.shape[-2], query)
-            self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask))
+            positions = query.new_full(query.shape[:1], query.shape[-2]) if mask is None else mask.sum(-1)
+            self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask), positions)
 
-    def observe(self, layer, moment: torch.Tensor) -> None:
-        """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once."""
+    def observe(self, layer, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
+        """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once. `positions`
+        (`[B]`): the query positions it sums; None: every real token the layer holds (a moment of the whole prompt)."""
         if self.wants_queries:
-            self.add(moment)
+            if positions is None:
+                held = layer.storage.keys.new_empty(moment.shape[0], 0, layer.get_seq_length(), 0)
+                mask = valid(layer._padding, 0, held)
+                positions = held.new_full(held.shape[:1], held.shape[-2]) if mask is None else mask.sum(-1)
+            self.add(moment, positions)
             self.choose(layer)
 
     def write_waiting(self, layer) -> None:
@@ -195,7 +205,7 @@ class KeyRotation:
         if self.flags is not None:
             self.flags = fn(self.flags)
         if self.moment is not None:
-            self.moment = fn(self.moment)
+            self.moment, self.positions = fn(self.moment), fn(self.positions)
         self.blocks = [(start, fn(keys), fn(values)) for start, keys, values in self.blocks]
 
     @staticmethod

@@ -42,9 +42,10 @@ from .blocks import BlockCodec
 from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
 from .key_rotation import KeyRotation
+from .layer_bits import LayerBits
 from .memory import KVMemory
 from .padding import Padding, key_padding, sink_slots, storage_order, valid
-from .storage import KVStorage
+from .storage import QUANTIZE_CHUNK_TOKENS, KVStorage
 
 
 class OscarLayer(CacheLayerMixin):
@@ -56,17 +57,26 @@ class OscarLayer(CacheLayerMixin):
 
     def __init__(self, config: OscarConfig):
         super().__init__()
-        self.config = config
-        self.layout = StorageLayout.of(config)
-        self._op_config = kernel_ops.config_key(config)  # the config as the custom ops take it
+        # bits="auto": the widths are chosen once the prompt is seen (`layer_bits.py`); until then the widest are stored
+        self.bits = LayerBits(config) if config.auto_bits else None
+        if config.auto_bits:
+            config = config.with_widths(*LayerBits.widest)
         self.path = DecodePath()  # decided by `OscarCache` at the first update (`configure`)
+        self.rotation = KeyRotation(config)
+        self._set_config(config)
         self.storage = KVStorage(self.layout, config.residual_length, self._quantize, self._dequantize)
         self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
         self._compiled: CompiledDecode | None = None  # compiled decode only
-        self.rotation = KeyRotation(config)
         self._padding: Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
         self._padding_given = False  # whether `set_padding` said so (else padding is known from the masks only)
+
+    def _set_config(self, config: OscarConfig) -> None:
+        """Store in `config`'s format from now on (its widths: bits="auto" sets them once chosen)."""
+        self.config = config
+        self.layout = StorageLayout.of(config)
+        self._op_config = kernel_ops.config_key(config)  # the config as the custom ops take it
         self.codec = BlockCodec(config)
+        self.rotation.config = config
 
     def configure(self, path: DecodePath) -> None:
         """Take the decode path `OscarCache` decided for this layer (before its first update)."""
@@ -87,6 +97,7 @@ class OscarLayer(CacheLayerMixin):
     quantized_length = property(lambda self: self.storage.length, doc="Tokens in the quantized region.")
     _storage = property(lambda self: self.storage.buffers, doc="The quantized region's capacity buffers.")
     key_rotated = property(lambda self: self.rotation.flags, doc="method='oscar': [B, Hkv] bool, or None until chosen")
+    bits_open = property(lambda self: self.bits is not None and self.bits.open, doc="bits='auto': widths to choose")
     compiled_decode = property(  # compiled single-token steps can run: fused path, maximum length reserved
         lambda self: self.use_kernels and self.max_cache_len is not None
     )
@@ -122,6 +133,8 @@ class OscarLayer(CacheLayerMixin):
 
     def _eager_update(self, key_states: torch.Tensor, value_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         storage, rotation = self.storage, self.rotation
+        if self.bits_open:
+            self.bits.observe(self, key_states, value_states)
         if not rotation.final:
             rotation.prepare(self, key_states.shape[-2])
         if storage.total == 0:
@@ -186,6 +199,10 @@ class OscarLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
+        if self.bits is not None:  # bits="auto" chooses again for the next prompt, storing the widest until then
+            self.bits.reset()
+            self._set_config(self.config.with_widths(*LayerBits.widest))
+            self.storage.empty_quantized(self.layout)
         self.storage.clear()
         self.fused_step = self._compiled = self._padding = None
         self._padding_given = False
@@ -232,6 +249,8 @@ class OscarLayer(CacheLayerMixin):
             return
         self.storage.apply(fn)
         self.rotation.apply(fn)
+        if self.bits is not None:
+            self.bits.apply(fn)
         if self._padding is not None:
             self._padding = self._padding.apply(fn)
 
@@ -275,6 +294,41 @@ class OscarLayer(CacheLayerMixin):
         self.rotation.write_waiting(self)
         return self.storage.quantized()
 
+    def convert_widths(self, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
+        """bits="auto" (`OscarCache.choose_bits`): store keys of `key_bits` and values of `value_bits` from now on, and
+        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32)
+        and quantized again, with `key_rotated` the heads' key rotation at `key_bits` (method="oscar"); a half whose
+        width and rotation stay keeps its codes (quantizing them again would only add error). A layer that may decode
+        compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
+        self.rotation.write_waiting(self)
+        self.codec.finite.read(wait=True)
+        storage, old_codec, old_layout, old_rotated = self.storage, self.codec, self.layout, self.key_rotated
+        same_rotation = key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
+        keep_keys = key_bits == old_layout.key_bits and same_rotation
+        keep_values = value_bits == old_layout.value_bits
+        old_rotated = None if old_rotated is None else old_rotated.clone()
+        if key_rotated is not None and self.rotation.flags is not None:
+            self.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
+        elif key_rotated is not None:
+            self.rotation.flags = key_rotated.clone()
+        if not self.rotation.final:
+            self.rotation.finalize()
+        self._set_config(self.config.with_widths(key_bits, value_bits))
+        self.bits.close()
+        if not (keep_keys and keep_values):
+            old, length = storage.buffers, storage.length
+            storage.empty_quantized(self.layout)
+            for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
+                end = min(start + QUANTIZE_CHUNK_TOKENS, length)
+                rows = old_layout.rows(old, start, end)
+                keys, values = old_codec.dequantize(rows, old_rotated, self.path, torch.float32)
+                block = self._quantize_at(keys, values, start)
+                kept = (keep_keys,) * 4 + (keep_values,) * 3  # QuantizedKV: four key fields, then three value fields
+                block = QuantizedKV(*(old if keep else new for old, new, keep in zip(rows, block, kept)))
+                storage.store(block)
+        if self._compiled is not None:
+            self._compiled = CompiledDecode(self)
+
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, as dense K/V in the model dtype, in position order (sinks, quantized region, window)."""
         self.rotation.write_waiting(self)
@@ -306,9 +360,10 @@ class OscarLayer(CacheLayerMixin):
         (without it, the next update chooses from the keys alone)."""
         self.rotation.observe_queries(self, query, keys)
 
-    def observe_query_moment(self, moment: torch.Tensor) -> None:
+    def observe_query_moment(self, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """`observe_queries` given their second moment (`reference.query_moment`, padding left out): what a cache
         filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill).
         The choice is made at once, even when no block is full yet, so that a flush inside a compiled decode step
-        finds the flags."""
-        self.rotation.observe(self, moment)
+        finds the flags. `positions` (`[B]`): the query positions the moment sums (bits="auto" weighs the mean
+        query); None: every real token the layer holds, as when the moment is the whole prompt's."""
+        self.rotation.observe(self, moment, positions)

@@ -109,6 +109,11 @@ def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float
     the default 1 charges each head a whole norm (the count that does not depend on the model). With fp16 scales at
     head_dim 128: 2 bits 3.125 (100 bytes per token and KV head), 4 bits 5.125, 4-bit keys and 2-bit values 4.125
     (bf16 is 16). The exact residual window and sinks are not counted (`KVMemory` counts what a cache holds)."""
+    if config.auto_bits:
+        raise ValueError(
+            "average_bits: bits='auto' chooses each layer's widths from the prompt; ask the cache "
+            "(`cache.average_bits()`, after the prompt) or pass a config of fixed widths (config.with_widths(4, 2))."
+        )
     layout = StorageLayout.of(config)
     tokens = config.group_size  # whole key groups, and whole words of codes (a word holds at most 16 tokens)
     shapes = layout.shapes(1, kv_heads, head_dim, kv_heads, head_dim, tokens)

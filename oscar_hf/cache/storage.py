@@ -62,6 +62,11 @@ class KVStorage:
         self.held = self.length = self.sinks = self.sinks_held = 0
         self._views = (None, 0, None)
 
+    def empty_quantized(self, layout: StorageLayout) -> None:
+        """Hold no quantized tokens, and store them in `layout` from now on (bits="auto" stores the region again at the
+        widths it chose); the sinks and the window stay."""
+        self.layout, self.buffers, self.length, self._views = layout, None, 0, (None, 0, None)
+
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: int = 0) -> None:
         """The exact buffers (`sinks` sink slots and the window), for K/V like these. Zeros: compiled steps read
         (masked) unused slots, which must never hold NaN garbage."""

@@ -102,7 +102,8 @@ def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> f
     """Stored bits per K/V element of a method's quantized region, in a 16-bit (bf16 or fp16) model: codes, scales,
     zero points or minimums, OScaR's token norms; "bf16" (a DynamicCache) stores 16. Not counted: the window of exact
     recent tokens each quantized cache keeps (OscarCache: 1 to `residual_length`, 128; QuantizedCache: 0 to 127;
-    tiny-turboquant: 128 to 255), a fixed number of tokens per sequence whatever its length.
+    tiny-turboquant: 128 to 255), a fixed number of tokens per sequence whatever its length. OscarCache with
+    bits="auto": its `avg_bits` budget, which each prompt's choice of layer widths stays within.
 
     - "quantized" (transformers' QuantizedCache, quanto or hqq): `nbits` per element, and a scale and a zero point in
       the model's dtype per group of `q_group_size` (64) elements along the head dimension, for keys and values alike.
@@ -114,7 +115,10 @@ def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> f
     if implementation is None:
         return 16.0
     if implementation == "oscar":
-        return average_bits(OscarConfig.from_dict(cache_config), head_dim, kv_heads)
+        config = OscarConfig.from_dict(cache_config)
+        if config.auto_bits:  # each prompt chooses its layers' widths within the budget: the budget bounds them
+            return config.avg_bits
+        return average_bits(config, head_dim, kv_heads)
     if implementation == "quantized":
         nbits = cache_config.get("nbits", _default(QuantizedLayer.__init__, "nbits"))
         group = cache_config.get("q_group_size", _default(QuantizedLayer.__init__, "q_group_size"))
@@ -283,6 +287,8 @@ class OscarHFLM(HFLM):
                 )
             if isinstance(layer, OscarLayer) and layer.rotation.wants_queries:  # what its attention hands over
                 layer.observe_query_moment(moments[idx])
+        if isinstance(cache, OscarCache):
+            cache.choose_bits()  # bits="auto": the prompt ends here, as generate's prefill does
         return first, cache
 
     # ------------------------------------------------------------------------------------------------------------

@@ -100,14 +100,22 @@ def _wrap_prefill(original):
     """generate's chunked prefill calls its compiled forward (the decode steps' graph) on every chunk, where the
     StaticCache has fixed shapes; an OscarLayer stores a multi-token chunk in eager code only (quantizing whole blocks,
     growing lengths), and its compiled graph takes single-token steps (`compiled.refuse_step`). Into an OscarCache the
-    chunks therefore run eagerly, as an unchunked prefill does, and the decode steps that follow still compile."""
+    chunks therefore run eagerly, as an unchunked prefill does, and the decode steps that follow still compile.
+    After the prefill, eagerly and before the first decode step, bits="auto" chooses each layer's widths
+    (`OscarCache.choose_bits`), so that compiled steps see fixed widths."""
 
     @functools.wraps(original)
     def _prefill(self, input_ids, generation_config, model_kwargs, *args, **kwargs):
-        if generation_config.prefill_chunk_size is not None and isinstance(model_kwargs.get(CACHE_KWARG), OscarCache):
+        cache = model_kwargs.get(CACHE_KWARG)
+        if not isinstance(cache, OscarCache):
+            return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        if generation_config.prefill_chunk_size is not None:
             with torch.compiler.set_stance("force_eager"):
-                return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
-        return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+                outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        else:
+            outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
+        cache.choose_bits()
+        return outputs
 
     setattr(_prefill, _WRAPPED_MARK, original)
     return _prefill

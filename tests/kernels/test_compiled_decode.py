@@ -9,7 +9,7 @@ import torch._dynamo
 from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextForCausalLM
 from transformers.generation import CompileConfig
 
-from oscar_hf import OscarCache, OscarConfig, cache_kwargs
+from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -459,3 +459,70 @@ def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
     layer = cache.layers[0]
     assert layer.storage.sinks == 6 and layer.get_seq_length() == 41 and layer.quantized_length == 32
+
+
+def _auto_bits_llama(tiny_llama):
+    """A random two-layer Llama for bits="auto" (sdpa, head_dim 64), and the budget of one upgrade of one layer's keys
+    or values over 2-bit everywhere, so that the layers end with different widths."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=2
+    )
+    model.config._attn_implementation = "sdpa"
+    low, one = (average_bits(OscarConfig(key_bits=k), 64, 2) for k in (2, 4))
+    return model.to(DEVICE), (low + one) / 2
+
+
+def test_generate_auto_compiles_auto_bits_with_the_widths_chosen_after_the_prefill(tiny_llama):
+    """bits="auto": generate chooses the widths after its eager prefill (its 64 quantized tokens stored again at them),
+    before the first compiled step, which reserves its storage at those widths: one graph, the eager tokens."""
+    model, budget = _auto_bits_llama(tiny_llama)
+    prompt = torch.randint(3, 101, (1, 70), device=DEVICE)
+    cache_config = {"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": 32}
+    options = dict(
+        cache_implementation="oscar",
+        cache_config={**cache_config, "bits": "auto", "avg_bits": budget},
+        do_sample=False,
+        max_new_tokens=8,
+        min_new_tokens=8,
+    )
+    _assert_auto_compile_matches_eager(model, prompt, options)
+    out = model.generate(prompt, disable_compile=True, return_dict_in_generate=True, **options)
+    widths = {(layer.config.key_bits, layer.config.value_bits) for layer in out.past_key_values.layers}
+    assert len(widths) == 2 and (2, 2) in widths, widths
+
+
+def test_a_compiled_step_refuses_auto_bits_not_chosen_yet(tiny_llama):
+    model, budget = _auto_bits_llama(tiny_llama)
+    prompt = torch.randint(3, 101, (1, 40), device=DEVICE)
+    torch._dynamo.reset()
+    compiled = torch.compile(model.forward, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match=r"widths are not chosen yet.*cache.choose_bits\(\)"):
+        _decode(model, compiled, prompt, 1, attention="fused", bits="auto", avg_bits=budget, residual_length=32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_generate_with_auto_bits_matches_eager_generate(tiny_llama, teacher_forcing, batch):
+    """bits="auto" under generate's automatic compile (Inductor, CUDA graphs): both runs choose the same widths and key
+    rotations after the prefill, compile one graph, and every step's logits match eager on the same tokens."""
+    model = tiny_llama(
+        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
+    ).to(DEVICE)  # fmt: skip
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 1000, (batch, 300), device=DEVICE)
+    mask = torch.ones_like(prompt)
+    if batch > 1:
+        prompt[1:, :17], mask[1:, :17] = 0, 0
+    options = {"bits": "auto", "avg_bits": 4.1}
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = _generate(model, prompt, mask, 300, compiled=True, cache_config=options)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
+    tokens = compiled.sequences[:, prompt.shape[1] :]
+    eager = _generate(model, prompt, mask, 300, False, teacher_forcing(tokens, prompt.shape[1]), cache_config=options)
+    for a, b in zip(compiled.past_key_values.layers, eager.past_key_values.layers):
+        assert (a.config.key_bits, a.config.value_bits) == (b.config.key_bits, b.config.value_bits)
+        assert torch.equal(a.key_rotated, b.key_rotated)
+    assert compiled.past_key_values.average_bits() <= 4.1
+    _assert_logits_match(compiled, eager, tokens)

@@ -1,0 +1,314 @@
+"""bits="auto": layer-wise key/value widths chosen from the prompt under an average-bits budget (cache/layer_bits.py):
+the costs and the greedy of the reference, the config, the conversion of each layer's storage, and generate."""
+
+import logging
+
+import pytest
+import torch
+
+from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
+from oscar_hf.reference import (
+    LAYER_WIDTHS,
+    add_bit_cost_sums,
+    bit_cost_sums,
+    choose_layer_bits,
+    dequantize_kv,
+    fake_quantize_keys,
+    key_error_sums,
+    layer_bit_costs,
+    quantize_kv,
+    query_moment,
+    query_weighted_key_error,
+)
+
+GREEDY = dict(do_sample=False, pad_token_id=0)
+
+
+def _bits_table(layers: int, head_dim: int = 128, kv_heads: int = 8) -> torch.Tensor:
+    config = OscarConfig()
+    row = [[average_bits(config.with_widths(k, v), head_dim, kv_heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
+    return torch.tensor([row] * layers, dtype=torch.float64)
+
+
+def _average(chosen, bits, weights) -> float:
+    index = {w: i for i, w in enumerate(LAYER_WIDTHS)}
+    spent = sum(float(w * bits[layer, index[k], index[v]]) for layer, ((k, v), w) in enumerate(zip(chosen, weights)))
+    return spent / float(weights.sum())
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# reference: costs and greedy
+def test_query_weighted_key_error_is_the_centred_error_weighted_by_the_queries():
+    keys, queries = torch.randn(2, 3, 64, 32, dtype=torch.float64), torch.randn(2, 6, 40, 32, dtype=torch.float64)
+    config = OscarConfig(key_bits=2)
+    error = fake_quantize_keys(keys, True, config) - keys
+    centred = error - error.mean(-2, keepdim=True)
+    logits = queries.unflatten(1, (3, 2)).flatten(2, 3) @ centred.transpose(-1, -2)  # [B, Hkv, g * Tq, N]
+    want = logits.square().sum((-2, -1))
+    got = query_weighted_key_error(*key_error_sums(keys, True, config), query_moment(queries, 3))
+    torch.testing.assert_close(got, want)
+
+
+def test_cost_sums_of_chunks_add_up_to_the_whole_prompts():
+    """Chunks starting on key-group boundaries add up to the whole prompt's sums (the cache adds each update's)."""
+    keys, values = torch.randn(2, 2, 96, 32, dtype=torch.float64), torch.randn(2, 2, 96, 32, dtype=torch.float64)
+    valid = torch.ones(2, 96, dtype=torch.bool)
+    valid[1, :7] = False
+    config = OscarConfig(method="oscar")
+    whole = bit_cost_sums(keys, values, config, (True, False), valid)
+    parts = None
+    for start, end in ((0, 32), (32, 96)):
+        chunk = bit_cost_sums(
+            keys[:, :, start:end], values[:, :, start:end], config, (True, False), valid[:, start:end]
+        )
+        parts = add_bit_cost_sums(parts, chunk)
+    for a, b in zip(whole, parts):
+        torch.testing.assert_close(a, b)
+    assert whole.tokens.flatten().tolist() == [96, 89]
+
+
+def test_layer_bit_costs_match_the_attention_error_model():
+    """Keys: scaling^2 tr(E_c^T E_c M) / N times the values' spread; values: the mean squared round-trip error; a
+    wider width costs less; each head takes its cheaper rotation."""
+    keys, values = torch.randn(1, 2, 64, 32, dtype=torch.float64), torch.randn(1, 2, 64, 32, dtype=torch.float64)
+    moment = query_moment(torch.randn(1, 4, 16, 32, dtype=torch.float64), 2) / (16 * 2)
+    config = OscarConfig(method="oscar")
+    key_costs, value_costs, rotated = layer_bit_costs(
+        bit_cost_sums(keys, values, config, (True, False)), moment, (True, False), 32**-0.5
+    )
+    spread = (values - values.mean(-2, keepdim=True)).square().sum(-1).mean(-1)  # [B, Hkv]
+    for i, bits in enumerate(LAYER_WIDTHS):
+        width = config.with_widths(bits, bits)
+        per_rotation = torch.stack(
+            [query_weighted_key_error(*key_error_sums(keys, r, width), moment) for r in (True, False)]
+        )
+        want = (per_rotation.min(0).values / 64 * spread / 32).sum()
+        torch.testing.assert_close(key_costs[i], want)
+        assert torch.equal(rotated[i], per_rotation[0] < per_rotation[1])
+        k_hat, v_hat = dequantize_kv(quantize_kv(keys, values, width), width, torch.float64)
+        torch.testing.assert_close(value_costs[i], (v_hat - values).square().sum(-1).mean(-1).sum())
+    assert key_costs[1] < key_costs[0] and value_costs[1] < value_costs[0]
+
+
+def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
+    """Three layers of random keys and values; the middle one's keys carry outlier channels that its queries read.
+    With the budget of one key upgrade, it is that layer's keys that get 4 bits."""
+    config = OscarConfig(method="oscar")
+    key_costs, value_costs = [], []
+    for layer in range(3):
+        keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
+        queries = torch.randn(1, 4, 128, 64)
+        if layer == 1:
+            keys[..., :4] += 6 * torch.randn(1, 2, 128, 4)
+            queries[..., :4] *= 3
+        moment = query_moment(queries, 2) / (128 * 2)
+        k, v, _ = layer_bit_costs(bit_cost_sums(keys, values, config, (True, False)), moment, (True, False), 0.125)
+        key_costs.append(k)
+        value_costs.append(v)
+    bits, weights = _bits_table(3, 64, 2), torch.full((3,), 128.0)
+    one_upgrade = (2 * bits[0, 0, 0] + bits[0, 1, 0]) / 3
+    chosen = choose_layer_bits(torch.stack(key_costs), torch.stack(value_costs), bits, weights, float(one_upgrade))
+    assert chosen == [(2, 2), (4, 2), (2, 2)]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits(seed):
+    generator = torch.Generator().manual_seed(seed)
+    layers = 7
+    key_costs = torch.rand(layers, 2, generator=generator).sort(dim=1, descending=True).values
+    value_costs = torch.rand(layers, 2, generator=generator).sort(dim=1, descending=True).values
+    kv_heads = torch.randint(1, 9, (layers,), generator=generator)
+    bits = torch.stack([_bits_table(1, 128, int(h))[0] for h in kv_heads])
+    weights = (kv_heads * 128).double()
+    low, high = _average([(2, 2)] * layers, bits, weights), _average([(4, 4)] * layers, bits, weights)
+    for budget in torch.linspace(low, high, 9, dtype=torch.float64).tolist():
+        chosen = choose_layer_bits(key_costs, value_costs, bits, weights, budget)
+        spent = _average(chosen, bits, weights)
+        assert spent <= budget + 1e-9
+        for layer, (k, v) in enumerate(chosen):  # every upgrade left out would break the budget
+            for upgraded in ((4, v), (k, 4)):
+                if upgraded != (k, v):
+                    trial = chosen[:layer] + [upgraded] + chosen[layer + 1 :]
+                    assert _average(trial, bits, weights) > budget
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, high) == [(4, 4)] * layers
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, low) == [(2, 2)] * layers
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# config
+def test_auto_bits_config_is_validated():
+    config = OscarConfig(bits="auto", avg_bits=4.1)
+    assert config.auto_bits and config.key_bits is None and config.value_bits is None
+    assert OscarConfig.from_dict(config.to_dict()) == config
+    assert config.with_widths(4, 2) == OscarConfig(key_bits=4, value_bits=2)
+    with pytest.raises(ValueError, match="bits='auto' needs avg_bits"):
+        OscarConfig(bits="auto")
+    with pytest.raises(ValueError, match="needs avg_bits"):
+        OscarConfig(bits="auto", avg_bits=float("nan"))
+    with pytest.raises(ValueError, match="avg_bits=3.6 is the budget of bits='auto'"):
+        OscarConfig(avg_bits=3.6)
+    with pytest.raises(ValueError, match="drop key_bits=4"):
+        OscarConfig(bits="auto", avg_bits=3.6, key_bits=4)
+    with pytest.raises(ValueError, match="bits='fast' is not supported; use 2 \\(default\\) or 4, or 'auto'"):
+        OscarConfig(bits="fast")
+    with pytest.raises(ValueError, match="cache.average_bits"):
+        average_bits(config, 128)
+
+
+def test_a_budget_below_the_all_2_bit_cost_is_refused_with_the_minimum(tiny_llama):
+    config = tiny_llama().config
+    low = average_bits(OscarConfig(), 32, 2)
+    with pytest.raises(ValueError, match=f"pass avg_bits >= {low:.4g}"):
+        OscarCache(config, OscarConfig(bits="auto", avg_bits=low - 0.01))
+    OscarCache(config, OscarConfig(bits="auto", avg_bits=low))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# the cache
+def _filled(model, prompt, **options):
+    cache = OscarCache(model.config, OscarConfig(**options))
+    with torch.no_grad():
+        model(prompt, **cache_kwargs(cache), use_cache=True)
+    return cache
+
+
+@pytest.mark.parametrize("method", ["oscar", "paper"])
+def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method):
+    """The stored region after the choice is the reference's dequantize(4-bit) -> quantize(width), with the key rotation
+    the choice made at that width; a half whose width and rotation stay keeps its 4-bit codes."""
+    model = tiny_llama(num_hidden_layers=4)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 97, (2, 150))
+    options = dict(bits="auto", avg_bits=4.0, residual_length=32, method=method)
+    cache = _filled(model, prompt, **options)
+    before = [
+        (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
+    ]
+    before = [(type(q)(*(None if t is None else t.clone() for t in q)), r) for q, r in before]
+    assert all(layer.config.key_bits == layer.config.value_bits == 4 for layer in cache.layers)
+    cache.choose_bits()
+    widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
+    assert len(set(widths)) > 1, widths  # the budget buys some upgrades, not all
+    assert cache.average_bits() <= 4.0
+    four = OscarConfig(bits=4, method=method)
+    for layer, (stored, rotated) in zip(cache.layers, before):
+        keys, values = dequantize_kv(stored, four, torch.float32, rotated)
+        want = quantize_kv(keys, values, layer.config, layer.key_rotated)
+        same_rotation = rotated is None or torch.equal(rotated, layer.key_rotated)
+        got = layer.quantized()
+        for name in got._fields:
+            kept = (name.startswith("key") and layer.config.key_bits == 4 and same_rotation) or (
+                name.startswith("value") and layer.config.value_bits == 4
+            )
+            expected = getattr(stored if kept else want, name)
+            if expected is None:
+                assert getattr(got, name) is None
+                continue
+            assert torch.equal(getattr(got, name), expected), (name, layer.config)
+    cache.choose_bits()  # once chosen, nothing changes
+    assert widths == [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
+
+
+def test_the_4_bit_round_trip_adds_little_to_the_2_bit_error():
+    """What converting costs: keys and values quantized at 2 bits from their 4-bit round trip are within 0.2 % of the
+    error of quantizing the exact ones (measured: +0.06 % for keys, +0.00 % for values); 4-bit keys quantized again
+    would add 0.5 % (token norms of the round trip), which is why a half that stays 4-bit keeps its codes."""
+    keys, values = torch.randn(2, 4, 256, 128), torch.randn(2, 4, 256, 128)
+    keys[..., 3] += 8 * torch.randn(2, 4, 256)
+    keys = keys * 3 * torch.rand(1, 1, 256, 1)
+    four, two = OscarConfig(bits=4, method="paper"), OscarConfig(bits=2, method="paper")
+    k4, v4 = dequantize_kv(quantize_kv(keys, values, four), four)
+    direct = dequantize_kv(quantize_kv(keys, values, two), two)
+    converted = dequantize_kv(quantize_kv(k4, v4, two), two)
+    for exact, a, b in zip((keys, values), direct, converted):
+        assert (b - exact).norm() <= 1.002 * (a - exact).norm()
+
+
+def test_generate_with_auto_bits_respects_the_budget_and_says_what_it_chose(tiny_llama, caplog):
+    model = tiny_llama(num_hidden_layers=4)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 97, (1, 150))
+    low, high = average_bits(OscarConfig(), 32, 2), average_bits(OscarConfig(bits=4), 32, 2)
+    for budget in (low, (low + high) / 2, high):
+        options = {"bits": "auto", "avg_bits": budget, "residual_length": 32}
+        with caplog.at_level(logging.INFO, logger="oscar_hf"):
+            out = model.generate(
+                prompt, max_new_tokens=40, min_new_tokens=40, cache_implementation="oscar", cache_config=options,
+                return_dict_in_generate=True, **GREEDY,
+            )  # fmt: skip
+        cache = out.past_key_values
+        assert out.sequences.shape[1] == 190 and cache.get_seq_length() == 189
+        assert cache.average_bits() <= budget + 1e-9
+        assert f"OscarCache(bits='auto', avg_bits={budget})" in caplog.text
+        memory = cache.memory_footprint()
+        want = sum(
+            average_bits(layer.config, 32, 2) / 8 * 2 * 2 * 32 * layer.quantized_length for layer in cache.layers
+        )
+        assert memory.quantized_bytes == want  # each layer's own widths
+        if budget == low:
+            assert all(layer.config.bits == 2 for layer in cache.layers)
+        if budget == high:
+            assert all(layer.config.bits == 4 for layer in cache.layers)
+
+
+def test_auto_bits_generates_what_a_cache_of_the_chosen_fixed_widths_generates(tiny_llama):
+    """method="paper" (no rotation choice): the chosen widths, given to each layer up front, give the same tokens; the
+    auto cache's 2-bit halves come from the 4-bit round trip, within rounding of the direct ones."""
+    model = tiny_llama(num_hidden_layers=4)
+    prompt = torch.randint(3, 97, (1, 150))
+    options = {"bits": "auto", "avg_bits": 4.0, "residual_length": 32, "method": "paper"}
+    out = model.generate(
+        prompt, max_new_tokens=20, cache_implementation="oscar", cache_config=options,
+        return_dict_in_generate=True, output_logits=True, **GREEDY,
+    )  # fmt: skip
+    fixed = OscarCache(model.config, OscarConfig(residual_length=32, method="paper"))
+    for i, layer in enumerate(out.past_key_values.layers):
+        fixed.layers[i] = type(layer)(layer.config)
+    again = model.generate(
+        prompt, max_new_tokens=20, **cache_kwargs(fixed), return_dict_in_generate=True, output_logits=True, **GREEDY
+    )
+    assert torch.equal(again.sequences, out.sequences)
+    for a, b in zip(out.logits, again.logits):
+        torch.testing.assert_close(a, b, atol=2e-2, rtol=0)
+
+
+def test_a_cache_filled_by_hand_chooses_from_the_keys_at_its_first_decode_step(tiny_llama, caplog):
+    """No attention call hands queries over: the keys are costed against isotropic queries (said once), and the first
+    single-token update chooses before it is stored."""
+    config = tiny_llama(num_hidden_layers=3).config
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=3.9, residual_length=32))
+    for idx in range(3):
+        cache.update(torch.randn(1, 2, 100, 32) * (1 + 3 * idx), torch.randn(1, 2, 100, 32), idx)
+    assert all(layer.bits_open for layer in cache.layers)
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: once per process and message
+    with caplog.at_level(logging.WARNING, logger="oscar_hf"):
+        for idx in range(3):
+            cache.update(torch.randn(1, 2, 1, 32), torch.randn(1, 2, 1, 32), idx)
+    assert "costed against isotropic queries" in caplog.text
+    assert not any(layer.bits_open for layer in cache.layers)
+    assert cache.average_bits() <= 3.9 and cache.get_seq_length() == 101
+    keys, _ = cache.layers[2].dense_history()
+    assert keys.shape[-2] == 101
+    cache.reset()  # the next prompt chooses again
+    assert all(layer.bits_open and layer.config.bits == 4 for layer in cache.layers)
+    cache.update(torch.randn(1, 2, 100, 32), torch.randn(1, 2, 100, 32), 0)
+    assert cache.layers[0].quantized().key_codes.shape[2] == 96 // 8  # 4-bit codes: 8 tokens per word
+
+
+def test_a_prompt_fed_in_chunks_chooses_after_the_last_chunk(tiny_llama):
+    """generate's chunked prefill: the widths are chosen once, after the last chunk, within the budget, as for the
+    prompt fed whole."""
+    model = tiny_llama(num_hidden_layers=4)
+    model.config._attn_implementation = "sdpa"
+    prompt = torch.randint(3, 97, (1, 150))
+    options = {"bits": "auto", "avg_bits": 3.9, "residual_length": 32}
+    runs = [
+        model.generate(
+            prompt, max_new_tokens=3, cache_implementation="oscar", cache_config=options, prefill_chunk_size=chunk,
+            return_dict_in_generate=True, **GREEDY,
+        ).past_key_values
+        for chunk in (None, 48)
+    ]  # fmt: skip
+    for cache in runs:
+        assert cache.average_bits() <= 3.9 and not any(layer.bits_open for layer in cache.layers)
+    assert [layer.config for layer in runs[0].layers] == [layer.config for layer in runs[1].layers]
