@@ -33,7 +33,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
 
 import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
-from oscar_hf.cache import chunk, key_rotation, layer, storage
+from oscar_hf.cache import history, key_rotation, layer, storage
 from oscar_hf.integrations import fused_attention
 
 # The cache's own jobs, timed as labelled ranges (`oscar::<name>`: host time and the GPU time of the kernels they
@@ -44,7 +44,8 @@ REGIONS = (
     ("query_moment", fused_attention, "query_moment"),  # the prefill's queries, handed over by the sdpa entry
     ("query_moment", key_rotation, "query_moment"),  # queries handed over by hand
     ("append_quantize", storage.KVStorage, "append"),
-    ("chunk_attention", chunk.ChunkHistory, "attention"),
+    ("decode_attention", history.DecodeHistory, "attention"),
+    ("chunk_attention", history.ChunkHistory, "attention"),
     ("model_sdpa", fused_attention, "sdpa_attention_forward"),  # transformers' sdpa, called by the sdpa entry
 )
 

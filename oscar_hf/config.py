@@ -26,7 +26,7 @@ class OscarConfig:
             (K2V2, K4V2, K2V4 or K4V4) from the prompt, under the budget `avg_bits` (`cache/layer_bits.py`).
         avg_bits: with bits="auto" (required there, refused otherwise): the average stored bits per K/V element over
             the layers, everything counted as `oscar_hf.average_bits` counts it (at head_dim 128: all 2-bit 3.125,
-            4-bit keys 4.125, all 4-bit 5.125). The greedy rule of `reference.choose_layer_bits` upgrades the layers
+            4-bit keys 4.125, all 4-bit 5.125). The greedy rule of `layer_widths.choose_layer_bits` upgrades the layers
             whose prompt shows the largest attention error per added bit until the budget is spent. Below the
             all-2-bit cost is an error (the cache says the minimum for its model); above the all-4-bit cost every
             layer stores 4-bit keys and values.

@@ -3,7 +3,7 @@
 * portable: `update` returns dense K/V (the dequantized history, then the exact tokens) to the model's attention;
 * fused: decode steps of up to `DecodePath.query_tokens` tokens attend with the Triton kernel, which reads the packed
   storage in place (`integrations/fused_attention.py`), and so do longer chunks arriving with history, with the chunk
-  kernel (`cache/chunk.py`); blocks are quantized by the Triton kernel;
+  kernel (`cache/history.py`); blocks are quantized by the Triton kernel;
 * compiled: fused single-token steps inside `torch.compile` / CUDA graphs, from a device counter over storage
   reserved up front (`cache/compiled.py`).
 
@@ -47,6 +47,11 @@ class DecodePath:
     def fused_step(self, held: int, new: int, window: int) -> bool:
         """Whether `new` tokens arriving at a residual window holding `held` of `window` take the fused kernel."""
         return self.fused and new <= self.query_tokens and held + new <= window
+
+    def chunk_step(self, total: int, held: int, new: int, window: int) -> bool:
+        """Whether `new` tokens arriving at a layer holding `total`, `held` of them in its residual window of `window`
+        (flushed first when full), take the chunk kernel: a history, and more than a fused decode step takes."""
+        return self.fused and total > 0 and not self.fused_step(0 if held == window else held, new, window)
 
 
 def _failed(*checks: tuple[bool, str]) -> list[str]:

@@ -9,8 +9,6 @@ layout `StorageLayout` defines.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
 from .config import OscarConfig
@@ -179,13 +177,13 @@ def query_rotation_choice(
     not be a multiple of the group size (a prompt shorter than a block): the last group is quantized from the tokens it
     has, as if padded. A row without a valid token costs nothing either way and keeps its keys unrotated.
     """
-    k, valid = _whole_groups(keys, valid, config.group_size)
+    k, valid = whole_key_groups(keys, valid, config.group_size)
     moment = moment.to(k.dtype)
     costs = [query_weighted_key_error(*key_error_sums(k, rotated, config, valid), moment) for rotated in (True, False)]
     return costs[0] < costs[1]
 
 
-def _whole_groups(keys: torch.Tensor, valid: torch.Tensor | None, group_size: int):
+def whole_key_groups(keys: torch.Tensor, valid: torch.Tensor | None, group_size: int):
     """`keys` in float32 (float64 kept), padded with invalid zero tokens to whole key groups, and their `[B, N]` mask
     (None: all valid); whatever padding holds (NaN included) is zeroed, so that it weighs 0 in any sum."""
     k = keys.float() if keys.dtype != torch.float64 else keys
@@ -205,7 +203,7 @@ def key_error_sums(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sums over the valid tokens of the error e_t of the keys' round trip (`fake_quantize_keys`, `config.key_bits`):
     `(sum_t e_t e_t^T [B, Hkv, D, D], sum_t e_t [B, Hkv, D], tokens [B, 1, 1])`. Additive over chunks of a prompt.
-    `keys`: whole key groups (`_whole_groups`)."""
+    `keys`: whole key groups (`whole_key_groups`)."""
     error = fake_quantize_keys(keys, rotated, config, valid) - keys
     if valid is not None:
         error = error.masked_fill(~_key_valid(valid), 0)
@@ -220,123 +218,6 @@ def query_weighted_key_error(
     summed over the queries of second moment M (`query_moment`), from `key_error_sums`' sums."""
     centred = gram - total.unsqueeze(-1) * total.unsqueeze(-2) / tokens.clamp_min(1).unsqueeze(-1)
     return (centred * moment).sum((-2, -1))
-
-
-# bits="auto": the widths a layer's keys and values may each end with, narrowest first.
-LAYER_WIDTHS = (2, 4)
-
-
-class BitCostSums(NamedTuple):
-    """bits="auto": the sums over a prompt's tokens (additive over its chunks, `add_bit_cost_sums`) from which
-    `layer_bit_costs` costs each width of a layer. W = len(LAYER_WIDTHS), R the key rotations costed."""
-
-    key_gram: torch.Tensor  # [W, R, B, Hkv, D, D]: sum_t e_t e_t^T of the key round trip's error
-    key_total: torch.Tensor  # [W, R, B, Hkv, D]: sum_t e_t
-    value_error: torch.Tensor  # [W, B, Hkv]: sum_t |e_t|^2 of the value round trip's error
-    value_square: torch.Tensor  # [B, Hkv]: sum_t |v_t|^2
-    value_total: torch.Tensor  # [B, Hkv, D]: sum_t v_t
-    tokens: torch.Tensor  # [B, 1, 1]: valid tokens summed
-
-
-def bit_cost_sums(
-    keys: torch.Tensor,
-    values: torch.Tensor,
-    config: OscarConfig,
-    rotations: tuple[bool, ...],
-    valid: torch.Tensor | None = None,
-) -> BitCostSums:
-    """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `LAYER_WIDTHS`, keys
-    with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation: (False,)),
-    in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere."""
-    v, _ = _whole_groups(values, valid, config.group_size)
-    k, valid = _whole_groups(keys, valid, config.group_size)
-    v_rotated = hadamard_transform(v) if config.rotation else v  # H is orthogonal: the error's norm is the same
-    mask = None if valid is None else _key_valid(valid)
-    key_sums, value_error = [], []
-    for bits in LAYER_WIDTHS:
-        width = config.with_widths(bits, bits)
-        key_sums.append([key_error_sums(k, rotated, width, valid) for rotated in rotations])
-        codes, scale, mn = quantize_groups(v_rotated, bits, config.group_size, -1, config.scale_torch_dtype, mask)
-        error = dequantize_groups(codes, scale, mn, config.group_size, -1, v.dtype) - v_rotated
-        if mask is not None:
-            error = error.masked_fill(~mask, 0)
-        value_error.append(error.square().sum((-2, -1)))
-    return BitCostSums(
-        torch.stack([torch.stack([gram for gram, _, _ in sums]) for sums in key_sums]),
-        torch.stack([torch.stack([total for _, total, _ in sums]) for sums in key_sums]),
-        torch.stack(value_error),
-        v.square().sum((-2, -1)),
-        v.sum(-2),
-        key_sums[0][0][2],
-    )
-
-
-def add_bit_cost_sums(a: BitCostSums | None, b: BitCostSums) -> BitCostSums:
-    """The sums of two chunks of one prompt (`a` None: `b`)."""
-    return b if a is None else BitCostSums(*(x + y.to(x.device) for x, y in zip(a, b)))
-
-
-def layer_bit_costs(
-    sums: BitCostSums, moment: torch.Tensor, rotations: tuple[bool, ...], scaling: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bits="auto": what each key width and each value width of `LAYER_WIDTHS` costs a layer's attention,
-    `(key_costs [W], value_costs [W], key_rotated [W, B, Hkv] bool)`, from its prompt's `bit_cost_sums` and `moment`
-    (`[B, Hkv, D, D]`: the mean of q q^T over the query rows that read a KV head, i.e. its group's query heads at each
-    query position; the identity where the queries are unknown; `rotations` as given to `bit_cost_sums`; `scaling`
-    the attention's logit scale, e.g. head_dim ** -0.5).
-
-    The cost is the first-order error of the attention output o = sum_t a_t v_t, per query row, summed over KV heads
-    and batch rows. A logit error d_t moves it by sum_t a_t (d_t - mean d) (v_t - o), a value error e_t by
-    sum_t a_t e_t; for errors independent across tokens both are sum_t a_t^2 times a mean over the tokens:
-    keys: scaling^2 tr(E_c^T E_c M) / N (the query rule's query-weighted error, `query_weighted_key_error`, per key)
-    times the values' spread mean_t |v_t - mean v|^2; values: mean_t |e_t|^2. The common factor sum_t a_t^2 is
-    unknown without the attention weights and left out, so keys and values of one layer are weighed exactly against
-    each other, and layers against each other as if their attention were equally spread. Each head's keys take the
-    rotation that costs least at each width (the query rule at the width stored): `key_rotated`."""
-    tokens = sums.tokens.clamp_min(1)  # [B, 1, 1]
-    logit_error = query_weighted_key_error(sums.key_gram, sums.key_total, sums.tokens, moment.to(sums.key_gram.dtype))
-    spread = (sums.value_square - sums.value_total.square().sum(-1) / tokens[..., 0]) / tokens[..., 0]
-    key_costs = scaling**2 * logit_error / tokens[..., 0] * spread.clamp_min(0)  # [W, R, B, Hkv]
-    best, index = key_costs.min(dim=1)
-    key_rotated = torch.tensor(rotations, device=index.device)[index]
-    value_costs = sums.value_error / tokens[..., 0]
-    return best.sum((-2, -1)), value_costs.sum((-2, -1)), key_rotated
-
-
-def choose_layer_bits(
-    key_costs: torch.Tensor, value_costs: torch.Tensor, bits: torch.Tensor, weights: torch.Tensor, avg_bits: float
-) -> list[tuple[int, int]]:
-    """bits="auto"'s greedy rule: each layer's `(key_bits, value_bits)`, from `LAYER_WIDTHS`.
-
-    `key_costs`, `value_costs` (`[L, W]`, `layer_bit_costs`): what each width costs each layer; `bits` (`[L, W, W]`):
-    the stored bits per K/V element of layer l at key width i and value width j (`oscar_hf.average_bits`); `weights`
-    (`[L]`): the K/V elements per token of each layer (KV heads x head_dim). Every layer starts with the narrowest
-    keys and values; then, of the upgrades that keep the weighted average of `bits` within `avg_bits` (one layer's
-    keys or values to the next width), the one that lowers the cost most per added bit is taken, until none fits or
-    none lowers the cost."""
-    layers, widths = key_costs.shape
-    costs = key_costs.double().cpu()[:, :, None] + value_costs.double().cpu()[:, None, :]  # [L, key width, value width]
-    bits, weights = bits.double().cpu(), weights.double().cpu()
-    chosen = [[0, 0] for _ in range(layers)]
-    limit = avg_bits * float(weights.sum()) * (1 + 1e-12)  # rounding must not refuse a budget met exactly
-    spent = float((weights * bits[:, 0, 0]).sum())
-    while True:
-        best = None
-        for layer, (k, v) in enumerate(chosen):
-            for nk, nv in ((k + 1, v), (k, v + 1)):
-                if nk >= widths or nv >= widths:
-                    continue
-                added = float(weights[layer] * (bits[layer, nk, nv] - bits[layer, k, v]))
-                gain = float(costs[layer, k, v] - costs[layer, nk, nv])
-                if gain <= 0 or spent + added > limit:
-                    continue
-                if best is None or gain / added > best[0]:
-                    best = (gain / added, layer, nk, nv, added)
-        if best is None:
-            return [(LAYER_WIDTHS[k], LAYER_WIDTHS[v]) for k, v in chosen]
-        _, layer, nk, nv, added = best
-        chosen[layer] = [nk, nv]
-        spent += added
 
 
 def rotate_keys(keys: torch.Tensor, key_rotated: torch.Tensor | None) -> torch.Tensor:

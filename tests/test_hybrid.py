@@ -12,6 +12,7 @@ from transformers.cache_utils import DynamicSlidingWindowLayer, StaticSlidingWin
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
 from oscar_hf.cache.compiled import CompiledSlidingWindowLayer
+from oscar_hf.cache.history import DecodeHistory
 from oscar_hf.integrations import fused_attention
 
 GREEDY = dict(do_sample=False, return_dict_in_generate=True)
@@ -165,7 +166,7 @@ def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
     cache = OscarCache(model.config, OscarConfig(attention="fused", residual_length=32))
     cache.reserve(60)
     passed, fused = [], []
-    original_sdpa, original_fused = fused_attention.sdpa_attention_forward, OscarLayer.fused_attention
+    original_sdpa, original_fused = fused_attention.sdpa_attention_forward, DecodeHistory.attention
 
     def sdpa(module, query, key, value, *args, **kwargs):
         passed.append((module.layer_idx, kwargs.get("sliding_window"), key))
@@ -173,11 +174,11 @@ def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
 
     monkeypatch.setattr(fused_attention, "sdpa_attention_forward", sdpa)
 
-    def fused_kernel(layer, *args):
-        fused.append(layer)
-        return original_fused(layer, *args)
+    def fused_kernel(history, *args):
+        fused.append(history.layer)
+        return original_fused(history, *args)
 
-    monkeypatch.setattr(OscarLayer, "fused_attention", fused_kernel)
+    monkeypatch.setattr(DecodeHistory, "attention", fused_kernel)
     with torch.no_grad():
         token = model(torch.randint(3, 97, (1, 20)), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         for _ in range(3):

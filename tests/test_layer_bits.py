@@ -7,15 +7,11 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
+from oscar_hf.layer_widths import LAYER_WIDTHS, add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
 from oscar_hf.reference import (
-    LAYER_WIDTHS,
-    add_bit_cost_sums,
-    bit_cost_sums,
-    choose_layer_bits,
     dequantize_kv,
     fake_quantize_keys,
     key_error_sums,
-    layer_bit_costs,
     quantize_kv,
     query_moment,
     query_weighted_key_error,

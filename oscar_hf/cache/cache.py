@@ -8,18 +8,16 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
-from transformers.utils import logging
 
 from .. import decode_path
 from ..config import OscarConfig
 from ..integrations import fused_attention
-from ..reference import LAYER_WIDTHS, check_head_dim, choose_layer_bits
+from ..reference import check_head_dim
 from .compiled import CompiledSlidingWindowLayer
 from .layer import OscarLayer
+from .layer_bits import check_budget, choose_widths
 from .memory import KVMemory, average_bits, kv_memory
 from .padding import Padding
-
-logger = logging.get_logger(__name__)
 
 
 def _refuse_latent_attention(text_config: PretrainedConfig) -> None:
@@ -48,17 +46,6 @@ def _refuse_cross_attention(text_config: PretrainedConfig) -> None:
             f"(cross_attention_layers={list(layers)}) reads every cache layer's dense `keys` tensor, which 2-bit "
             "layers do not hold. Use the model's default cache (drop cache_implementation='oscar')."
         )
-
-
-def _bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """bits="auto": for layers of `shapes` (KV heads, head_dim), the stored bits per K/V element at each key and value
-    width of `LAYER_WIDTHS` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
-    bits = [
-        [[average_bits(config.with_widths(k, v), dim, heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
-        for heads, dim in shapes
-    ]
-    weights = [heads * dim for heads, dim in shapes]
-    return torch.tensor(bits, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
 
 
 class OscarCache(DynamicCache):
@@ -114,7 +101,7 @@ class OscarCache(DynamicCache):
         if self._choosing_bits:
             heads = getattr(text_config, "num_attention_heads", None) or 1
             self._query_group = heads // (getattr(text_config, "num_key_value_heads", None) or heads)
-            self._check_budget(*_bits_table(oscar_config, [self._kv_shape()]))
+            check_budget(oscar_config, [self._kv_shape()])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
@@ -149,37 +136,13 @@ class OscarCache(DynamicCache):
 
     def choose_bits(self) -> None:
         """bits="auto": choose every OScaR layer's key and value widths from the prompt it holds, under `avg_bits`
-        (`layer_bits.py`, `reference.choose_layer_bits`), store each layer's quantized region at its widths, and say
+        (`layer_bits.py`, `layer_widths.choose_layer_bits`), store each layer's quantized region at its widths, and say
         which layer got which (logger.info). `generate` calls it after its prefill; by hand, the first decode step
         (a single-token update after the prompt) does, or call it once the prompt is in. It does nothing once chosen,
         nor before every OScaR layer holds tokens."""
-        layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
-        if not self._choosing_bits or not all(layer.is_initialized and layer.bits.sums is not None for layer in layers):
-            return
-        costs = [layer.bits.costs(layer, self._query_group) for layer in layers]
-        totals = torch.stack([torch.stack((key.cpu(), value.cpu())) for key, value, _ in costs])  # [L, 2, W]
-        groups = {layer.head_group for layer in layers} - {None}
-        for group in groups:  # tensor parallel: every rank chooses from the costs of all heads
-            totals = totals.to(layers[0].device)
-            torch.distributed.all_reduce(totals, group=group)
-        totals = totals.cpu()
-        shapes = [(layer.storage.keys.shape[1], layer.storage.keys.shape[-1]) for layer in layers]
-        bits, weights = _bits_table(self.oscar_config, shapes)
-        self._check_budget(bits, weights)
-        chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, self.oscar_config.avg_bits)
-        for layer, (key_bits, value_bits), (_, _, rotated) in zip(layers, chosen, costs):
-            flags = rotated[LAYER_WIDTHS.index(key_bits)] if layer.rotation.active else None
-            layer.convert_widths(key_bits, value_bits, flags)
-        self._choosing_bits = False
-        names = {}
-        for index, layer in enumerate(self.layers):
-            if isinstance(layer, OscarLayer):
-                names.setdefault(f"K{layer.config.key_bits}V{layer.config.value_bits}", []).append(index)
-        widths = "; ".join(f"{name} for layers {indices}" for name, indices in sorted(names.items()))
-        logger.info(
-            f"OscarCache(bits='auto', avg_bits={self.oscar_config.avg_bits}): {widths}; "
-            f"{self.average_bits():.3f} stored bits per K/V element on average."
-        )
+        layers = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, OscarLayer)}
+        if self._choosing_bits and choose_widths(layers, self.oscar_config, self._query_group):
+            self._choosing_bits = False
 
     def reset(self) -> None:
         """Hold nothing; bits="auto" chooses again from the next prompt (storing the widest widths until then)."""
@@ -192,22 +155,6 @@ class OscarCache(DynamicCache):
         heads = getattr(text_config, "num_attention_heads", None) or 1
         head_dim = getattr(text_config, "head_dim", None) or getattr(text_config, "hidden_size", 0) // heads
         return getattr(text_config, "num_key_value_heads", None) or heads, head_dim
-
-    def _check_budget(self, bits: torch.Tensor, weights: torch.Tensor) -> None:
-        """bits="auto": refuse a budget below the all-2-bit cost; say when it exceeds the all-4-bit cost."""
-        low, high = ((weights * bits[:, i, i]).sum().item() / weights.sum().item() for i in (0, -1))
-        budget = self.oscar_config.avg_bits
-        if budget < low - 1e-9:
-            raise ValueError(
-                f"OscarConfig(bits='auto', avg_bits={budget}): this model's layers store at least {low:.4g} bits per "
-                f"K/V element (2-bit keys and values everywhere, all stored bits counted: oscar_hf.average_bits); pass "
-                f"avg_bits >= {low:.4g} (up to {high:.4g}, every layer 4-bit), or bits=2."
-            )
-        if budget > high + 1e-9:
-            logger.warning_once(
-                f"OscarConfig(bits='auto', avg_bits={budget}): the budget exceeds this model's all-4-bit cost "
-                f"({high:.4g} bits per K/V element), so every layer stores 4-bit keys and values, as with bits=4."
-            )
 
     def average_bits(self) -> float:
         """Stored bits per K/V element of the quantized regions: `oscar_hf.average_bits` of each OScaR layer's widths

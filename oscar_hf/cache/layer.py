@@ -24,7 +24,7 @@ device counter of compiled decode (`compiled.CompiledDecode`) and the padding (`
 Portable path (`update` returns dense K/V): what the storage represents, dequantized, followed by the residual and
 the new tokens. A chunk with no history attends to its own exact K/V; a chunk arriving with history (multi-turn,
 chunked prefill, scoring) attends to the dequantized history plus its own exact tokens. On the fused path such a chunk
-attends to the same history with the chunk kernel, which reads the quantized region in place (cache/chunk.py).
+attends to the same history with the chunk kernel, which reads the quantized region in place (cache/history.py).
 """
 
 from __future__ import annotations
@@ -39,13 +39,13 @@ from ..kernels import ops as kernel_ops
 from ..layout import QuantizedKV, StorageLayout
 from ..reference import check_head_dim
 from .blocks import BlockCodec
-from .chunk import ChunkHistory
 from .compiled import CompiledDecode, mask_width, refuse_step
+from .history import DecodeHistory, step_history
 from .key_rotation import KeyRotation
 from .layer_bits import LayerBits
 from .memory import KVMemory
-from .padding import Padding, key_padding, sink_slots, storage_order, valid
-from .storage import QUANTIZE_CHUNK_TOKENS, KVStorage
+from .padding import Padding, sink_slots, valid
+from .storage import KVStorage
 
 
 class OscarLayer(CacheLayerMixin):
@@ -57,10 +57,8 @@ class OscarLayer(CacheLayerMixin):
 
     def __init__(self, config: OscarConfig):
         super().__init__()
-        # bits="auto": the widths are chosen once the prompt is seen (`layer_bits.py`); until then the widest are stored
-        self.bits = LayerBits(config) if config.auto_bits else None
-        if config.auto_bits:
-            config = config.with_widths(*LayerBits.widest)
+        self.bits = LayerBits(config) if config.auto_bits else None  # bits="auto": widths chosen from the prompt
+        config = self.bits.stored_config(config) if self.bits else config
         self.path = DecodePath()  # decided by `OscarCache` at the first update (`configure`)
         self.rotation = KeyRotation(config)
         self._set_config(config)
@@ -111,7 +109,6 @@ class OscarLayer(CacheLayerMixin):
         if self.compiled_decode:
             self._compiled = CompiledDecode(self)
 
-    # ----------------------------------------------------------------------------------------------------------
     # transformers' layer API
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs) -> tuple:
         """Store the new tokens and return the K/V to attend to: the history as stored, then the new tokens; or, on
@@ -122,7 +119,7 @@ class OscarLayer(CacheLayerMixin):
         if torch.compiler.is_compiling():
             refuse_step(self, key_states.shape[-2])
             self._compiled.step(self, key_states, value_states)
-            fused_attention.FusedStep.start(self, key_states, value_states)
+            fused_attention.FusedStep.start(self, key_states, value_states, DecodeHistory(self))
             return key_states, value_states
         self.codec.finite.read(wait=False)
         self.fused_step = None  # valid until this update
@@ -144,12 +141,10 @@ class OscarLayer(CacheLayerMixin):
         if self.path.fused:
             # The kernels read the storage in place, so only the new tokens are returned, carrying the step that the
             # sdpa entry recognises (integrations/fused_attention.py): a decode step for the decode kernel, or a chunk
-            # with history for the chunk kernel, which reads it as the update found it (cache/chunk.py).
-            chunk = None
-            if self._takes_chunk_kernel(key_states.shape[-2]):
-                chunk = ChunkHistory(self, storage.sinks_held, storage.length, *storage.exact(key_states, value_states))
+            # with history for the chunk kernel, which reads it as the update found it (cache/history.py).
+            history = step_history(self, key_states, value_states)
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
-            fused_attention.FusedStep.start(self, key_states, value_states, chunk=chunk)
+            fused_attention.FusedStep.start(self, key_states, value_states, history)
             return key_states, value_states
         keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
         self._append_dense(key_states, value_states, keys)
@@ -181,28 +176,20 @@ class OscarLayer(CacheLayerMixin):
             if self.get_seq_length():
                 return max(mask_width(self), self.get_seq_length() + 1), 0
         held = self.get_seq_length()
-        if self._padding_given and not torch.compiler.is_compiling() and self._takes_chunk_kernel(query_length):
-            # The chunk kernel reads the history's padding from `set_padding` and the chunk's own from the mask: the
-            # mask transformers builds covers the chunk's tokens only, [B, 1, T, T], not [B, 1, T, held + T], which
-            # would grow with the prompt times the batch (`ChunkHistory.key_padding`).
+        storage = self.storage
+        chunk = self.path.chunk_step(storage.total, storage.held, query_length, storage.window)
+        if self._padding_given and not torch.compiler.is_compiling() and chunk:
+            # The chunk kernel takes the history's padding from `set_padding`: the mask transformers builds covers the
+            # chunk only, [B, 1, T, T], not [B, 1, T, held + T] (`ChunkHistory.key_padding`).
             return query_length, held
         return held + query_length, 0
-
-    def _takes_chunk_kernel(self, tokens: int) -> bool:
-        """Whether an update of `tokens` tokens attends with the chunk kernel: the fused path, a history, more tokens
-        than a fused decode step takes at the window as the update finds it (a full window is flushed first)."""
-        storage = self.storage
-        held = 0 if storage.held == storage.window else storage.held  # `KVStorage.flush`
-        return self.path.fused and storage.total > 0 and not self.path.fused_step(held, tokens, storage.window)
 
     def get_max_length(self) -> int:
         return -1
 
     def reset(self) -> None:
-        if self.bits is not None:  # bits="auto" chooses again for the next prompt, storing the widest until then
-            self.bits.reset()
-            self._set_config(self.config.with_widths(*LayerBits.widest))
-            self.storage.empty_quantized(self.layout)
+        if self.bits is not None:
+            self.bits.restart(self)
         self.storage.clear()
         self.fused_step = self._compiled = self._padding = None
         self._padding_given = False
@@ -270,7 +257,6 @@ class OscarLayer(CacheLayerMixin):
         self.get_seq_length()  # lengths read back after compiled steps
         return KVMemory.of_storage(self.storage)
 
-    # ----------------------------------------------------------------------------------------------------------
     # quantizing and reading blocks
     def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV | None:
         """The block of the tokens that follow the quantized region (`KVStorage`'s quantize); None while it waits for
@@ -294,76 +280,21 @@ class OscarLayer(CacheLayerMixin):
         self.rotation.write_waiting(self)
         return self.storage.quantized()
 
-    def convert_widths(self, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
-        """bits="auto" (`OscarCache.choose_bits`): store keys of `key_bits` and values of `value_bits` from now on, and
-        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32)
-        and quantized again, with `key_rotated` the heads' key rotation at `key_bits` (method="oscar"); a half whose
-        width and rotation stay keeps its codes (quantizing them again would only add error). A layer that may decode
-        compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
-        self.rotation.write_waiting(self)
-        self.codec.finite.read(wait=True)
-        storage, old_codec, old_layout, old_rotated = self.storage, self.codec, self.layout, self.key_rotated
-        same_rotation = key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
-        keep_keys = key_bits == old_layout.key_bits and same_rotation
-        keep_values = value_bits == old_layout.value_bits
-        old_rotated = None if old_rotated is None else old_rotated.clone()
-        if key_rotated is not None and self.rotation.flags is not None:
-            self.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
-        elif key_rotated is not None:
-            self.rotation.flags = key_rotated.clone()
-        if not self.rotation.final:
-            self.rotation.finalize()
-        self._set_config(self.config.with_widths(key_bits, value_bits))
-        self.bits.close()
-        if not (keep_keys and keep_values):
-            old, length = storage.buffers, storage.length
-            storage.empty_quantized(self.layout)
-            for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
-                end = min(start + QUANTIZE_CHUNK_TOKENS, length)
-                rows = old_layout.rows(old, start, end)
-                keys, values = old_codec.dequantize(rows, old_rotated, self.path, torch.float32)
-                block = self._quantize_at(keys, values, start)
-                kept = (keep_keys,) * 4 + (keep_values,) * 3  # QuantizedKV: four key fields, then three value fields
-                block = QuantizedKV(*(old if keep else new for old, new, keep in zip(rows, block, kept)))
-                storage.store(block)
-        if self._compiled is not None:
-            self._compiled = CompiledDecode(self)
-
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, as dense K/V in the model dtype, in position order (sinks, quantized region, window)."""
         self.rotation.write_waiting(self)
         return self.storage.history()
 
-    def fused_attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """Attention of this step's queries (the newest residual tokens) over everything stored, read in place by
-        the fused Triton kernel: `[B, Hq, Tq, D]`."""
-        if torch.compiler.is_compiling():
-            return self._compiled.attention(self, query, attention_mask, scaling)
-        from ..kernels import decode_attention_triton
-
-        storage = self.storage
-        padding = key_padding(attention_mask, query.shape[0], storage.total)
-        padding = storage_order(padding, storage.sinks_held, storage.length)
-        keys, values = storage.exact_tokens()
-        return decode_attention_triton(
-            query, storage.quantized(), keys, values, padding, scaling, self.config, self.key_rotated
-        )
-
-    # ----------------------------------------------------------------------------------------------------------
     # method="oscar"'s query rule (its state and choice: `KeyRotation`, whose docstring says when it is final)
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:
-        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) of the attention call that read the layer's latest
-        multi-token update while its key rotation is open (the newest Tq positions): they join the queries the
-        choice is made from, and the choice is made again. The sdpa entry (integrations/fused_attention.py) calls it
-        with the keys it received, which must be the ones that update returned (a call for another layer or cache
-        is ignored); by hand, call it after each multi-token update of a cache filled without the model's attention
-        (without it, the next update chooses from the keys alone)."""
+        """method="oscar": the queries `[B, Hq, Tq, D]` (post-RoPE) that read the layer's latest multi-token update
+        while its key rotation is open join those the choice is made from (`KeyRotation`). The sdpa entry calls it
+        with the keys it received (those of another layer or cache are ignored); by hand, call it after each
+        multi-token update of a cache filled without the model's attention, else the keys alone choose."""
         self.rotation.observe_queries(self, query, keys)
 
     def observe_query_moment(self, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """`observe_queries` given their second moment (`reference.query_moment`, padding left out): what a cache
-        filled from another cache's prefill receives (the lm-eval wrapper records the moments of its exact prefill).
-        The choice is made at once, even when no block is full yet, so that a flush inside a compiled decode step
-        finds the flags. `positions` (`[B]`): the query positions the moment sums (bits="auto" weighs the mean
-        query); None: every real token the layer holds, as when the moment is the whole prompt's."""
+        """`observe_queries` given their second moment (`reference.query_moment`, padding left out; `positions` `[B]`:
+        how many query positions it sums, None: every real token held), as the lm-eval wrapper hands its exact
+        prefill's over; the choice is made at once, so that a flush inside a compiled decode step finds the flags."""
         self.rotation.observe(self, moment, positions)

@@ -3,16 +3,17 @@
 
 While the choice is open, every layer stores its blocks at the widest widths (4-bit keys and values: the prefill's
 peak is the 4-bit cache) and sums, over the first `CHOICE_TOKENS` tokens of each sequence, what each width would cost
-its attention (`reference.bit_cost_sums`: the key round trip's error Gram matrices at each width, with and without the
-key rotation where method="oscar" chooses it, and the value round trip's errors). The queries come from the query rule
-(`KeyRotation`'s running moment; a layer that never saw them costs its keys against isotropic queries, with a warning).
+its attention (`layer_widths.bit_cost_sums`: the key round trip's error Gram matrices at each width, with and without
+the key rotation where method="oscar" chooses it, and the value round trip's errors). The queries come from the query
+rule (`KeyRotation`'s running moment; a layer that never saw them costs its keys against isotropic queries, with a
+warning).
 
 The choice is made once, for every layer together, at the end of the prompt (`OscarCache.choose_bits`): `generate`
 calls it after its prefill, before the first decode step, compiled or not; by hand the first single-token update that
 follows a prompt (a decode step) makes it, before that step is stored; a compiled step refuses an open choice
-(`compiled.refuse_step`). `reference.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
-that width: method="oscar"'s choice is made again at the width stored), `reference.choose_layer_bits` spends the
-budget greedily, and each layer stores its quantized region again at its widths (`OscarLayer.convert_widths`: the 4-bit
+(`compiled.refuse_step`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
+that width: method="oscar"'s choice is made again at the width stored), `layer_widths.choose_layer_bits` spends the
+budget greedily, and each layer stores its quantized region again at its widths (`LayerBits.convert`: the 4-bit
 blocks dequantized and quantized again; the 4-bit round trip adds little next to a 2-bit one: tests/test_layer_bits.py
 measures it). From then on the layer's storage layout, codec, kernel config and compiled buffers are those widths.
 
@@ -26,9 +27,20 @@ import torch
 from transformers.utils import logging
 
 from ..config import OscarConfig
-from ..reference import LAYER_WIDTHS, BitCostSums, add_bit_cost_sums, bit_cost_sums, layer_bit_costs
+from ..layer_widths import (
+    LAYER_WIDTHS,
+    BitCostSums,
+    add_bit_cost_sums,
+    bit_cost_sums,
+    choose_layer_bits,
+    layer_bit_costs,
+)
+from ..layout import QuantizedKV
+from .compiled import CompiledDecode
 from .key_rotation import CHOICE_TOKENS
+from .memory import average_bits
 from .padding import valid
+from .storage import QUANTIZE_CHUNK_TOKENS
 
 logger = logging.get_logger(__name__)
 
@@ -59,6 +71,16 @@ class LayerBits:
         self.sums: BitCostSums | None = None
         self.positions = 0  # prompt positions summed (the first CHOICE_TOKENS)
 
+    def stored_config(self, config: OscarConfig) -> OscarConfig:
+        """What a layer stores while the choice is open: `config` at the widest widths."""
+        return config.with_widths(*self.widest)
+
+    def restart(self, layer) -> None:
+        """`layer` was reset: choose again for the next prompt, storing the widest widths until then."""
+        self.reset()
+        layer._set_config(self.stored_config(layer.config))
+        layer.storage.empty_quantized(layer.layout)
+
     def close(self) -> None:
         """The widths are chosen: the sums are no longer needed."""
         self.open, self.sums = False, None
@@ -79,7 +101,7 @@ class LayerBits:
             self.sums = BitCostSums(*(fn(t.movedim(d, 0)).movedim(0, d) for t, d in zip(self.sums, _BATCH_DIMS)))
 
     def costs(self, layer, query_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`reference.layer_bit_costs` of `layer` (its queries: `KeyRotation`'s moment over its query rows,
+        """`layer_widths.layer_bit_costs` of `layer` (its queries: `KeyRotation`'s moment over its query rows,
         `query_group` query heads per KV head; isotropic where none came)."""
         rotation, sums = layer.rotation, self.sums
         batch, heads, dim = sums.key_total.shape[2:]
@@ -90,3 +112,98 @@ class LayerBits:
             logger.warning_once(KEYS_ONLY_MESSAGE)
             moment = torch.eye(dim, device=sums.key_gram.device).expand(batch, heads, dim, dim)
         return layer_bit_costs(sums, moment.to(sums.key_gram.device), self.rotations, dim**-0.5)
+
+    def convert(self, layer, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
+        """`OscarCache.choose_bits`: `layer` stores keys of `key_bits` and values of `value_bits` from now on, and
+        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32)
+        and quantized again, with `key_rotated` the heads' key rotation at `key_bits` (method="oscar"); a half whose
+        width and rotation stay keeps its codes (quantizing them again would only add error). A layer that may decode
+        compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
+        layer.rotation.write_waiting(layer)
+        layer.codec.finite.read(wait=True)
+        storage, old_codec, old_layout, old_rotated = layer.storage, layer.codec, layer.layout, layer.key_rotated
+        same_rotation = key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
+        keep_keys = key_bits == old_layout.key_bits and same_rotation
+        keep_values = value_bits == old_layout.value_bits
+        old_rotated = None if old_rotated is None else old_rotated.clone()
+        if key_rotated is not None and layer.rotation.flags is not None:
+            layer.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
+        elif key_rotated is not None:
+            layer.rotation.flags = key_rotated.clone()
+        if not layer.rotation.final:
+            layer.rotation.finalize()
+        layer._set_config(layer.config.with_widths(key_bits, value_bits))
+        self.close()
+        if not (keep_keys and keep_values):
+            old, length = storage.buffers, storage.length
+            storage.empty_quantized(layer.layout)
+            for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
+                end = min(start + QUANTIZE_CHUNK_TOKENS, length)
+                rows = old_layout.rows(old, start, end)
+                keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
+                block = layer._quantize_at(keys, values, start)
+                kept = (keep_keys,) * 4 + (keep_values,) * 3  # QuantizedKV: four key fields, then three value fields
+                block = QuantizedKV(*(old if keep else new for old, new, keep in zip(rows, block, kept)))
+                storage.store(block)
+        if layer._compiled is not None:
+            layer._compiled = CompiledDecode(layer)
+
+
+def bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For layers of `shapes` (KV heads, head_dim), the stored bits per K/V element at each key and value width of
+    `LAYER_WIDTHS` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
+    bits = [
+        [[average_bits(config.with_widths(k, v), dim, heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
+        for heads, dim in shapes
+    ]
+    weights = [heads * dim for heads, dim in shapes]
+    return torch.tensor(bits, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
+
+
+def check_budget(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Refuse a budget below the all-2-bit cost of layers of `shapes`; say when it exceeds the all-4-bit cost. Returns
+    their `bits_table`."""
+    bits, weights = bits_table(config, shapes)
+    low, high = ((weights * bits[:, i, i]).sum().item() / weights.sum().item() for i in (0, -1))
+    budget = config.avg_bits
+    if budget < low - 1e-9:
+        raise ValueError(
+            f"OscarConfig(bits='auto', avg_bits={budget}): this model's layers store at least {low:.4g} bits per "
+            f"K/V element (2-bit keys and values everywhere, all stored bits counted: oscar_hf.average_bits); pass "
+            f"avg_bits >= {low:.4g} (up to {high:.4g}, every layer 4-bit), or bits=2."
+        )
+    if budget > high + 1e-9:
+        logger.warning_once(
+            f"OscarConfig(bits='auto', avg_bits={budget}): the budget exceeds this model's all-4-bit cost "
+            f"({high:.4g} bits per K/V element), so every layer stores 4-bit keys and values, as with bits=4."
+        )
+    return bits, weights
+
+
+def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
+    """`OscarCache.choose_bits` over its OScaR `layers` (by index): cost each layer's widths, spend the budget
+    (`choose_layer_bits`), convert every layer and say which got which. False (nothing done) while a layer holds
+    no prompt yet. Under tensor parallelism every rank chooses from the costs of all heads (all-reduced)."""
+    if not all(layer.is_initialized and layer.bits.sums is not None for layer in layers.values()):
+        return False
+    costs = [layer.bits.costs(layer, query_group) for layer in layers.values()]
+    totals = torch.stack([torch.stack((key.cpu(), value.cpu())) for key, value, _ in costs])  # [L, 2, W]
+    first = next(iter(layers.values()))
+    for group in {layer.head_group for layer in layers.values()} - {None}:
+        totals = totals.to(first.device)
+        torch.distributed.all_reduce(totals, group=group)
+    totals = totals.cpu()
+    shapes = [(layer.storage.keys.shape[1], layer.storage.keys.shape[-1]) for layer in layers.values()]
+    bits, weights = check_budget(config, shapes)
+    chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, config.avg_bits)
+    names = {}
+    for (index, layer), (key_bits, value_bits), (_, _, rotated) in zip(layers.items(), chosen, costs):
+        flags = rotated[LAYER_WIDTHS.index(key_bits)] if layer.rotation.active else None
+        layer.bits.convert(layer, key_bits, value_bits, flags)
+        names.setdefault(f"K{key_bits}V{value_bits}", []).append(index)
+    stored = [average_bits(layer.config, dim, heads) for layer, (heads, dim) in zip(layers.values(), shapes)]
+    mean = sum(w * b for w, b in zip(weights.tolist(), stored)) / weights.sum().item()
+    widths = "; ".join(f"{name} for layers {indices}" for name, indices in sorted(names.items()))
+    logger.info(f"OscarCache(bits='auto', avg_bits={config.avg_bits}): {widths}; {mean:.3f} stored bits per K/V "
+                "element on average.")  # fmt: skip
+    return True

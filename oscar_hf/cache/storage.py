@@ -48,11 +48,8 @@ class KVStorage:
         self.exact_values: torch.Tensor | None = None
         self.keys: torch.Tensor | None = None  # the window: views of the last R tokens of the exact buffers
         self.values: torch.Tensor | None = None
-        self.sinks = 0  # sink slots (`allocate`)
-        self.sinks_held = 0
-        self.held = 0
+        self.sinks = self.sinks_held = self.held = self.length = 0  # sink slots (`allocate`), tokens held
         self.buffers: QuantizedKV | None = None  # capacity; the first `length` tokens are valid
-        self.length = 0
         self.reserved = 0  # tokens reserved up front (`OscarLayer.reserve`), whole blocks
         self._views: tuple = (None, 0, None)  # (buffers, length, `quantized()` of them)
 
@@ -63,8 +60,7 @@ class KVStorage:
         self._views = (None, 0, None)
 
     def empty_quantized(self, layout: StorageLayout) -> None:
-        """Hold no quantized tokens, and store them in `layout` from now on (bits="auto" stores the region again at the
-        widths it chose); the sinks and the window stay."""
+        """Hold no quantized tokens, stored in `layout` from now on (bits="auto"); the sinks and the window stay."""
         self.layout, self.buffers, self.length, self._views = layout, None, 0, (None, 0, None)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: int = 0) -> None:
@@ -187,9 +183,8 @@ class KVStorage:
         return self.layout.rows(self.buffers, start, end)
 
     def quantized(self) -> QuantizedKV | None:
-        """Views of the quantized region, or None when it is empty; made again only when the region grew or its
-        buffers were replaced, so the decode steps between two flushes read the same views (seven slicing ops less
-        per layer and step)."""
+        """Views of the quantized region (None: empty), made again only when it grew or moved: the decode steps
+        between two flushes read the same views (seven slicing ops less per layer and step)."""
         buffers, length, views = self._views
         if buffers is not self.buffers or length != self.length:
             views = self.rows(0, self.length) if self.length else None

@@ -8,7 +8,7 @@ have the `FusedStep` as an attribute (`STEP`), which names the layer whose stora
 `unregister()`), reads it off the keys it receives and runs the fused kernel on that layer's packed storage. Keys
 carrying no step (other models, other caches, a prefill without history) go to transformers' own
 `sdpa_attention_forward` untouched. A prefill chunk arriving with history is a step too: its keys carry the
-`ChunkHistory` it attends to (cache/chunk.py), which the chunk kernel reads.
+`ChunkHistory` it attends to (cache/history.py), which the chunk kernel reads.
 The step travels with the data: no cache is held by this module or by any thread-local or global. `fused_sdpa` is a
 plain function whose lookup reads tensor attributes, so dynamo traces it (`torch.compile(fullgraph=True)`).
 
@@ -47,7 +47,7 @@ from ..kernels import DECODE_MAX_QUERY_ROWS
 from ..reference import query_moment
 
 if TYPE_CHECKING:
-    from ..cache.chunk import ChunkHistory
+    from ..cache.history import ChunkHistory, DecodeHistory
 
 STEP = "oscar_fused_step"  # the attribute of a fused step's keys, and the attention kwarg that hands it over
 AWAITS_QUERIES = "oscar_awaits_queries"  # the attribute of the prefill keys of a layer that waits for its queries
@@ -67,15 +67,20 @@ class FusedStep:
     layer: object  # the OscarLayer whose storage the step's K/V stand for
     values: torch.Tensor
     keys_shape: torch.Size
-    chunk: ChunkHistory | None = None  # a prefill chunk arriving with history: what it attends to; None: decode
+    history: DecodeHistory | ChunkHistory  # what it attends to (cache/history.py)
     attended: bool = False
 
     @classmethod
-    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor, chunk: ChunkHistory | None = None) -> None:
+    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor, history: DecodeHistory | ChunkHistory) -> None:
         """Make the step of `layer` that returns `keys`/`values` its `fused_step`, carried by `keys`."""
-        step = cls(layer, values, keys.shape, chunk)
+        step = cls(layer, values, keys.shape, history)
         setattr(keys, STEP, step)
         layer.fused_step = step
+
+    @property
+    def chunk(self) -> ChunkHistory | None:
+        """What a prefill chunk arriving with history attends to; None for a decode step."""
+        return None if self.history.decode else self.history
 
     @property
     def unattended(self) -> bool:
@@ -105,17 +110,15 @@ class FusedStep:
 
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """What the step attends to as dense K/V (for attention features the fused kernels lack)."""
-        return self.chunk.dense() if self.chunk is not None else self.layer.dense_history()
+        return self.history.dense()
 
     def dense_mask(self, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
         """The mask of `dense_history` (a chunk's mask may cover its own tokens only: `ChunkHistory.dense_mask`)."""
-        return attention_mask if self.chunk is None else self.chunk.dense_mask(attention_mask, query.shape[-2])
+        return self.history.dense_mask(attention_mask, query.shape[-2])
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """The step's attention by the fused kernels, `[B, Hq, Tq, D]`."""
-        if self.chunk is not None:
-            return self.chunk.attention(query, attention_mask, scaling)
-        return self.layer.fused_attention(query, attention_mask, scaling)
+        return self.history.attention(query, attention_mask, scaling)
 
 
 def step_of(keys: torch.Tensor) -> FusedStep | None:

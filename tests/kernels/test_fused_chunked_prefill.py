@@ -7,7 +7,7 @@ import torch
 from oscar_hf.kernels import chunk_attention
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs, decode_path
-from oscar_hf.cache.chunk import ChunkHistory
+from oscar_hf.cache.history import ChunkHistory
 from oscar_hf.cache.storage import KVStorage
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"

@@ -8,8 +8,9 @@ import torch
 from transformers import Gemma3nForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.cache import key_rotation
+from oscar_hf.cache.history import DecodeHistory
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
@@ -71,8 +72,8 @@ def test_fused_decode_matches_portable_in_generate(model_on_device, dtype, monke
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0  # left padding on row 1
     calls = []
-    original = OscarLayer.fused_attention
-    monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
+    original = DecodeHistory.attention
+    monkeypatch.setattr(DecodeHistory, "attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
     cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing)  # prefill: 128 quantized, 22 exact
     assert all(layer.use_kernels for layer in cache.layers) and len(calls) == 2 * 5
 
@@ -86,8 +87,8 @@ def test_fused_decode_with_sinks_matches_portable(model_on_device, monkeypatch, 
     mask = torch.ones_like(ids)
     ids[1, :37], mask[1, :37] = 0, 0
     calls = []
-    original = OscarLayer.fused_attention
-    monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
+    original = DecodeHistory.attention
+    monkeypatch.setattr(DecodeHistory, "attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
     cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing, sink_tokens=16)
     layer = cache.layers[0]
     assert layer.storage.sinks == 53 and layer.quantized_length == 128 and len(calls) == 2 * 5
@@ -129,8 +130,8 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
     model = Gemma3nForCausalLM(config).to(DEVICE, torch.float32).eval()
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     calls = []
-    original = OscarLayer.fused_attention
-    monkeypatch.setattr(OscarLayer, "fused_attention", lambda self, *a: (calls.append(self), original(self, *a))[1])
+    original = DecodeHistory.attention
+    monkeypatch.setattr(DecodeHistory, "attention", lambda self, *a: (calls.append(self.layer), original(self, *a))[1])
     ids = torch.randint(3, config.vocab_size, (1, 150), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 3, teacher_forcing)
     # Layer 1 (the full-attention producer) and layer 3 (its reuse layer) both read layer 1's storage, 2 steps each.

@@ -1,14 +1,16 @@
-"""A prefill chunk arriving with history on the fused path (chunked prefill, a new turn, scoring in windows).
+"""What a fused step attends to (`integrations/fused_attention.FusedStep.history`): a decode step everything its layer
+stores (`DecodeHistory`), a prefill chunk arriving with history (chunked prefill, a new turn, scoring in windows) what
+its update found (`ChunkHistory`). Each answers the step's attention with the fused kernels, and gives the same history
+as dense K/V (`dense`, with its mask: `dense_mask`) for attention features the kernels lack.
 
-The chunk attends to what its update found: every complete block quantized, the rest of the history exact, its own
-tokens exact. `OscarLayer.update` stores the chunk and returns it alone, carrying a `FusedStep` whose `chunk` is a
-`ChunkHistory`: the length of the quantized region before the chunk (its blocks read in place by
-`kernels/chunk_attention.py`) and the exact tokens (the sinks and the window) followed by the chunk (a new buffer:
-storing the chunk rewrites the window). The sdpa entry (integrations/fused_attention.py) runs the kernel, whose
-transients are the size of the chunk, never of the history: the dense history of the portable path (`KVStorage.history`)
-is built only for attention features the kernel lacks (`dense`). So is the mask: where the cache was told the padding
-(`OscarCache.set_padding`, as generate does), the layer asks transformers for the mask of the chunk's own tokens only
-(`OscarLayer.get_mask_sizes`), and the history's padding comes from the cache (`key_padding`).
+A chunk attends to every complete block quantized, the rest of the history exact, its own tokens exact.
+`OscarLayer.update` stores the chunk and returns it alone, carrying a `FusedStep` whose history is a `ChunkHistory`: the
+length of the quantized region before the chunk (its blocks read in place by `kernels/chunk_attention.py`) and the exact
+tokens (the sinks and the window) followed by the chunk (a new buffer: storing the chunk rewrites the window). The
+kernel's transients are the size of the chunk, never of the history: the dense history of the portable path
+(`KVStorage.history`) is built only for attention features the kernel lacks (`dense`). So is the mask: where the cache
+was told the padding (`OscarCache.set_padding`, as generate does), the layer asks transformers for the mask of the
+chunk's own tokens only (`OscarLayer.get_mask_sizes`), and the history's padding comes from the cache (`key_padding`).
 """
 
 from __future__ import annotations
@@ -18,6 +20,39 @@ from dataclasses import dataclass
 import torch
 
 from .padding import key_padding, storage_order
+
+
+@dataclass(eq=False)
+class DecodeHistory:
+    """What a fused decode step attends to: everything `layer` stores, the step's own tokens the newest of its window
+    (`DecodePath.fused_step`)."""
+
+    layer: object  # the OscarLayer
+    decode = True
+
+    def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        """The step's attention, `[B, Hq, Tq, D]`, by the decode kernel over the storage read in place (inside
+        `torch.compile`: the compiled step's, `CompiledDecode.attention`)."""
+        layer = self.layer
+        if torch.compiler.is_compiling():
+            return layer._compiled.attention(layer, query, attention_mask, scaling)
+        from ..kernels import decode_attention_triton
+
+        storage = layer.storage
+        padding = key_padding(attention_mask, query.shape[0], storage.total)
+        padding = storage_order(padding, storage.sinks_held, storage.length)
+        keys, values = storage.exact_tokens()
+        return decode_attention_triton(
+            query, storage.quantized(), keys, values, padding, scaling, layer.config, layer.key_rotated
+        )
+
+    def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Everything stored as dense K/V in the model dtype, in position order (`OscarLayer.dense_history`)."""
+        return self.layer.dense_history()
+
+    def dense_mask(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
+        """A decode step's mask spans the history already."""
+        return attention_mask
 
 
 @dataclass(eq=False)
@@ -31,6 +66,7 @@ class ChunkHistory:
     quantized_length: int
     keys: torch.Tensor
     values: torch.Tensor
+    decode = False
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
         """The chunk's attention `[B, Hq, T, D]` by the fused kernel, the packed history read in place."""
@@ -97,3 +133,12 @@ class ChunkHistory:
             torch.cat((exact[:, :, :sinks], quantized, exact[:, :, sinks:]), dim=-2)
             for exact, quantized in ((self.keys, keys), (self.values, values))
         )
+
+
+def step_history(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> DecodeHistory | ChunkHistory:
+    """What the fused step of an update bringing these K/V to `layer` attends to, taken before they are stored (a
+    chunk reads the history as its update found it; its window is rewritten by storing the chunk)."""
+    storage = layer.storage
+    if not layer.path.chunk_step(storage.total, storage.held, key_states.shape[-2], storage.window):
+        return DecodeHistory(layer)
+    return ChunkHistory(layer, storage.sinks_held, storage.length, *storage.exact(key_states, value_states))
