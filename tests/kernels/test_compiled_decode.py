@@ -261,13 +261,9 @@ def _assert_logits_match(compiled, eager, tokens):
         assert torch.equal(tokens[decisive, step], b.argmax(-1)[decisive]), step
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("batch", [1, 3])
-def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, batch):
-    """generate's automatic compile (fullgraph, CUDA graphs) on a random GQA Llama, 1000 steps across seven block
-    flushes (B=3 left-padded): every step's logits match eager OScaR on the same tokens (teacher forcing), each
-    compiled token is the eager argmax wherever the eager top-2 margin exceeds the difference, and the whole
-    generation compiles a bounded number of graphs."""
+def _gqa_llama_and_prompt(tiny_llama, batch: int, padding: int):
+    """A random bf16 GQA Llama (4 layers, head_dim 128, sdpa) and a 300-token prompt batch whose rows after the first
+    are left-padded by `padding` tokens."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
         num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
@@ -276,7 +272,18 @@ def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, b
     prompt = torch.randint(3, 1000, (batch, 300), device=DEVICE)
     mask = torch.ones_like(prompt)
     if batch > 1:
-        prompt[1:, :57], mask[1:, :57] = 0, 0
+        prompt[1:, :padding], mask[1:, :padding] = 0, 0
+    return model, prompt, mask
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_compiled_generate_matches_eager_generate(tiny_llama, teacher_forcing, batch):
+    """generate's automatic compile (fullgraph, CUDA graphs) on a random GQA Llama, 1000 steps across seven block
+    flushes (B=3 left-padded): every step's logits match eager OScaR on the same tokens (teacher forcing), each
+    compiled token is the eager argmax wherever the eager top-2 margin exceeds the difference, and the whole
+    generation compiles a bounded number of graphs."""
+    model, prompt, mask = _gqa_llama_and_prompt(tiny_llama, batch, padding=57)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = _generate(model, prompt, mask, 1000, compiled=True)
@@ -505,15 +512,7 @@ def test_a_compiled_step_refuses_auto_bits_not_chosen_yet(tiny_llama):
 def test_compiled_generate_with_auto_bits_matches_eager_generate(tiny_llama, teacher_forcing, batch):
     """bits="auto" under generate's automatic compile (Inductor, CUDA graphs): both runs choose the same widths and key
     rotations after the prefill, compile one graph, and every step's logits match eager on the same tokens."""
-    model = tiny_llama(
-        torch.bfloat16, vocab_size=1000, hidden_size=512, intermediate_size=1024, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, head_dim=128, max_position_embeddings=2048,
-    ).to(DEVICE)  # fmt: skip
-    model.config._attn_implementation = "sdpa"
-    prompt = torch.randint(3, 1000, (batch, 300), device=DEVICE)
-    mask = torch.ones_like(prompt)
-    if batch > 1:
-        prompt[1:, :17], mask[1:, :17] = 0, 0
+    model, prompt, mask = _gqa_llama_and_prompt(tiny_llama, batch, padding=17)
     options = {"bits": "auto", "avg_bits": 4.1}
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
