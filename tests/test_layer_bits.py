@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
+from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.layer_widths import LAYER_WIDTHS, add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
 from oscar_hf.reference import (
     dequantize_kv,
@@ -308,3 +309,20 @@ def test_a_prompt_fed_in_chunks_chooses_after_the_last_chunk(tiny_llama):
     for cache in runs:
         assert cache.average_bits() <= 3.9 and not any(layer.bits_open for layer in cache.layers)
     assert [layer.config for layer in runs[0].layers] == [layer.config for layer in runs[1].layers]
+
+
+def test_a_long_prompt_fed_in_chunks_chooses_once_the_costs_are_complete(tiny_llama):
+    """A cache fed chunk by chunk with no decode step (scoring, a long chunked prefill) chooses at the first update
+    that finds the first `CHOICE_TOKENS` tokens held, before storing it: the rest of the prompt is stored at the chosen
+    widths, not at 4 bits."""
+    model = tiny_llama(num_hidden_layers=3)
+    model.config._attn_implementation = "sdpa"
+    cache = OscarCache(model.config, OscarConfig(bits="auto", avg_bits=3.5))
+    prompt = torch.randint(3, 97, (1, CHOICE_TOKENS + 1024))
+    with torch.no_grad():
+        for start in range(0, prompt.shape[1], 1024):
+            model(prompt[:, start : start + 1024], **cache_kwargs(cache), use_cache=True)
+            chosen = not any(layer.bits_open for layer in cache.layers)
+            assert chosen == (start + 1024 > CHOICE_TOKENS)
+    assert cache.average_bits() <= 3.5
+    assert any(layer.config.key_bits == 2 or layer.config.value_bits == 2 for layer in cache.layers)

@@ -14,6 +14,7 @@ from ..config import OscarConfig
 from ..integrations import fused_attention
 from ..reference import check_head_dim
 from .compiled import CompiledSlidingWindowLayer
+from .key_rotation import CHOICE_TOKENS
 from .layer import OscarLayer
 from .layer_bits import check_budget, choose_widths
 from .memory import KVMemory, average_bits, kv_memory
@@ -105,14 +106,12 @@ class OscarCache(DynamicCache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         layer = self.layers[layer_idx]
-        if (
-            self._choosing_bits
-            and not torch.compiler.is_compiling()
-            and key_states.shape[-2] == 1
-            and isinstance(layer, OscarLayer)
-            and layer.get_seq_length()
-        ):
-            self.choose_bits()  # a decode step follows the prompt: bits="auto" chooses before it is stored
+        if self._choosing_bits and not torch.compiler.is_compiling() and isinstance(layer, OscarLayer):
+            held = layer.get_seq_length()
+            # bits="auto" chooses before storing a decode step that follows the prompt, or any update once the cost
+            # sums are complete (`CHOICE_TOKENS` held): a long prompt fed in chunks is stored 4-bit no longer
+            if (key_states.shape[-2] == 1 and held) or held >= CHOICE_TOKENS:
+                self.choose_bits()
         if isinstance(layer, OscarLayer) and not layer.is_initialized:
             head_group = self._head_shard_group(key_states)
             layer.configure(
@@ -138,8 +137,8 @@ class OscarCache(DynamicCache):
         """bits="auto": choose every OScaR layer's key and value widths from the prompt it holds, under `avg_bits`
         (`layer_bits.py`, `layer_widths.choose_layer_bits`), store each layer's quantized region at its widths, and say
         which layer got which (logger.info). `generate` calls it after its prefill; by hand, the first decode step
-        (a single-token update after the prompt) does, or call it once the prompt is in. It does nothing once chosen,
-        nor before every OScaR layer holds tokens."""
+        (a single-token update after the prompt) or the first update past 4096 tokens (`CHOICE_TOKENS`) does, or call it
+        once the prompt is in. It does nothing once chosen, nor before every OScaR layer holds tokens."""
         layers = {index: layer for index, layer in enumerate(self.layers) if isinstance(layer, OscarLayer)}
         if self._choosing_bits and choose_widths(layers, self.oscar_config, self._query_group):
             self._choosing_bits = False

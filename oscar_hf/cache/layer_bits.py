@@ -10,7 +10,9 @@ warning).
 
 The choice is made once, for every layer together, at the end of the prompt (`OscarCache.choose_bits`): `generate`
 calls it after its prefill, before the first decode step, compiled or not; by hand the first single-token update that
-follows a prompt (a decode step) makes it, before that step is stored; a compiled step refuses an open choice
+follows a prompt (a decode step) makes it, before that step is stored; and any update that finds the first
+`CHOICE_TOKENS` tokens held (the cost sums are complete), so that a long prompt fed in chunks, or a stream scored
+chunk by chunk, is not stored at 4 bits beyond them. A compiled step refuses an open choice
 (`compiled.refuse_step`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
 that width: method="oscar"'s choice is made again at the width stored), `layer_widths.choose_layer_bits` spends the
 budget greedily, and each layer stores its quantized region again at its widths (`LayerBits.convert`: the 4-bit
