@@ -111,6 +111,10 @@ def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     assert ll_quant[1] == pytest.approx(ll_base[1], abs=1e-5)  # one token: the exact prefill's prediction
     assert ll_quant[0] != pytest.approx(ll_base[0], abs=1e-4)  # later tokens attend to the quantized context
     docs = requests("loglikelihood_rolling", [(text(500, 6),)])
+    if method.startswith("oscar-auto"):  # scored chunk by chunk, a short document never ends a prompt
+        with pytest.raises(ValueError, match="scored with every layer at 4 bits, which is not the method"):
+            quantized.loglikelihood_rolling(docs)
+        return
     (rolled,) = quantized.loglikelihood_rolling(docs)
     (rolled_base,) = base.loglikelihood_rolling(docs)
     assert math.isfinite(rolled) and rolled != pytest.approx(rolled_base, abs=1e-4)
