@@ -143,6 +143,8 @@ class OscarCache(DynamicCache):
         if self._choosing_bits and choose_widths(layers, self.oscar_config, self._query_group):
             self._choosing_bits = False
 
+    bits_open = property(lambda self: self._choosing_bits, doc="bits='auto': the layers' widths are not chosen yet")
+
     def reset(self) -> None:
         """Hold nothing; bits="auto" chooses again from the next prompt (storing the widest widths until then)."""
         super().reset()

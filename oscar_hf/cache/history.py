@@ -95,15 +95,18 @@ class ChunkHistory:
         batch = self.keys.shape[0]
         if self.covers_history(attention_mask):
             return key_padding(attention_mask, batch, self.positions)
-        padding, own = self.layer._padding, None
-        history = None if padding is None else padding.columns(0, self.positions - tokens, batch, self.keys.device)
-        if attention_mask is not None:
-            own = key_padding(attention_mask, batch)
+        history = self._history_padding(tokens)
+        own = None if attention_mask is None else key_padding(attention_mask, batch)
         if history is None and own is None:
             return None
         ones = self.keys.new_ones((), dtype=torch.bool)
         history = ones.expand(batch, self.positions - tokens) if history is None else history
         return torch.cat((history, ones.expand(batch, tokens) if own is None else own), dim=1)
+
+    def _history_padding(self, tokens: int) -> torch.Tensor | None:
+        """`[B, positions - tokens]` bool: the history's padding from the layer's (`set_padding`); None: none."""
+        padding, batch = self.layer._padding, self.keys.shape[0]
+        return None if padding is None else padding.columns(0, self.positions - tokens, batch, self.keys.device)
 
     def dense_mask(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
         """The mask for the model's sdpa over `dense()`: the call's own where it spans the history, else
@@ -116,12 +119,9 @@ class ChunkHistory:
             own = torch.ones(tokens, tokens, dtype=torch.bool, device=self.keys.device).tril()
         elif own.dtype != torch.bool:  # an additive float mask: 0 where attending
             own = own == 0
-        own = own.expand(batch, 1, tokens, tokens)
-        real = self.key_padding(attention_mask, tokens)
-        seen = own.new_ones(()).expand(batch, 1, tokens, history)
-        if real is not None:
-            seen = real[:, None, None, :history].expand(batch, 1, tokens, history)
-        return torch.cat((seen, own), dim=-1)
+        real = self._history_padding(tokens)
+        seen = own.new_ones(()) if real is None else real[:, None, None, :]
+        return torch.cat((seen.expand(batch, 1, tokens, history), own.expand(batch, 1, tokens, tokens)), dim=-1)
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The same history as dense K/V in the model dtype, as the portable path hands it to the model's sdpa."""

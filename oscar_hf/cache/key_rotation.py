@@ -35,7 +35,7 @@ from transformers.utils import logging
 
 from ..config import OscarConfig
 from ..reference import query_moment, query_rotation_choice
-from .padding import valid
+from .padding import Padding, valid
 
 logger = logging.get_logger(__name__)
 
@@ -126,8 +126,8 @@ class KeyRotation:
     def observe_queries(self, layer, query: torch.Tensor, keys: torch.Tensor | None) -> None:
         """`OscarLayer.observe_queries`: the moment of `query` (its newest positions' padding left out) joins."""
         if self.is_for(keys):
-            mask = valid(layer._padding, layer.get_seq_length() - query.shape[-2], query)
-            positions = query.new_full(query.shape[:1], query.shape[-2]) if mask is None else mask.sum(-1)
+            start, tokens = layer.get_seq_length() - query.shape[-2], query.shape[-2]
+            mask, positions = _real_positions(layer._padding, start, tokens, query.shape[0], query.device)
             self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask), positions)
 
     def observe(self, layer, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
@@ -135,9 +135,8 @@ class KeyRotation:
         (`[B]`): the query positions it sums; None: every real token the layer holds (a moment of the whole prompt)."""
         if self.wants_queries:
             if positions is None:
-                held = layer.storage.keys.new_empty(moment.shape[0], 0, layer.get_seq_length(), 0)
-                mask = valid(layer._padding, 0, held)
-                positions = held.new_full(held.shape[:1], held.shape[-2]) if mask is None else mask.sum(-1)
+                held = layer.get_seq_length()
+                _, positions = _real_positions(layer._padding, 0, held, moment.shape[0], moment.device)
             self.add(moment, positions)
             self.choose(layer)
 
@@ -216,3 +215,13 @@ class KeyRotation:
             "the prompt through the model's 'sdpa' attention, or hand its queries over by hand "
             "(`layer.observe_queries(query)` after the update), or run the first decode step eagerly."
         )
+
+
+def _real_positions(
+    padding: Padding | None, start: int, tokens: int, batch: int, device: torch.device
+) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """The padding mask `[B, tokens]` of positions `start..` (None: no padding) and each row's count of real ones,
+    `[B]` float32 (exact: a count in the queries' bf16 would round above 256)."""
+    mask = None if padding is None else padding.columns(start, tokens, batch, device)
+    count = torch.full((batch,), float(tokens), device=device) if mask is None else mask.sum(-1, dtype=torch.float32)
+    return mask, count

@@ -323,8 +323,7 @@ class OscarHFLM(HFLM):
             token_logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
             first_scored = max(len(context) - 1 - start, 0)  # positions predicting context tokens are not scored
             total += float(token_logprobs[first_scored:].sum())
-        open_widths = [isinstance(layer, OscarLayer) and layer.bits_open for layer in getattr(cache, "layers", ())]
-        if any(open_widths):
+        if isinstance(cache, OscarCache) and cache.bits_open:
             raise ValueError(
                 f"method {self.method!r}: bits='auto' chooses each layer's widths at the end of a prompt or once 4096 "
                 f"tokens are in, and this {len(inputs)}-token window, scored chunk by chunk, has neither: it was "

@@ -20,6 +20,7 @@ auto-compile criteria) see the cache it builds, and a cache passed by the user g
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 
@@ -109,10 +110,8 @@ def _wrap_prefill(original):
         cache = model_kwargs.get(CACHE_KWARG)
         if not isinstance(cache, OscarCache):
             return original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
-        if generation_config.prefill_chunk_size is not None:
-            with torch.compiler.set_stance("force_eager"):
-                outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
-        else:
+        chunked = generation_config.prefill_chunk_size is not None
+        with torch.compiler.set_stance("force_eager") if chunked else contextlib.nullcontext():
             outputs = original(self, input_ids, generation_config, model_kwargs, *args, **kwargs)
         cache.choose_bits()
         return outputs
