@@ -128,9 +128,10 @@ def flash_dense(inputs: dict, history: tuple, scale: float) -> torch.Tensor:
     query, (keys, values) = inputs["query"], history
     mask = causal_lower_right(query.shape[2], keys.shape[2])
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-        return torch.nn.functional.scaled_dot_product_attention(
+        out = torch.nn.functional.scaled_dot_product_attention(
             query, keys, values, attn_mask=mask, scale=scale, enable_gqa=True
         )
+    return out.transpose(1, 2)  # sdpa's layout, as `sdpa_dense` returns it
 
 
 def fused_chunk(inputs: dict, config: OscarConfig, scale: float, tuning: ChunkTuning | None = None) -> torch.Tensor:

@@ -14,8 +14,9 @@ of ~60 at 32K alone takes minutes), so the search measures instead of guessing. 
 decode steps, eager, same chunking) give the peak memory's fixed part and its part per sequence (everything that grows
 with the batch, cache and prefill transients alike, is linear in it); the predicted batch fills `--memory-fraction`
 of the GPU, capped by `--max-batch`. The timed run at that batch is the check: if it runs out of memory, the search
-bisects between the largest batch known to fit and the one that failed (at most `--tries` timed runs). `max_batch` is
-the batch that ran; `predicted_batch`, `capped` and `oom_batches` say how it was found.
+bisects between the largest batch known to fit and the smallest that failed until they are adjacent (at most
+`--tries` timed runs). `max_batch` is the largest batch that ran; `predicted_batch`, `capped` and `oom_batches` say how
+it was found (with tries left over, the largest batch that fits lies below the smallest of `oom_batches`).
 
 A cache that fails otherwise (e.g. a compile error) is recorded with its `error` and the run goes on; so is a job not
 started because `--budget-s` seconds had passed: one invocation always leaves a record.
@@ -87,16 +88,22 @@ def largest_batch(
         if search.per_sequence_gib > 0:
             guess = min(max_batch, max(2, math.floor((capacity_gib - search.fixed_gib) / search.per_sequence_gib)))
     search.predicted_batch, search.capped = guess, guess == max_batch
+    best, failed = None, None  # the largest timed run that fitted (batch, result); the smallest batch that did not
     for attempt in range(tries):
         try:
-            return guess, timed(guess), search
+            best = guess, timed(guess)
         except torch.OutOfMemoryError:  # the next timed run frees what this one left (timed_generate collects first)
             search.oom_batches.append(guess)
             if guess <= fits:
-                return 0, None, search  # a batch that fitted in its probe failed timed: nothing is known to fit
-            # bisect between the largest batch known to fit and the one that failed; the last try takes the former
-            guess = fits if attempt == tries - 2 else (fits + guess) // 2
-    return 0, None, search
+                break  # a batch that fitted in its probe failed timed: nothing is known to fit
+            failed = guess
+        low = best[0] if best else fits
+        if failed is None or failed - low <= 1:
+            break  # the prediction (or the cap) fitted, or the largest batch that fits is found
+        # bisect between the largest batch known to fit and the smallest that failed; a last try with no timed run
+        # that fitted takes the former
+        guess = low if best is None and attempt == tries - 2 else (low + failed) // 2
+    return (*best, search) if best else (0, None, search)
 
 
 def main(argv: list[str] | None = None) -> Path:
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--prefill-chunk-size", type=int, default=4096)
     parser.add_argument("--max-batch", type=int, default=64, help="the largest batch tried (bounds the time)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU's memory the prediction fills")
-    parser.add_argument("--tries", type=int, default=3, help="timed runs per job at most (each OOM bisects)")
+    parser.add_argument("--tries", type=int, default=4, help="timed runs per job at most (bisecting after an OOM)")
     parser.add_argument("--new-tokens", type=int, default=16, help="of the timed run; at least 4")
     parser.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
     parser.add_argument("--device", default="cuda")

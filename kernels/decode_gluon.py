@@ -283,7 +283,7 @@ def _gluon_split_kernel(
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
     over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
     [B * Hkv, D, 8] fp16 and `q_scale_ptr` [B * Hkv] fp32: the query operand and its score scale (base 2), as the
-    Triton split kernel's `_query_operand` makes them. The key and value codes' channels and the key scale/min pairs
+    Triton split kernel's `query_operand` makes them. The key and value codes' channels and the key scale/min pairs
     (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too. PDL (launched as a
     programmatic dependent of the Triton split kernel, which writes the query operand): the programs start while that
     kernel runs and copy their first block (the cache was written before it started) before they wait for it; the

@@ -114,6 +114,9 @@ def _quantized_block(
     VW: tl.constexpr = 32 // VALUE_BITS
     SCALE_DTYPE: tl.constexpr = p_ks.dtype.element_ty
     DOT_DTYPE: tl.constexpr = b_q.dtype
+    # fp32 operands (fp32 scales) in three TF32 products: one TF32 product would round them to 10 mantissa bits and
+    # leave float32 scales less accurate than float16 ones
+    PRECISION: tl.constexpr = "tf32x3" if b_q.dtype == tl.float32 else "tf32"
     o_c = tl.arange(0, BLOCK_N)
     if MASKED:
         m_kw = (tl.arange(0, BLOCK_N // KW) * KW < tokens_left)[None, :]
@@ -134,7 +137,7 @@ def _quantized_block(
     b_km = tl.load(p_km, mask=m_kg, other=0.0)
     b_kt = unpack_codes_t(tl.load(p_kw, mask=m_kw, other=0), HEAD_DIM, BLOCK_N // KW, KEY_BITS).to(SCALE_DTYPE)
     b_kt = tl.reshape(tl.reshape(b_kt, (HEAD_DIM, NKG, GK)) * b_ks + b_km, (HEAD_DIM, BLOCK_N))
-    s = dot(b_q, b_kt.to(DOT_DTYPE), "tf32") * qk_scale
+    s = dot(b_q, b_kt.to(DOT_DTYPE), PRECISION) * qk_scale
     if TOKEN_SCALING:
         s *= tl.load(p_kn, mask=m_t, other=1.0)[None, :]
     if HAS_MASK:
@@ -149,7 +152,7 @@ def _quantized_block(
     b_vm = tl.load(p_vm, mask=m_c[None, :, :], other=0.0)
     b_vt = unpack_codes_t(tl.load(p_vw, mask=m_vw, other=0), HEAD_DIM, BLOCK_N // VW, VALUE_BITS).to(SCALE_DTYPE)
     b_vt = tl.reshape(tl.reshape(b_vt, (NVG, GROUP, BLOCK_N)) * b_vs + b_vm, (HEAD_DIM, BLOCK_N))
-    acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), "tf32")
+    acc = acc * alpha[:, None] + dot(p.to(DOT_DTYPE), tl.trans(b_vt.to(DOT_DTYPE)), PRECISION)
     return acc, m_i, l_i
 
 

@@ -61,11 +61,16 @@ def test_the_memory_model_predicts_the_largest_batch(throughput):
     assert search.capped is False and search.oom_batches == []
 
 
-def test_a_timed_run_out_of_memory_bisects_down(throughput):
+def test_a_timed_run_out_of_memory_bisects_to_the_largest_batch_that_fits(throughput):
     gpu = FakeGPU(capacity=80.0, timed_extra=10.0)  # compiled runs need more than the eager probes showed
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=6)
+    # predicted (80 - 16) / 4 = 16: OOM (90 GiB); then (2 + 16) // 2 = 9 fits (62 GiB), 12 fits (74), 14 does not (82)
+    # and 13 fits (78): adjacent to 14, the largest batch that fits
+    assert batch == 13 and search.oom_batches == [16, 14]
+    assert gpu.calls[2:] == [("timed", 16), ("timed", 9), ("timed", 12), ("timed", 14), ("timed", 13)]
+    gpu = FakeGPU(capacity=80.0, timed_extra=10.0)  # out of tries: the largest batch that ran
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
-    # predicted (80 - 16) / 4 = 16: OOM (90 GiB); then (2 + 16) // 2 = 9: 62 GiB fits
-    assert batch == 9 and search.oom_batches == [16] and gpu.calls[2:] == [("timed", 16), ("timed", 9)]
+    assert batch == 12 and search.oom_batches == [16]
     gpu = FakeGPU(capacity=80.0, timed_extra=50.0)  # only B=2 fits timed: the last try takes the batch known to fit
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
     assert batch == 2 and search.oom_batches == [16, 9]
