@@ -111,10 +111,6 @@ def test_quantized_scores_differ_and_are_finite(model, tokenizer, method):
     assert ll_quant[1] == pytest.approx(ll_base[1], abs=1e-5)  # one token: the exact prefill's prediction
     assert ll_quant[0] != pytest.approx(ll_base[0], abs=1e-4)  # later tokens attend to the quantized context
     docs = requests("loglikelihood_rolling", [(text(500, 6),)])
-    if method.startswith("oscar-auto"):  # scored chunk by chunk, a short document never ends a prompt
-        with pytest.raises(ValueError, match="scored with every layer at 4 bits, which is not the method"):
-            quantized.loglikelihood_rolling(docs)
-        return
     (rolled,) = quantized.loglikelihood_rolling(docs)
     (rolled_base,) = base.loglikelihood_rolling(docs)
     assert math.isfinite(rolled) and rolled != pytest.approx(rolled_base, abs=1e-4)
@@ -199,6 +195,27 @@ def test_the_shared_prefill_fills_each_method_cache(model, tokenizer, method, la
     _, cache = wrapper._prefill(context)
     assert [type(layer).__name__ for layer in cache.layers] == [layer_class] * model.config.num_hidden_layers
     assert cache.get_seq_length() == len(context)
+
+
+def test_rolling_perplexity_chooses_auto_bits_after_the_first_chunk(model, tokenizer, monkeypatch):
+    """bits="auto" in perplexity scoring: the widths are chosen once the first chunk is in (it read nothing
+    quantized), before the second chunk reads the history, and within the budget."""
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-auto-3.6", rolling_chunk=32)
+    caches = []
+    make_cache = wrapper.make_cache
+    monkeypatch.setattr(wrapper, "make_cache", lambda: caches.append(make_cache()) or caches[-1])
+    forward = wrapper.model.forward
+    open_at_call = []
+
+    def recording_forward(*args, **kwargs):
+        open_at_call.append(caches[-1].bits_open)
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(wrapper.model, "forward", recording_forward)
+    (rolled,) = wrapper.loglikelihood_rolling(requests("loglikelihood_rolling", [(text(500, 6),)]))
+    assert math.isfinite(rolled) and len(open_at_call) > 2
+    assert open_at_call[0] and not any(open_at_call[1:])  # the second chunk already reads the chosen widths
+    assert caches[-1].average_bits() <= 3.6  # chosen within the budget (all 4-bit would store 5.125)
 
 
 def test_the_shared_prefill_chooses_auto_bits_within_the_budget(model, tokenizer):

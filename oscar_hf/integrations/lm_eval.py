@@ -9,7 +9,8 @@ would never touch them. `OscarHFLM` scores THROUGH the cache instead, the way a 
   generated token does in `generate`.
 * loglikelihood_rolling (perplexity): each window runs through a fresh cache in chunks of `rolling_chunk` tokens
   (default: the residual length, 128). With chunks of the residual length every scored token sees the same mix of
-  quantized history and 1..128 exact recent tokens as it would in token-by-token decoding.
+  quantized history and 1..128 exact recent tokens as it would in token-by-token decoding. bits="auto" chooses each
+  layer's widths after the first chunk, as after a prompt of that length.
 * generate_until: `generate(cache_implementation=..., cache_config=...)`; tiny-turboquant's cache, which is no
   cache_implementation of transformers, is handed to `generate` as a cache object.
 
@@ -323,12 +324,9 @@ class OscarHFLM(HFLM):
             token_logprobs = F.log_softmax(logits.float(), dim=-1).gather(-1, targets[:, None])[:, 0]
             first_scored = max(len(context) - 1 - start, 0)  # positions predicting context tokens are not scored
             total += float(token_logprobs[first_scored:].sum())
-        if isinstance(cache, OscarCache) and cache.bits_open:
-            raise ValueError(
-                f"method {self.method!r}: bits='auto' chooses each layer's widths at the end of a prompt or once 4096 "
-                f"tokens are in, and this {len(inputs)}-token window, scored chunk by chunk, has neither: it was "
-                "scored with every layer at 4 bits, which is not the method. Score perplexity with fixed widths "
-                "(oscar-int2, oscar-k4v2), or bits='auto' on documents longer than 4096 tokens or on tasks with a "
-                "context (loglikelihood, generation)."
-            )
+            if start == 0 and isinstance(cache, OscarCache):
+                # bits="auto": the first chunk attended to its own exact K/V alone (nothing quantized was read), so
+                # choosing the widths from it scores every later token at the chosen widths, as after a prompt of
+                # `rolling_chunk` tokens; a window scored chunk by chunk never ends a prompt otherwise
+                cache.choose_bits()
         return total
