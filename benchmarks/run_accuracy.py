@@ -316,9 +316,18 @@ def current_entries(model_name: str) -> dict:
 
 
 def save_results(results: dict) -> None:
+    """Write a model's record, merged into what is on disk now: another process running a plan for the same model
+    (e.g. other methods, one per CPU core) may have added entries since this one loaded the record."""
     path = RESULTS / f"accuracy_{results['model']}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(results, indent=1, sort_keys=True) + "\n")
+    on_disk = load_results(results["model"])
+    merged = {**on_disk, **results}
+    for part in ("entries", "kv_decomposition"):  # keyed by method|task and by task: each process adds its own
+        if part in merged:
+            merged[part] = {**on_disk.get(part, {}), **results.get(part, {})}
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(merged, indent=1, sort_keys=True) + "\n")
+    temporary.replace(path)  # whole: a reader never sees a half-written record
 
 
 def load(model_name: str, dtype: torch.dtype, device: str):
