@@ -84,12 +84,16 @@ class _ProfileWindow:
         pass
 
 
+def _is_kernel(event) -> bool:
+    """A GPU activity (kernel, copy, memset), not the GPU-side span of one of `REGIONS`' labels: a span covers the
+    gaps between its kernels, so counting it would hide idle time and count busy time twice."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not event.key.startswith("oscar::")
+
+
 def _idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
     """The GPU's idle time per step (gaps between kernels, first to last kernel of the window) and the outermost host
     operators overlapping those gaps, by time per step; the rest of the idle time is Python between operators."""
-    kernels = sorted(
-        (e.time_range.start, e.time_range.end) for e in events if e.device_type == torch.autograd.DeviceType.CUDA
-    )
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if _is_kernel(e))
     gaps, busy_until = [], kernels[0][1]
     for start, end in kernels[1:]:
         if start > busy_until:
@@ -153,7 +157,7 @@ def main() -> None:
             model.generate(ids, attention_mask=torch.ones_like(ids), **options)
         steps = stop - start
         averages = window.profiler.key_averages()
-        events = [e for e in averages if e.device_type == torch.autograd.DeviceType.CUDA]
+        events = [e for e in averages if _is_kernel(e)]
         gpu_us = sum(e.self_device_time_total for e in events) / steps
         mode = "eager" if args.eager else "compiled"
         print(f"\n{cache} {mode}, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "

@@ -5,7 +5,8 @@ Launchers only, imported lazily so that `import oscar_hf.kernels` works where Tr
 - `quantize_kv_triton(keys, values, config) -> QuantizedKV` and `flush_residual_triton(residual_keys,
   residual_values, storage, length, config)` (kernels/quantize_pack.py)
 - `dequantize_kv_triton(quantized, config, key_rotated, out) -> (keys, values)` (kernels/dequantize.py): the dense
-  history a prefill chunk attends to through the model's sdpa
+  history a prefill chunk attends to through the model's sdpa; `fake_quantize_keys_triton(keys, rotated, config,
+  valid)` (same file): the keys' round trip that method="oscar"'s key rotation choice costs
 - `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`
   (kernels/decode_attention.py, the launcher: the Triton split kernel of kernels/decode_triton.py, on CUDA GPUs the
   usual decode step's full blocks through the Gluon kernel of kernels/decode_gluon.py, the merge of
@@ -27,6 +28,7 @@ __all__ = [
     "DECODE_MAX_QUERY_TOKENS",
     "decode_attention_triton",
     "dequantize_kv_triton",
+    "fake_quantize_keys_triton",
     "flush_residual_triton",
     "quantize_kv_triton",
 ]
@@ -41,6 +43,7 @@ _HOMES = {
     "flush_residual_triton": ".quantize_pack",
     "decode_attention_triton": ".decode_attention",
     "dequantize_kv_triton": ".dequantize",
+    "fake_quantize_keys_triton": ".dequantize",
 }
 
 

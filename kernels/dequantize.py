@@ -17,6 +17,8 @@ float32 rounding (fused multiply-adds) only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import triton
 import triton.language as tl
@@ -27,7 +29,7 @@ from oscar_hf.reference import check_head_dim
 
 from . import DECODE_HEAD_DIMS
 from .common import MODEL_DTYPES, fwht_rows
-from .quantize_pack import check_key_rotated
+from .quantize_pack import check_key_rotated, quantize_kv_triton
 
 
 @triton.jit
@@ -170,3 +172,17 @@ def dequantize_kv_triton(
         TOKEN_SCALING=norms is not None, ROTATION=config.rotation, PER_HEAD_FLAGS=flags is not None,
     )  # fmt: skip
     return out
+
+
+def fake_quantize_keys_triton(
+    keys: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`reference.fake_quantize_keys`, the keys' round trip that the query rule costs, through the quantizer and this
+    kernel: two launches where the reference runs a hundred-odd small operations over the prompt's keys, the same
+    codes up to rounding ties (`quantize_kv_triton`) and results up to float32 rounding. `keys`: whole key groups
+    `[B, Hkv, N, D]` in a model dtype; `valid` as for `quantize_kv_triton`. Both launches also handle a copy of the
+    keys as values, which nothing reads."""
+    config = dataclasses.replace(config, method="oscar", rotation=True)  # `rotated` decides, as in the reference
+    key_rotated = torch.full(keys.shape[:2], rotated, dtype=torch.bool, device=keys.device)
+    stored = quantize_kv_triton(keys, keys, config, key_rotated, valid=valid)
+    return dequantize_kv_triton(stored, config, key_rotated, dtype=keys.dtype)[0]

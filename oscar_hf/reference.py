@@ -9,6 +9,8 @@ layout `StorageLayout` defines.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from .config import OscarConfig
@@ -137,7 +139,7 @@ def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
     return None if valid is None else valid[:, None, :, None]
 
 
-# Query positions per float32 copy in `query_moment`: a long prompt's queries are read a slice at a time, so that the
+# Query positions per slice in `query_moment`: a long prompt's queries are read a slice at a time, so that the
 # prefill's transient stays small (a whole float32 copy and its regrouped copy would be 4x the bf16 queries).
 QUERY_MOMENT_CHUNK = 2048
 
@@ -145,21 +147,31 @@ QUERY_MOMENT_CHUNK = 2048
 def query_moment(query: torch.Tensor, kv_heads: int, valid: torch.Tensor | None = None) -> torch.Tensor:
     """The second moment of the queries each KV head serves, `[B, Hkv, D, D]`: sum over the query heads of its GQA
     group and over the query positions of q q^T (post-RoPE queries `[B, Hq, Tq, D]`, in float32, float64 kept).
-    `valid` (`[B, Tq]` bool): only those positions count (padding queries are whatever the model left there)."""
+    `valid` (`[B, Tq]` bool): only those positions count (padding queries are whatever the model left there).
+
+    On CUDA, 16-bit queries enter the tensor cores as they are, accumulating in float32 (`out_dtype`): a product of
+    two 16-bit values is exact in float32, so this is the float32 sum (up to its order) in a small part of the time
+    of a float32 matmul, which runs on the CUDA cores unless the user allows TF32."""
     batch, heads, length, dim = query.shape
     dtype = torch.float64 if query.dtype == torch.float64 else torch.float32
-    moment = query.new_zeros(batch, kv_heads, dim, dim, dtype=dtype)
+    tensor_cores = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16)
+    moment = query.new_zeros(batch * kv_heads, dim, dim, dtype=dtype)
     for start in range(0, length, QUERY_MOMENT_CHUNK):
-        q = query[:, :, start : start + QUERY_MOMENT_CHUNK].to(dtype)
+        q = query[:, :, start : start + QUERY_MOMENT_CHUNK]
+        q = q if tensor_cores else q.to(dtype)
         if valid is not None:
             q = q.masked_fill(~valid[:, None, start : start + QUERY_MOMENT_CHUNK, None], 0)
-        q = q.reshape(batch, kv_heads, -1, dim)
-        moment += q.transpose(-1, -2) @ q
-    return moment
+        q = q.reshape(batch * kv_heads, -1, dim)
+        moment += torch.bmm(q.mT, q, out_dtype=dtype) if tensor_cores else q.mT @ q
+    return moment.view(batch, kv_heads, dim, dim)
 
 
 def query_rotation_choice(
-    keys: torch.Tensor, moment: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None
+    keys: torch.Tensor,
+    moment: torch.Tensor,
+    config: OscarConfig,
+    valid: torch.Tensor | None = None,
+    round_trip: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """method="oscar": whether each (batch row, KV head) rotates its keys, `[B, Hkv]` bool, decided from the keys and
     the queries that read them.
@@ -176,10 +188,14 @@ def query_rotation_choice(
     `valid` (`[B, N]` bool, None: all tokens): padding keys enter neither the quantization groups nor the cost. N need
     not be a multiple of the group size (a prompt shorter than a block): the last group is quantized from the tokens it
     has, as if padded. A row without a valid token costs nothing either way and keeps its keys unrotated.
+    `round_trip`: `fake_quantize_keys` (None) or an implementation of it (the fused path's Triton kernels).
     """
     k, valid = whole_key_groups(keys, valid, config.group_size)
     moment = moment.to(k.dtype)
-    costs = [query_weighted_key_error(*key_error_sums(k, rotated, config, valid), moment) for rotated in (True, False)]
+    costs = [
+        query_weighted_key_error(*key_error_sums(k, rotated, config, valid, round_trip), moment)
+        for rotated in (True, False)
+    ]
     return costs[0] < costs[1]
 
 
@@ -199,12 +215,16 @@ def whole_key_groups(keys: torch.Tensor, valid: torch.Tensor | None, group_size:
 
 
 def key_error_sums(
-    keys: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
+    keys: torch.Tensor,
+    rotated: bool,
+    config: OscarConfig,
+    valid: torch.Tensor | None = None,
+    round_trip: Callable[..., torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sums over the valid tokens of the error e_t of the keys' round trip (`fake_quantize_keys`, `config.key_bits`):
-    `(sum_t e_t e_t^T [B, Hkv, D, D], sum_t e_t [B, Hkv, D], tokens [B, 1, 1])`. Additive over chunks of a prompt.
-    `keys`: whole key groups (`whole_key_groups`)."""
-    error = fake_quantize_keys(keys, rotated, config, valid) - keys
+    """Sums over the valid tokens of the error e_t of the keys' round trip (`round_trip`, None: `fake_quantize_keys`,
+    at `config.key_bits`): `(sum_t e_t e_t^T [B, Hkv, D, D], sum_t e_t [B, Hkv, D], tokens [B, 1, 1])`. Additive over
+    chunks of a prompt. `keys`: whole key groups (`whole_key_groups`)."""
+    error = (round_trip or fake_quantize_keys)(keys, rotated, config, valid) - keys
     if valid is not None:
         error = error.masked_fill(~_key_valid(valid), 0)
     count = keys.new_full((keys.shape[0], 1, 1), keys.shape[-2]) if valid is None else valid.sum(-1)[:, None, None]

@@ -8,7 +8,7 @@ import torch
 from ..config import OscarConfig
 from ..decode_path import DecodePath
 from ..layout import QuantizedKV
-from ..reference import dequantize_kv, finite_flags, quantize_kv, raise_unless_finite, token_norms
+from ..reference import dequantize_kv, finite_flags, quantize_kv, token_norms
 from .finite import FiniteCheck
 
 
@@ -28,9 +28,9 @@ class BlockCodec:
         path: DecodePath,
         decoding: bool = False,
     ) -> QuantizedKV:
-        """Quantize a block (`valid`: False at padding, left out), refusing a non-finite one: at once (one host
-        synchronisation), or, for a block that a decode step flushes on CUDA (`decoding`), from a later update without
-        waiting (`FiniteCheck`)."""
+        """Quantize a block (`valid`: False at padding, left out), refusing a non-finite one (`FiniteCheck`: at once,
+        with the other blocks of its update, or, for a block that a decode step flushes on CUDA (`decoding`), from a
+        later update without waiting)."""
         norms = None
         if path.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, path.head_group)  # over the heads of every rank: one all-reduce per block
@@ -40,11 +40,7 @@ class BlockCodec:
             block = quantize_kv_triton(keys, values, self.config, key_rotated, norms=norms, valid=valid)
         else:
             block = quantize_kv(keys, values, self.config, key_rotated, norms=norms, valid=valid)
-        flags = finite_flags(block, keys, values, valid)
-        if decoding and flags.is_cuda:
-            self.finite.defer(flags)
-        else:
-            raise_unless_finite(flags, self.config)
+        self.finite.check(finite_flags(block, keys, values, valid), decoding)
         return block
 
     def dequantize(

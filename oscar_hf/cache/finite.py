@@ -1,6 +1,8 @@
-"""The deferred finite check of blocks that eager decode steps flush on CUDA."""
+"""The finite check of quantized blocks: one host synchronisation per update, none in an eager decode step on CUDA."""
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
@@ -9,13 +11,43 @@ from ..reference import raise_unless_finite
 
 
 class FiniteCheck:
-    """A decode flush's `finite_flags` on their way to pinned host memory, and the event after which they are there:
-    read by the first update that finds them arrived (in `generate`, the next step's: it synchronises after every
-    token), so that eager decode never waits for the GPU. The next flush waits for them if they have not arrived."""
+    """Reads the `finite_flags` of the blocks a layer quantizes (reading device flags synchronises the host) and
+    raises on a non-finite block:
+
+    * blocks quantized inside `gathered` (an update, a choice of the key rotation: a long prompt is quantized in
+      several blocks) are checked together on leaving it, so that the host waits for the GPU once, not once per block;
+    * a block that an eager decode step flushes on CUDA is checked later without waiting (`defer`): its flags go to
+      pinned host memory behind the block's kernels and are read by the first update that finds them arrived (in
+      `generate`, the next step's: it synchronises after every token). The next flush waits for them if they have
+      not arrived;
+    * any other block, at once."""
 
     def __init__(self, config: OscarConfig):
         self.config = config
         self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._gathered: torch.Tensor | None = None  # the flags of the blocks quantized in the open `gathered`, AND-ed
+        self._depth = 0
+
+    def check(self, flags: torch.Tensor, decoding: bool) -> None:
+        """A block's `finite_flags`; `decoding`: a decode step flushed it."""
+        if decoding and flags.is_cuda:
+            self.defer(flags)
+        elif self._depth:
+            self._gathered = flags if self._gathered is None else self._gathered & flags
+        else:
+            raise_unless_finite(flags, self.config)
+
+    @contextlib.contextmanager
+    def gathered(self):
+        """Check the blocks quantized inside (nested: the outermost) together, on leaving."""
+        self._depth += 1
+        try:
+            yield
+        finally:
+            self._depth -= 1
+        if not self._depth and self._gathered is not None:
+            flags, self._gathered = self._gathered, None
+            raise_unless_finite(flags, self.config)
 
     def defer(self, flags: torch.Tensor) -> None:
         """Send `flags` to the host behind the block's kernels (after reading the previous ones)."""
@@ -38,4 +70,4 @@ class FiniteCheck:
         raise_unless_finite(host, self.config)
 
     def reset(self) -> None:
-        self._pending = None
+        self._pending, self._gathered, self._depth = None, None, 0

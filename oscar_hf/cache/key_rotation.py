@@ -175,12 +175,12 @@ class KeyRotation:
             batch, heads, _, dim = keys.shape
             moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
         padding = valid(layer._padding, first, keys)
-        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, padding)
+        round_trip = None  # the reference's, in PyTorch
+        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per candidate rotation
+            from ..kernels import fake_quantize_keys_triton as round_trip
+        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, padding, round_trip)
         new = self.flags is None
-        flipped = torch.zeros((), dtype=torch.int32, device=flags.device) if new else (flags != self.flags).any().int()
-        if head_group is not None:
-            torch.distributed.all_reduce(flipped, op=torch.distributed.ReduceOp.MAX, group=head_group)
-        flipped = bool(flipped)
+        flipped = not new and _any_flipped(flags, self.flags, head_group)  # a first choice rewrites nothing: no sync
         if new:
             self.flags = flags
             if layer._compiled is not None:  # compiled decode reads the flags: a fixed address, as its buffers
@@ -188,8 +188,9 @@ class KeyRotation:
         else:
             self.flags.copy_(flags)  # compiled decode may hold its address
         redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
-        for start, keys, values in redo:
-            storage.write(start, layer._quantize_at(keys, values, start))
+        with layer.codec.finite.gathered():
+            for start, keys, values in redo:
+                storage.write(start, layer._quantize_at(keys, values, start))
         self.unwritten = 0
         if storage.total > CHOICE_TOKENS:
             self.finalize()
@@ -225,3 +226,12 @@ def _real_positions(
     mask = None if padding is None else padding.columns(start, tokens, batch, device)
     count = torch.full((batch,), float(tokens), device=device) if mask is None else mask.sum(-1, dtype=torch.float32)
     return mask, count
+
+
+def _any_flipped(flags: torch.Tensor, previous: torch.Tensor, head_group) -> bool:
+    """Whether any head's choice changed, on any rank of `head_group` (`KeyRotation.choose` says why); reading it
+    synchronises the host."""
+    flipped = (flags != previous).any().int()
+    if head_group is not None:
+        torch.distributed.all_reduce(flipped, op=torch.distributed.ReduceOp.MAX, group=head_group)
+    return bool(flipped)

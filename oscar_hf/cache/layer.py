@@ -123,7 +123,8 @@ class OscarLayer(CacheLayerMixin):
             return key_states, value_states
         self.codec.finite.read(wait=False)
         self.fused_step = None  # valid until this update
-        keys, values = self._eager_update(key_states, value_states)
+        with self.codec.finite.gathered():  # one host synchronisation for the blocks of this update
+            keys, values = self._eager_update(key_states, value_states)
         if self._compiled is not None:
             self._compiled.length.fill_(self.get_seq_length())
         return keys, values

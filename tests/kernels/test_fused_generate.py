@@ -101,7 +101,9 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     monkeypatch.setattr(
         key_rotation,
         "query_rotation_choice",
-        lambda keys, moment, config, valid=None: torch.tensor([[True, False], [False, True]], device=keys.device),
+        lambda keys, moment, config, valid=None, round_trip=None: torch.tensor(
+            [[True, False], [False, True]], device=keys.device
+        ),
     )
     ids = torch.randint(3, 101, (2, 150), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 4, teacher_forcing, method="oscar")
