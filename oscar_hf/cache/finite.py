@@ -39,7 +39,10 @@ class FiniteCheck:
 
     @contextlib.contextmanager
     def gathered(self):
-        """Check the blocks quantized inside (nested: the outermost) together, on leaving."""
+        """Check the blocks quantized inside (nested: the outermost) together, on leaving; on entering, a deferred
+        flush's flags if they have arrived."""
+        if not self._depth:
+            self.read(wait=False)
         self._depth += 1
         try:
             yield

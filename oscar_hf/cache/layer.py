@@ -121,7 +121,6 @@ class OscarLayer(CacheLayerMixin):
             self._compiled.step(self, key_states, value_states)
             fused_attention.FusedStep.start(self, key_states, value_states, DecodeHistory(self))
             return key_states, value_states
-        self.codec.finite.read(wait=False)
         self.fused_step = None  # valid until this update
         with self.codec.finite.gathered():  # one host synchronisation for the blocks of this update
             keys, values = self._eager_update(key_states, value_states)
