@@ -113,7 +113,8 @@ def test_a_flipped_head_is_quantized_again_from_its_exact_keys():
 
 def test_exact_copies_stop_at_the_horizon():
     """Chunks of 1024 tokens: the choice reads the first CHOICE_TOKENS keys and every chunk's queries until the layer
-    holds more than that; then it is final, no exact copy is held, and later queries change nothing."""
+    holds more than that; then it is final, no exact copy is held, and later queries change nothing. Until then the
+    written blocks' exact copies are their keys alone."""
     cache = _cache(method="oscar")
     layer = cache.layers[0]
     gen = torch.Generator().manual_seed(6)
@@ -129,6 +130,7 @@ def test_exact_copies_stop_at_the_horizon():
         layer.observe_queries(queries[:, :, start : start + 1024], got[0])
         held = sum(k.shape[-2] for _, k, _ in layer.rotation.blocks)
         assert held == (0 if start + 1024 > CHOICE_TOKENS else layer.quantized_length) <= CHOICE_TOKENS
+        assert all(v is None for _, _, v in layer.rotation.blocks)  # written: a flip needs the exact keys only
         assert layer.rotation.final == (start + 1024 > CHOICE_TOKENS)
     seen = queries[:, :, : CHOICE_TOKENS + 1024]  # the queries up to the call that crossed the horizon
     want = query_rotation_choice(keys[:, :, :CHOICE_TOKENS], query_moment(seen, HKV), cache.oscar_config)

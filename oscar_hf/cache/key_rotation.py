@@ -9,9 +9,10 @@ turn is a short system prompt, scoring in windows) chooses as the same prompt fe
   holds. Prompts of up to `CHOICE_TOKENS` tokens therefore get the same flags fed whole or in chunks, given the same
   keys and queries (up to the summation order of the moment). Through a model they differ slightly past the first
   layer (later chunks attend to the quantized history), so a head whose two costs nearly tie may end on the other side;
-* while the choice is open, the layer keeps the exact K/V of every block it quantized. The blocks of a multi-token
-  update that returns dense K/V wait, exact, for that update's queries and are quantized once, with the choice; a
-  later choice that flips a head quantizes the held blocks again from their exact copies;
+* while the choice is open, the layer keeps the exact keys of every block it quantized. The blocks of a multi-token
+  update that returns dense K/V wait, exact (values too), for that update's queries and are quantized once, with the
+  choice; a later choice that flips a head quantizes the held keys again (the values' codes and the token norms do not
+  depend on the key rotation, so a flip rewrites the keys' codes, scales and minimums only);
 * the choice becomes final, and the copies are dropped, once the layer holds more than `CHOICE_TOKENS` tokens, at a
   single-token update that follows a prompt (a decode step: its query is not the prompt's), at a crop, and when a
   block was quantized without a copy (compiled decode steps flush blocks from the device). A later multi-token call
@@ -19,7 +20,8 @@ turn is a short system prompt, scoring in windows) chooses as the same prompt fe
   otherwise its queries change nothing. Compiled decode reads the flags from a static tensor: a revision writes it in
   place, and a compiled step never changes it.
 
-Memory beyond the quantized cache: the exact K/V of at most the first `CHOICE_TOKENS` tokens, while the choice is open.
+Memory beyond the quantized cache, while the choice is open: the exact keys of at most the first `CHOICE_TOKENS`
+tokens, and the exact values of the blocks waiting for their update's queries.
 
 A layer whose updates' queries never came (a cache filled by hand with `update`, or a model whose attention is not
 sdpa) chooses at its next update from the keys alone: an isotropic query moment, so that each head rotates where that
@@ -54,8 +56,9 @@ KEYS_ONLY_MESSAGE = (
 class KeyRotation:
     """Which heads rotate their keys (`flags`, `[B, Hkv]` bool, None until chosen; every quantization reads them) and,
     while the choice is open, what it is made from and what it must redo: the running query moment, and the exact K/V
-    of the quantized region's blocks (`blocks`, `(start, keys, values)` in position order), the last `unwritten` of
-    which wait for the queries of the update that brought them (their rows in the storage are not written yet)."""
+    of the quantized region's blocks (`blocks`, `(start, keys, values)` in position order, values None once written),
+    the last `unwritten` of which wait for the queries of the update that brought them (their rows in the storage are
+    not written yet)."""
 
     def __init__(self, config: OscarConfig):
         self.config = config
@@ -66,7 +69,7 @@ class KeyRotation:
         self.flags: torch.Tensor | None = None
         self.moment: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None  # [B] float: the query positions `moment` sums (padding left out)
-        self.blocks: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+        self.blocks: list[tuple[int, torch.Tensor, torch.Tensor | None]] = []
         self.unwritten = 0
         self._deferring = False  # while the layer appends a multi-token update that returns dense K/V (`deferring`)
         self.awaiting_keys: torch.Tensor | None = None  # the keys whose attention call brings the queries awaited
@@ -189,8 +192,10 @@ class KeyRotation:
             self.flags.copy_(flags)  # compiled decode may hold its address
         redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
         with layer.codec.finite.gathered():
-            for start, keys, values in redo:
-                storage.write(start, layer._quantize_at(keys, values, start))
+            for start, keys, values in redo:  # a written block's values (None) are the keys' stand-in, not written
+                block = layer._quantize_at(keys, keys if values is None else values, start)
+                storage.write(start, block, keys_only=values is None)
+        self.blocks = [(start, keys, None) for start, keys, _ in self.blocks]  # a flip needs the exact keys only
         self.unwritten = 0
         if storage.total > CHOICE_TOKENS:
             self.finalize()

@@ -152,10 +152,12 @@ class KVStorage:
         if block is not None:
             self.write(start, block)
 
-    def write(self, start: int, block: QuantizedKV) -> None:
-        """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region)."""
-        for buf, part in zip(self.rows(start, start + self.layout.num_tokens(block)), block):
-            if buf is not None:
+    def write(self, start: int, block: QuantizedKV, keys_only: bool = False) -> None:
+        """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region); with
+        `keys_only`, its key fields alone."""
+        rows = self.rows(start, start + self.layout.num_tokens(block))
+        for name, buf, part in zip(QuantizedKV._fields, rows, block, strict=True):
+            if buf is not None and (name.startswith("key_") or not keys_only):
                 buf.copy_(part)
 
     def crop(self, keep: int) -> None:
