@@ -211,7 +211,7 @@ class KeyRotation:
             self.flags = fn(self.flags)
         if self.moment is not None:
             self.moment, self.positions = fn(self.moment), fn(self.positions)
-        self.blocks = [(start, fn(keys), fn(values)) for start, keys, values in self.blocks]
+        self.blocks = [(start, fn(k), None if v is None else fn(v)) for start, k, v in self.blocks]
 
     @staticmethod
     def unsettled_message() -> str:
