@@ -19,7 +19,9 @@ bisects between the largest batch known to fit and the smallest that failed unti
 it was found (with tries left over, the largest batch that fits lies below the smallest of `oom_batches`).
 
 A cache that fails otherwise (e.g. a compile error) is recorded with its `error` and the run goes on; so is a job not
-started because `--budget-s` seconds had passed: one invocation always leaves a record.
+started because `--budget-s` seconds had passed: one invocation always leaves a record. Past that budget a search
+starts no further timed run either (`out_of_time` in its row: the largest batch found so far, not proven largest);
+a running generate is not interrupted, so leave a few minutes between the budget and any limit on the call.
 
 Record: benchmarks/results/throughput_<gpu>.json, rewritten after every job, same layout as generate_<gpu>.json:
 `runs: {run: {date, commit, device, versions, ...}}`, `rows: [{run, model, context, cache, variant, compiled,
@@ -58,6 +60,7 @@ class Search:
     fixed_gib: float | None = None  # the memory model: peak = fixed + batch x per_sequence
     per_sequence_gib: float | None = None
     oom_batches: list[int] = dataclasses.field(default_factory=list)
+    out_of_time: bool = False  # the search stopped early, `--budget-s` having passed
 
 
 def largest_batch(
@@ -66,11 +69,13 @@ def largest_batch(
     capacity_gib: float | None,
     max_batch: int,
     tries: int,
+    out_of_time: Callable[[], bool] = lambda: False,
 ) -> tuple[int, dict | None, Search]:
     """The largest batch (up to `max_batch`) whose `timed` run fits, and that run's result (None: even B=1 does not).
 
     `probe(b)` and `timed(b)` run a short and the measured generate at batch b (result: timed_generate's); both raise
-    torch.OutOfMemoryError when b does not fit. Without a capacity (CPU) or a peak, the prediction is `max_batch`."""
+    torch.OutOfMemoryError when b does not fit. Without a capacity (CPU) or a peak, the prediction is `max_batch`.
+    A timed run after the first starts only while `out_of_time()` is False (one search can outlast a call's limit)."""
     search = Search()
     peaks = {}  # batch -> peak GiB of its probe
     try:
@@ -90,6 +95,9 @@ def largest_batch(
     search.predicted_batch, search.capped = guess, guess == max_batch
     best, failed = None, None  # the largest timed run that fitted (batch, result); the smallest batch that did not
     for attempt in range(tries):
+        if attempt and out_of_time():
+            search.out_of_time = True
+            break
         try:
             best = guess, timed(guess)
         except torch.OutOfMemoryError:  # the next timed run frees what this one left (timed_generate collects first)
@@ -116,13 +124,16 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU's memory the prediction fills")
     parser.add_argument("--tries", type=int, default=4, help="timed runs per job at most (bisecting after an OOM)")
     parser.add_argument("--new-tokens", type=int, default=16, help="of the timed run; at least 4")
-    parser.add_argument("--budget-s", type=float, default=540, help="start no job after this many seconds")
+    parser.add_argument("--budget-s", type=float, default=540, help="seconds after which no job or timed run starts")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if args.new_tokens < 4:
         parser.error("--new-tokens must be at least 4")
     started = time.perf_counter()
+
+    def out_of_time() -> bool:
+        return time.perf_counter() - started > args.budget_s
 
     run = bench.new_run()
     model = bench.build_model(args.model, args.device)
@@ -166,7 +177,7 @@ def main(argv: list[str] | None = None) -> Path:
         if variant.cache == "oscar" and blockers:
             row["compile_blockers"] = blockers  # generate decodes it eagerly: recorded as such
         bar.set_postfix_str(f"{name} {context}")
-        if time.perf_counter() - started > args.budget_s:
+        if out_of_time():
             row["skipped"] = f"time budget: {args.budget_s:.0f} s had passed"
         else:
             probe_options = bench.generate_options(dataclasses.replace(variant, compiled=False), chunk)
@@ -176,7 +187,7 @@ def main(argv: list[str] | None = None) -> Path:
             probe = functools.partial(_generate_at, model, f"{label} probe", context, PROBE_TOKENS, probe_options)
             timed = functools.partial(_generate_at, model, f"{label} timed", context, args.new_tokens, options)
             try:
-                batch, result, search = largest_batch(probe, timed, capacity, args.max_batch, args.tries)
+                batch, result, search = largest_batch(probe, timed, capacity, args.max_batch, args.tries, out_of_time)
                 row.update(dataclasses.asdict(search), max_batch=batch, oom=result is None)
                 if result is not None:
                     row.update(result)

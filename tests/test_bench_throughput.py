@@ -76,6 +76,17 @@ def test_a_timed_run_out_of_memory_bisects_to_the_largest_batch_that_fits(throug
     assert batch == 2 and search.oom_batches == [16, 9]
 
 
+def test_the_time_budget_stops_a_search_between_timed_runs(throughput):
+    """Past `--budget-s` (`out_of_time`) no further timed run starts: the largest batch that ran so far stands."""
+    gpu = FakeGPU(capacity=80.0, timed_extra=10.0)
+    budget = iter([False, True])  # time left before the second timed run, none before the third
+    batch, result, search = throughput.largest_batch(
+        gpu.probe, gpu.timed, 80.0, max_batch=64, tries=6, out_of_time=lambda: next(budget)
+    )
+    assert batch == 9 and result["batch"] == 9 and search.out_of_time and search.oom_batches == [16]
+    assert gpu.calls[2:] == [("timed", 16), ("timed", 9)]
+
+
 def test_the_cap_and_what_does_not_fit(throughput):
     gpu = FakeGPU(capacity=1000.0)
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 1000.0, max_batch=8, tries=3)
