@@ -107,11 +107,12 @@ class KeyRotation:
             self._deferring = False
 
     def hold(self, start: int, keys: torch.Tensor, values: torch.Tensor, window: torch.Tensor) -> bool:
-        """Keep the exact K/V of the block quantized at token `start` while the choice is open (a copy when they are
-        the `window` buffer, which later updates rewrite); True when the block must wait for its update's queries
-        (its rows are written by `choose`)."""
+        """Keep the exact keys of the block quantized at token `start` while the choice is open (a copy when they are
+        the `window` buffer, which later updates rewrite), and its values while it is unwritten: True when the block
+        must wait for its update's queries (its rows are written by `choose`); otherwise the caller writes it now."""
+        values = values if self._deferring else None  # a written block's flip needs its exact keys only
         if keys.data_ptr() == window.data_ptr():
-            keys, values = keys.clone(), values.clone()
+            keys, values = keys.clone(), None if values is None else values.clone()
         self.blocks.append((start, keys, values))
         self.unwritten += self._deferring
         return self._deferring
