@@ -5,7 +5,8 @@
     inputs   keys, values   [B, Hkv, N, D]   bf16 / fp16 / fp32, any strides; N a multiple of G = group_size,
                                              D a power of two that G divides (64, 128, 256)
     outputs  a new contiguous `QuantizedKV` of N tokens in the layout of `oscar_hf.layout.StorageLayout` (its
-             `_pack_tokens` below writes the bits that `StorageLayout.pack_codes` defines)
+             `_pack_tokens` below writes the bits that `StorageLayout.pack_codes` defines), or tokens
+             [start, start + N) of a storage's buffers (`out`, `start`): a prefill's blocks go straight to the cache
 
 As in the reference, scale and min are rounded to the scale dtype before the codes are computed, so the codes are
 the best ones for the stored parameters; divisions and square roots are IEEE-rounded and the Walsh-Hadamard
@@ -16,9 +17,10 @@ One program per (group of G tokens, batch row) loops over the KV heads twice: fi
 needs every head of the token; under tensor parallelism the caller passes norms over every rank's heads), then,
 per head, rotation (fp32 butterflies in registers), scaling, the two kinds of min/max groups, rounding and
 packing. The second read of K hits L2 (G * D * Hkv elements per program).
-Non-finite inputs are not checked here (that would need a host synchronisation): an inf makes its scales non-finite,
-but the min/max skip a NaN (maxNum), which can leave every scale finite. The cache checks each eagerly quantized
-block's K/V (`oscar_hf.reference.finite_flags`).
+With `finite` (a `[2]` bool device tensor, set by the caller), the kernel clears its first flag where a real token's
+K/V are not finite and its second where a stored scale or minimum is not (`oscar_hf.reference.finite_flags`, the
+cache's check, which reads them): no extra pass over the K/V, and one flag pair may gather any number of blocks. The
+K/V are checked themselves: the min/max skip a NaN (maxNum), which can leave every scale finite.
 """
 
 from __future__ import annotations
@@ -59,6 +61,12 @@ def _pack_tokens(codes, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
 
 
 @triton.jit
+def _all_finite(x):
+    """Whether every element of `x` (float32) is finite (NaN != NaN)."""
+    return tl.reduce(((x == x) & (tl.abs(x) < float("inf"))).to(tl.int32), None, minimum) > 0
+
+
+@triton.jit
 def _quantize_pack_kernel(
     # pointers
     k_ptr,
@@ -73,9 +81,11 @@ def _quantize_pack_kernel(
     length_ptr,
     key_rotated_ptr,
     valid_ptr,
+    finite_ptr,
     # sizes
     num_kv_heads,
     valid_len,
+    out_start_group,
     # strides of the inputs
     stride_kb,
     stride_kh,
@@ -110,6 +120,7 @@ def _quantize_pack_kernel(
     NORMS_GIVEN: tl.constexpr,
     HAS_VALID: tl.constexpr,
     FLUSH_WINDOW: tl.constexpr,
+    CHECK_FINITE: tl.constexpr,
 ):
     KEY_W: tl.constexpr = 32 // KEY_BITS
     VALUE_W: tl.constexpr = 32 // VALUE_BITS
@@ -120,7 +131,9 @@ def _quantize_pack_kernel(
 
     pid_g = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
-    out_g = pid_g  # the output group: the input's, or its place in the storage when flushing
+    out_g = pid_g + out_start_group  # the output group: its place in the output (a block, or a storage)
+    o_t = pid_g * GROUP + tl.arange(0, GROUP)
+    o_t_valid = o_t  # the padding mask's columns: the input's tokens ...
     if FLUSH_WINDOW:
         # Flush: the inputs are a full residual window when the tokens held are a positive multiple of it; they
         # go to tokens [held - FLUSH_WINDOW, held) of the storage. Otherwise there is nothing to do.
@@ -128,7 +141,7 @@ def _quantize_pack_kernel(
         if (held == 0) | (held % FLUSH_WINDOW != 0):
             return
         out_g += (held - FLUSH_WINDOW) // GROUP
-    o_t = pid_g * GROUP + tl.arange(0, GROUP)
+        o_t_valid = out_g * GROUP + tl.arange(0, GROUP)  # ... or, flushing, the cache's positions
     o_t_out = out_g * GROUP + tl.arange(0, GROUP)
     o_d = tl.arange(0, HEAD_DIM)
     o_kw = out_g * (GROUP // KEY_W) + tl.arange(0, GROUP // KEY_W)
@@ -137,10 +150,10 @@ def _quantize_pack_kernel(
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
 
-    # Padding (HAS_VALID): column t of the mask is output token t; tokens past its end are real.
+    # Padding (HAS_VALID): column t of the mask is token t (`o_t_valid`); tokens past its end are real.
     valid = tl.full([GROUP], 1, tl.int1)
     if HAS_VALID:
-        valid = tl.load(valid_ptr + pid_b * stride_valid_b + o_t_out, mask=o_t_out < valid_len, other=1) != 0
+        valid = tl.load(valid_ptr + pid_b * stride_valid_b + o_t_valid, mask=o_t_valid < valid_len, other=1) != 0
     any_valid = tl.reduce(valid.to(tl.int32), 0, maximum) > 0
 
     if TOKEN_SCALING:
@@ -156,9 +169,14 @@ def _quantize_pack_kernel(
         norms = tl.where(valid, norms, 1.0)  # padding stores norm 1, whatever it held
         tl.store(key_norms_ptr + pid_b * stride_norms_b + o_t_out, norms)
 
+    inputs_finite = tl.full([], 1, tl.int1)
+    params_finite = tl.full([], 1, tl.int1)
     for h in range(num_kv_heads):
         b_k = tl.load(p_k + h * stride_kh).to(tl.float32)
         b_v = tl.load(p_v + h * stride_vh).to(tl.float32)
+        if CHECK_FINITE:  # a real token's K/V (padding may hold anything)
+            real = valid[:, None]
+            inputs_finite &= _all_finite(tl.where(real, b_k, 0.0)) & _all_finite(tl.where(real, b_v, 0.0))
         if ROTATION:
             if KEY_ROTATION_PER_HEAD:  # method="oscar": this (row, head)'s flag
                 rotated = tl.load(key_rotated_ptr + pid_b * stride_krb + h * stride_krh) != 0
@@ -181,6 +199,8 @@ def _quantize_pack_kernel(
         o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + out_g * HEAD_DIM + o_d[None, :]
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
+        if CHECK_FINITE:
+            params_finite &= _all_finite(scale.to(tl.float32)) & _all_finite(mn.to(tl.float32))
 
         # values: per token, over groups of G channels (a padding token reads as zeros: scale 0, min 0, codes 0)
         b_v3 = tl.where(tl.reshape(valid, (GROUP, 1, 1)), tl.reshape(b_v, (GROUP, NUM_VGROUPS, GROUP)), 0.0)
@@ -192,6 +212,12 @@ def _quantize_pack_kernel(
         o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t_out[:, None] * NUM_VGROUPS + o_vg[None, :]
         tl.store(value_scale_ptr + o_vparam, tl.reshape(scale, (GROUP, NUM_VGROUPS)))
         tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))
+        if CHECK_FINITE:
+            params_finite &= _all_finite(scale.to(tl.float32)) & _all_finite(mn.to(tl.float32))
+
+    if CHECK_FINITE:  # only ever cleared: every program writing the same value, no atomics are needed
+        tl.store(finite_ptr, 0, mask=inputs_finite == 0)
+        tl.store(finite_ptr + 1, 0, mask=params_finite == 0)
 
 
 def _check_inputs(keys: torch.Tensor, values: torch.Tensor, config: OscarConfig) -> None:
@@ -229,28 +255,47 @@ def quantize_kv_triton(
     key_rotated: torch.Tensor | None = None,
     norms: torch.Tensor | None = None,
     valid: torch.Tensor | None = None,
+    *,
+    out: QuantizedKV | None = None,
+    start: int = 0,
+    finite: torch.Tensor | None = None,
 ) -> QuantizedKV:
     """Rotate, token-scale, quantize and pack post-RoPE keys and values: `reference.quantize_kv` in one kernel.
     `key_rotated`: method="oscar"'s `[B, Hkv]` bool, which heads rotate their keys (None for method="paper").
     `norms`: the token norms `[B, 1, N]` float32 to scale by, instead of the norms over the heads in `keys` (tensor
     parallel: `reference.token_norms(keys, group)` covers the heads of every rank).
-    `valid`: `[B, N]` bool, False for the padding of a left-padded batch (as in `reference.quantize_kv`)."""
+    `valid`: `[B, N]` bool, False for the padding of a left-padded batch (as in `reference.quantize_kv`).
+    `out`: a storage's buffers (contiguous, as `StorageLayout.empty`) to write tokens `[start, start + N)` of, in
+    place (`start` a multiple of group_size); None: a new block. Returns the block written (views into `out`).
+    `finite`: `[2]` bool on the K/V's device, cleared where the K/V or the stored parameters are not finite (module
+    docstring)."""
     _check_inputs(keys, values, config)
     batch, heads, tokens, head_dim = keys.shape
-    check_key_rotated(key_rotated, batch, heads, keys.device, config, "quantize_kv_triton")
-    _check_valid(valid, batch, keys.device, "quantize_kv_triton", tokens)
-    out = StorageLayout.of(config).empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
+    who = "quantize_kv_triton"
+    check_key_rotated(key_rotated, batch, heads, keys.device, config, who)
+    _check_valid(valid, batch, keys.device, who, tokens)
+    layout = StorageLayout.of(config)
+    if out is None:
+        out = layout.empty(batch, heads, head_dim, heads, head_dim, tokens, keys.device)
+    else:
+        _check_storage(out, layout, keys, start, config, who)
+    block = layout.rows(out, start, start + tokens)
+    if finite is not None and (finite.shape != (2,) or finite.dtype != torch.bool or finite.device != keys.device):
+        raise ValueError(
+            f"{who}: finite must be a [2] bool tensor on {keys.device}, got {finite.dtype} {tuple(finite.shape)} on "
+            f"{finite.device}."
+        )
     if norms is not None:
-        if out.key_norms is None:
-            raise ValueError("quantize_kv_triton: norms were given, but token scaling is off.")
-        if norms.shape != out.key_norms.shape or norms.dtype != torch.float32 or norms.device != keys.device:
+        if block.key_norms is None:
+            raise ValueError(f"{who}: norms were given, but token scaling is off.")
+        if norms.shape != block.key_norms.shape or norms.dtype != torch.float32 or norms.device != keys.device:
             raise ValueError(
-                f"quantize_kv_triton: norms must be float32 {tuple(out.key_norms.shape)} on {keys.device}, got "
+                f"{who}: norms must be float32 {tuple(block.key_norms.shape)} on {keys.device}, got "
                 f"{norms.dtype} {tuple(norms.shape)} on {norms.device}."
             )
-        out.key_norms.copy_(norms)  # the kernel reads them from its output
-    _launch(keys, values, out, config, None, key_rotated, norms_given=norms is not None, valid=valid)
-    return out
+        block.key_norms.copy_(norms)  # the kernel reads them from its output
+    _launch(keys, values, out, config, None, key_rotated, norms is not None, valid, start, finite)
+    return block
 
 
 def flush_residual_triton(
@@ -272,9 +317,7 @@ def flush_residual_triton(
     batch, heads, window, head_dim = residual_keys.shape
     if window != config.residual_length:
         raise ValueError(f"flush_residual_triton: got {window} residual tokens, expected {config.residual_length}.")
-    StorageLayout.of(config).check(storage, batch, heads, head_dim, residual_keys.device, "flush_residual_triton")
-    if not all(t is None or t.is_contiguous() for t in storage):
-        raise ValueError("flush_residual_triton: the storage tensors must be contiguous (as StorageLayout.empty).")
+    _check_storage(storage, StorageLayout.of(config), residual_keys, 0, config, "flush_residual_triton")
     if length.numel() != 1 or length.dtype not in (torch.int32, torch.int64) or length.device != residual_keys.device:
         raise ValueError(
             f"flush_residual_triton: length must be one integer on {residual_keys.device}, got {length.numel()} "
@@ -283,6 +326,20 @@ def flush_residual_triton(
     check_key_rotated(key_rotated, batch, heads, residual_keys.device, config, "flush_residual_triton")
     _check_valid(padding_mask, batch, residual_keys.device, "flush_residual_triton")
     _launch(residual_keys, residual_values, storage, config, length, key_rotated, valid=padding_mask)
+
+
+def _check_storage(storage: QuantizedKV, layout: StorageLayout, keys: torch.Tensor, start: int, config, who: str):
+    """Storage to write tokens `[start, start + N)` of (N: the keys' tokens; a flush's window lands anywhere in it):
+    the layout's fields, contiguous, with room for them."""
+    batch, heads, tokens, head_dim = keys.shape
+    capacity = layout.check(storage, batch, heads, head_dim, keys.device, who)
+    if not all(t is None or t.is_contiguous() for t in storage):
+        raise ValueError(f"{who}: the storage tensors must be contiguous (as StorageLayout.empty).")
+    if start < 0 or start % config.group_size or start + tokens > capacity:
+        raise ValueError(
+            f"{who}: tokens [{start}, {start + tokens}) do not fit a storage of {capacity} tokens at a multiple of "
+            f"group_size={config.group_size}."
+        )
 
 
 def _check_valid(valid, batch: int, device: torch.device, who: str, tokens: int | None = None) -> None:
@@ -328,8 +385,10 @@ def _launch(
     key_rotated: torch.Tensor | None,
     norms_given: bool = False,
     valid: torch.Tensor | None = None,
+    start: int = 0,
+    finite: torch.Tensor | None = None,
 ) -> None:
-    """The kernel over every group of `keys`/`values`, into `out` (from token 0, or where `length` says)."""
+    """The kernel over every group of `keys`/`values`, into `out` (from token `start`, or where `length` says)."""
     batch, heads, tokens, head_dim = keys.shape
     if tokens == 0 or batch == 0:
         return
@@ -350,8 +409,10 @@ def _launch(
             length if length is not None else out.key_scale,  # unused pointer outside a flush
             key_rotated.view(torch.uint8) if key_rotated is not None else out.key_scale,  # unused for method="paper"
             valid.view(torch.uint8) if valid is not None else out.key_scale,  # unused without padding
+            finite.view(torch.uint8) if finite is not None else out.key_scale,  # unused without a finite check
             heads,
             valid.shape[1] if valid is not None else 0,
+            start // config.group_size,
             *keys.stride(),
             *values.stride(),
             out.key_codes.stride(0),
@@ -376,5 +437,6 @@ def _launch(
             NORMS_GIVEN=norms_given,
             HAS_VALID=valid is not None,
             FLUSH_WINDOW=config.residual_length if length is not None else 0,
+            CHECK_FINITE=finite is not None,
             num_warps=8 if head_dim > 128 else 4,  # D = 256: the [G, D] fp32 tiles over twice the threads
         )

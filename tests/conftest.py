@@ -213,13 +213,12 @@ class ExactOscarLayer(OscarLayer):
         super().__init__(config)
         self.exact = None  # (keys, values) of the quantized region, exact
 
-    def _quantize(self, keys, values, decoding=False):
-        start = self.quantized_length  # `append` stores each quantized block right after quantizing it
+    def _quantize(self, keys, values, start, decoding=False):
         if self.exact is None:
             self.exact = (keys.clone(), values.clone())  # may be the residual buffer, which gets overwritten
         else:
             self.exact = tuple(torch.cat([old[:, :, :start], new], 2) for old, new in zip(self.exact, (keys, values)))
-        return super()._quantize(keys, values, decoding)
+        return super()._quantize(keys, values, start, decoding)
 
     def _dequantize(self, start, end, out=None):
         exact = tuple(t[:, :, start:end] for t in self.exact)

@@ -3,6 +3,8 @@ reference (`oscar_hf.reference`) elsewhere, every quantized block checked finite
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ..config import OscarConfig
@@ -10,6 +12,9 @@ from ..decode_path import DecodePath
 from ..layout import QuantizedKV
 from ..reference import dequantize_kv, finite_flags, quantize_kv, token_norms
 from .finite import FiniteCheck
+
+if TYPE_CHECKING:
+    from .storage import KVStorage
 
 
 class BlockCodec:
@@ -27,20 +32,30 @@ class BlockCodec:
         valid: torch.Tensor | None,
         path: DecodePath,
         decoding: bool = False,
+        into: tuple[KVStorage, int] | None = None,
     ) -> QuantizedKV:
         """Quantize a block (`valid`: False at padding, left out), refusing a non-finite one (`FiniteCheck`: at once,
         with the other blocks of its update, or, for a block that a decode step flushes on CUDA (`decoding`), from a
-        later update without waiting)."""
+        later update without waiting). `into`: (storage, quantized token): the block is written there (by the Triton
+        kernel in place, checked finite on the way: no copy, no extra pass); None: a new block. Returns the block."""
         norms = None
         if path.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, path.head_group)  # over the heads of every rank: one all-reduce per block
         if path.fused:
             from ..kernels import quantize_kv_triton
 
-            block = quantize_kv_triton(keys, values, self.config, key_rotated, norms=norms, valid=valid)
+            storage, start = into or (None, 0)
+            out = None if storage is None else storage.buffers
+            flags = self.finite.flags(keys.device, decoding)
+            block = quantize_kv_triton(
+                keys, values, self.config, key_rotated, norms, valid, out=out, start=start, finite=flags
+            )
         else:
             block = quantize_kv(keys, values, self.config, key_rotated, norms=norms, valid=valid)
-        self.finite.check(finite_flags(block, keys, values, valid), decoding)
+            flags = finite_flags(block, keys, values, valid)
+            if into is not None:
+                into[0].write(into[1], block)
+        self.finite.check(flags, decoding)
         return block
 
     def dequantize(

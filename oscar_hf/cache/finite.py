@@ -28,12 +28,22 @@ class FiniteCheck:
         self._gathered: torch.Tensor | None = None  # the flags of the blocks quantized in the open `gathered`, AND-ed
         self._depth = 0
 
+    def flags(self, device: torch.device, decoding: bool) -> torch.Tensor:
+        """Flags for the quantizer kernel to clear (`quantize_kv_triton(finite=)`), then `check`ed: inside `gathered`,
+        the update's (one pair for all its blocks); otherwise the block's own."""
+        if self._depth and not decoding:
+            if self._gathered is None:
+                self._gathered = torch.ones(2, dtype=torch.bool, device=device)
+            return self._gathered
+        return torch.ones(2, dtype=torch.bool, device=device)
+
     def check(self, flags: torch.Tensor, decoding: bool) -> None:
-        """A block's `finite_flags`; `decoding`: a decode step flushed it."""
+        """A block's `finite_flags` (or the `flags` the kernel cleared); `decoding`: a decode step flushed it."""
         if decoding and flags.is_cuda:
             self.defer(flags)
         elif self._depth:
-            self._gathered = flags if self._gathered is None else self._gathered & flags
+            if flags is not self._gathered:
+                self._gathered = flags if self._gathered is None else self._gathered & flags
         else:
             raise_unless_finite(flags, self.config)
 

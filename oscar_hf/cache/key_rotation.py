@@ -193,9 +193,11 @@ class KeyRotation:
             self.flags.copy_(flags)  # compiled decode may hold its address
         redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
         with layer.codec.finite.gathered():
-            for start, keys, values in redo:  # a written block's values (None) are the keys' stand-in, not written
-                block = layer._quantize_at(keys, keys if values is None else values, start)
-                storage.write(start, block, keys_only=values is None)
+            for start, keys, values in redo:
+                if values is None:  # written before: a flip rewrites its key fields (the keys stand in for values)
+                    storage.write(start, layer._quantize_at(keys, keys, start), keys_only=True)
+                else:
+                    layer._quantize_at(keys, values, start, write=True)
         self.blocks = [(start, keys, None) for start, keys, _ in self.blocks]  # a flip needs the exact keys only
         self.unwritten = 0
         if storage.total > CHOICE_TOKENS:

@@ -258,18 +258,20 @@ class OscarLayer(CacheLayerMixin):
         return KVMemory.of_storage(self.storage)
 
     # quantizing and reading blocks
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> QuantizedKV | None:
-        """The block of the tokens that follow the quantized region (`KVStorage`'s quantize); None while it waits for
-        the key rotation's choice (`KeyRotation.hold`: the layer writes it then)."""
-        start = self.quantized_length
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False) -> None:
+        """Write the block of the tokens at quantized position `start` (`KVStorage`'s quantize), or, while it waits
+        for the key rotation's choice, leave it to the choice (`KeyRotation.hold`)."""
         if not self.rotation.final and self.rotation.hold(start, keys, values, self.storage.keys):
-            return None
-        return self._quantize_at(keys, values, start, decoding)
+            return
+        self._quantize_at(keys, values, start, decoding, write=True)
 
-    def _quantize_at(self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False) -> QuantizedKV:
-        """Quantize the tokens at quantized position `start` (`BlockCodec.quantize`)."""
+    def _quantize_at(
+        self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False, write: bool = False
+    ) -> QuantizedKV:
+        """Quantize the tokens at quantized position `start` (`BlockCodec.quantize`); `write`: into the storage."""
         mask = valid(self._padding, self.storage.sinks + start, keys)  # the sinks precede the quantized tokens
-        return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, decoding)
+        into = (self.storage, start) if write else None
+        return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, decoding, into)
 
     def _dequantize(self, start: int, end: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K/V of quantized tokens `[start, end)` (block-aligned; 0 follows the sinks) in the model dtype."""

@@ -29,8 +29,9 @@ class KVStorage:
     and `values` are views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels'
     residual, in storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
-    quantize(keys, values, decoding): the block of the tokens that follow the quantized region, or None when the
-        layer writes it later (`store`).
+    quantize(keys, values, start, decoding): write the block of these tokens at quantized token `start` (its rows
+        made already), now or, before anything reads them, later (method="oscar" writes a prompt's blocks once its
+        queries came).
     dequantize(start, end, out=None): dense K/V, in the model dtype, of quantized tokens `[start, end)`
     (block-aligned), written into `out` (a pair of `[B, Hkv, end - start, D]` tensors) when given.
     """
@@ -131,7 +132,7 @@ class KVStorage:
             value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
         for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
             end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
-            self.store(self.quantize(key_states[:, :, start:end], value_states[:, :, start:end]), end - start)
+            self._quantize_next(key_states[:, :, start:end], value_states[:, :, start:end])
         self.held = key_states.shape[-2] - to_quantize
         self.keys[:, :, : self.held] = key_states[:, :, to_quantize:]
         self.values[:, :, : self.held] = value_states[:, :, to_quantize:]
@@ -139,18 +140,22 @@ class KVStorage:
     def flush(self) -> None:
         """Quantize a complete window before it is read (a decode step's flush)."""
         if self.held == self.window:
-            self.store(self.quantize(self.keys, self.values, decoding=True))
+            self._quantize_next(self.keys, self.values, decoding=True)
             self.held = 0
 
-    def store(self, block: QuantizedKV | None, tokens: int | None = None) -> None:
-        """Append a quantized block to the quantized region; None: `tokens` rows that the layer writes (`write`)
-        before anything reads them (method="oscar" quantizes a prompt's blocks once its queries came)."""
+    def _quantize_next(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> None:
+        """Extend the quantized region by these tokens' rows, which `quantize` writes (or the layer, later)."""
         start = self.length
-        end = start + (tokens if block is None else self.layout.num_tokens(block))
-        self.grow(end)
-        self.length = end
-        if block is not None:
-            self.write(start, block)
+        self.grow(start + keys.shape[-2])
+        self.length = start + keys.shape[-2]
+        self.quantize(keys, values, start, decoding)
+
+    def store(self, block: QuantizedKV) -> None:
+        """Append a quantized block to the quantized region."""
+        start = self.length
+        self.grow(start + self.layout.num_tokens(block))
+        self.length = start + self.layout.num_tokens(block)
+        self.write(start, block)
 
     def write(self, start: int, block: QuantizedKV, keys_only: bool = False) -> None:
         """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region); with

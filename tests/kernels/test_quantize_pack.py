@@ -15,7 +15,7 @@ from oscar_hf.kernels import flush_residual_triton, quantize_kv_triton
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import StorageLayout
-from oscar_hf.reference import quantize_kv, token_norms
+from oscar_hf.reference import finite_flags, quantize_kv, token_norms
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -225,6 +225,79 @@ def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, pa
     for name, got, want in zip(storage._fields, storage, expected):
         if want is not None:
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"held={held}: {name}"
+
+
+@pytest.mark.parametrize(("method", "bits", "padded"), [("paper", (2, 2), False), ("oscar", (4, 2), True)])
+def test_quantize_into_storage_writes_its_rows_and_nothing_else(method, bits, padded):
+    """`out`/`start`: the block goes straight to rows [start, start + N) of a storage, bit for bit the new block
+    `quantize_kv_triton` returns (padding columns are the block's tokens), and every other bit stays as it was."""
+    config = OscarConfig(method=method, key_bits=bits[0], value_bits=bits[1])
+    key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
+    keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=64, head_dim=64), seed=3)
+    valid = torch.arange(64, device=DEVICE)[None] >= torch.tensor([[0], [40]], device=DEVICE) if padded else None
+    layout = StorageLayout.of(config)
+    storage = _random_storage(layout, 2, 2, 64, 192)
+    expected = [None if t is None else t.clone() for t in storage]
+    block = quantize_kv_triton(keys, values, config, key_rotated, valid=valid)
+    for buf, part in zip(layout.rows(expected, 96, 160), block):
+        if buf is not None:
+            buf.copy_(part)
+    written = quantize_kv_triton(keys, values, config, key_rotated, valid=valid, out=storage, start=96)
+    for name, got, want in zip(storage._fields, storage, expected):
+        if want is not None:
+            assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    assert all(w is None or w.data_ptr() == r.data_ptr() for w, r in zip(written, layout.rows(storage, 96, 160)))
+    for start, problem in ((16, "multiple of group_size"), (160, "do not fit a storage of 192")):
+        with pytest.raises(ValueError, match=problem):
+            quantize_kv_triton(keys, values, config, key_rotated, valid=valid, out=storage, start=start)
+
+
+@pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter meets the NaN
+@pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning")
+@pytest.mark.parametrize("seed", range(4))
+def test_finite_flags_from_the_kernel_match_the_reference(seed):
+    """`finite`: the flags the kernel clears are `reference.finite_flags` of the block it wrote, for random K/V with a
+    NaN or an inf at a random real token (cleared), at a padding token (kept: padding may hold anything), or values
+    so large that a float16 scale overflows (the parameters' flag); one flag pair gathers several blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    config = OscarConfig()
+
+    def randint(high):
+        return int(torch.randint(high, (), generator=gen))
+
+    def block(problem):
+        keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=64, head_dim=64, dtype=torch.float32), seed)
+        valid = torch.arange(64, device=DEVICE)[None] >= torch.tensor([[0], [24]], device=DEVICE)
+        b, h, t, d = randint(2), randint(2), randint(64), randint(64)
+        real = bool(valid[b, t])
+        target = keys if randint(2) else values
+        if problem == "nan":
+            target[b, h, t, d] = float("nan")
+        elif problem == "inf":
+            target[b, h, t, d] = float("-inf") if randint(2) else float("inf")
+        elif problem == "padding":  # row 1's first 24 tokens
+            b, t, real = 1, randint(24), False
+            target[b, h, t, d] = float("nan")
+        elif problem == "overflow":  # a value group's (max - min) / 3 above float16's 65504 (keys: token-scaled)
+            b, t, real = 0, randint(64), True
+            values[b, h, t] = 3e5
+        return keys, values, valid, problem != "none" and real
+
+    for problem in ("none", "nan", "inf", "padding", "overflow"):
+        keys, values, valid, broken = block(problem)
+        finite = torch.ones(2, dtype=torch.bool, device=DEVICE)
+        out = quantize_kv_triton(keys, values, config, valid=valid, finite=finite)
+        want = finite_flags(out, keys, values, valid)
+        assert torch.equal(finite, want), f"{problem}: kernel {finite.tolist()}, reference {want.tolist()}"
+        assert bool(finite.all()) != broken, f"{problem}: flags {finite.tolist()}"
+    gathered, want = torch.ones(2, dtype=torch.bool, device=DEVICE), []
+    for problem in ("none", "nan", "overflow"):
+        keys, values, valid, _ = block(problem)
+        out = quantize_kv_triton(keys, values, config, valid=valid, finite=gathered)
+        want.append(finite_flags(out, keys, values, valid))
+    assert torch.equal(gathered, torch.stack(want).all(0)), f"{gathered.tolist()} vs {[w.tolist() for w in want]}"
+    with pytest.raises(ValueError, match="finite must be a"):
+        quantize_kv_triton(keys, values, config, finite=gathered.int())
 
 
 def test_flush_rejects_bad_inputs():
