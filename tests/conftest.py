@@ -213,12 +213,12 @@ class ExactOscarLayer(OscarLayer):
         super().__init__(config)
         self.exact = None  # (keys, values) of the quantized region, exact
 
-    def _quantize(self, keys, values, start, decoding=False):
+    def _quantize(self, keys, values, start):
         if self.exact is None:
             self.exact = (keys.clone(), values.clone())  # may be the residual buffer, which gets overwritten
         else:
             self.exact = tuple(torch.cat([old[:, :, :start], new], 2) for old, new in zip(self.exact, (keys, values)))
-        return super()._quantize(keys, values, start, decoding)
+        return super()._quantize(keys, values, start)
 
     def _dequantize(self, start, end, out=None):
         exact = tuple(t[:, :, start:end] for t in self.exact)

@@ -31,13 +31,12 @@ class BlockCodec:
         key_rotated: torch.Tensor | None,
         valid: torch.Tensor | None,
         path: DecodePath,
-        decoding: bool = False,
         into: tuple[KVStorage, int] | None = None,
     ) -> QuantizedKV:
-        """Quantize a block (`valid`: False at padding, left out), refusing a non-finite one (`FiniteCheck`: at once,
-        with the other blocks of its update, or, for a block that a decode step flushes on CUDA (`decoding`), from a
-        later update without waiting). `into`: (storage, quantized token): the block is written there (by the Triton
-        kernel in place, checked finite on the way: no copy, no extra pass); None: a new block. Returns the block."""
+        """Quantize a block (`valid`: False at padding, left out), refusing a non-finite one (`FiniteCheck`: with the
+        other blocks of its update, on CUDA without waiting). `into`: (storage, quantized token): the block is written
+        there (by the Triton kernel in place, checked finite on the way: no copy, no extra pass); None: a new block.
+        Returns the block."""
         norms = None
         if path.head_group is not None and self.config.token_scaling:
             norms = token_norms(keys, path.head_group)  # over the heads of every rank: one all-reduce per block
@@ -46,7 +45,7 @@ class BlockCodec:
 
             storage, start = into or (None, 0)
             out = None if storage is None else storage.buffers
-            flags = self.finite.flags(keys.device, decoding)
+            flags = self.finite.flags(keys.device)
             block = quantize_kv_triton(
                 keys, values, self.config, key_rotated, norms, valid, out=out, start=start, finite=flags
             )
@@ -55,7 +54,7 @@ class BlockCodec:
             flags = finite_flags(block, keys, values, valid)
             if into is not None:
                 into[0].write(into[1], block)
-        self.finite.check(flags, decoding)
+        self.finite.check(flags)
         return block
 
     def dequantize(

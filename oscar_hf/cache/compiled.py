@@ -30,7 +30,7 @@ class CompiledDecode:
         """Allocate `layer`'s reserved storage once and start the counter; mark the buffers static for CUDA graphs."""
         storage = layer.storage
         storage.allocate_reserved()
-        self.length = torch.tensor(storage.total, dtype=torch.long, device=storage.keys.device)
+        self.length = torch.full((), storage.total, dtype=torch.long, device=storage.keys.device)  # no host copy
         self.is_newer = False
         for tensor in (storage.exact_keys, storage.exact_values, self.length, layer.key_rotated, *storage.buffers):
             if tensor is not None:

@@ -122,7 +122,7 @@ class OscarLayer(CacheLayerMixin):
             fused_attention.FusedStep.start(self, key_states, value_states, DecodeHistory(self))
             return key_states, value_states
         self.fused_step = None  # valid until this update
-        with self.codec.finite.gathered():  # one host synchronisation for the blocks of this update
+        with self.codec.finite.gathered():  # one finite check for the blocks of this update
             keys, values = self._eager_update(key_states, value_states)
         if self._compiled is not None:
             self._compiled.length.fill_(self.get_seq_length())
@@ -258,20 +258,18 @@ class OscarLayer(CacheLayerMixin):
         return KVMemory.of_storage(self.storage)
 
     # quantizing and reading blocks
-    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False) -> None:
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, start: int) -> None:
         """Write the block of the tokens at quantized position `start` (`KVStorage`'s quantize), or, while it waits
         for the key rotation's choice, leave it to the choice (`KeyRotation.hold`)."""
         if not self.rotation.final and self.rotation.hold(start, keys, values, self.storage.keys):
             return
-        self._quantize_at(keys, values, start, decoding, write=True)
+        self._quantize_at(keys, values, start, write=True)
 
-    def _quantize_at(
-        self, keys: torch.Tensor, values: torch.Tensor, start: int, decoding: bool = False, write: bool = False
-    ) -> QuantizedKV:
+    def _quantize_at(self, keys: torch.Tensor, values: torch.Tensor, start: int, write: bool = False) -> QuantizedKV:
         """Quantize the tokens at quantized position `start` (`BlockCodec.quantize`); `write`: into the storage."""
         mask = valid(self._padding, self.storage.sinks + start, keys)  # the sinks precede the quantized tokens
         into = (self.storage, start) if write else None
-        return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, decoding, into)
+        return self.codec.quantize(keys, values, self.key_rotated, mask, self.path, into)
 
     def _dequantize(self, start: int, end: int, out=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense K/V of quantized tokens `[start, end)` (block-aligned; 0 follows the sinks) in the model dtype."""

@@ -29,7 +29,7 @@ class KVStorage:
     and `values` are views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels'
     residual, in storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
-    quantize(keys, values, start, decoding): write the block of these tokens at quantized token `start` (its rows
+    quantize(keys, values, start): write the block of these tokens at quantized token `start` (its rows
         made already), now or, before anything reads them, later (method="oscar" writes a prompt's blocks once its
         queries came).
     dequantize(start, end, out=None): dense K/V, in the model dtype, of quantized tokens `[start, end)`
@@ -140,15 +140,15 @@ class KVStorage:
     def flush(self) -> None:
         """Quantize a complete window before it is read (a decode step's flush)."""
         if self.held == self.window:
-            self._quantize_next(self.keys, self.values, decoding=True)
+            self._quantize_next(self.keys, self.values)
             self.held = 0
 
-    def _quantize_next(self, keys: torch.Tensor, values: torch.Tensor, decoding: bool = False) -> None:
+    def _quantize_next(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Extend the quantized region by these tokens' rows, which `quantize` writes (or the layer, later)."""
         start = self.length
         self.grow(start + keys.shape[-2])
         self.length = start + keys.shape[-2]
-        self.quantize(keys, values, start, decoding)
+        self.quantize(keys, values, start)
 
     def store(self, block: QuantizedKV) -> None:
         """Append a quantized block to the quantized region."""

@@ -1,5 +1,5 @@
 """What a prefill adds to the model's forward, kept cheap without changing a result: the query moment on the tensor
-cores (CUDA), the finite check of a long prompt's blocks with one host synchronisation per update, the key rotation
+cores (CUDA), the finite check of a long prompt's blocks once per update (on CUDA without waiting), the key rotation
 choice's round trips through the Triton kernels. Runs on CUDA when there is a GPU, on CPU tensors (Triton's
 interpreter for the kernels) otherwise."""
 
@@ -57,10 +57,10 @@ def _layer_config() -> LlamaConfig:
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.parametrize("attention", ["portable", "fused"])
 @pytest.mark.parametrize("rotation", [True, False], ids=["query-rule", "unrotated"])
-def test_a_long_prompt_is_checked_finite_with_one_synchronisation(monkeypatch, attention, rotation):
+def test_a_long_prompt_is_checked_finite_once(monkeypatch, attention, rotation):
     """A prompt of five quantized blocks (quantized in slices of 128 tokens here, of QUANTIZE_CHUNK_TOKENS in use)
-    reads its finite flags once (each read synchronises the host with the GPU), and a NaN in its last block is still
-    refused, named as such, in the same call."""
+    reads its finite flags once, and a NaN in its last block is refused, named as such: at once on CPU tensors; on
+    CUDA, whose flags travel to the host behind the kernels (no synchronisation), by the layer's next update."""
     monkeypatch.setattr(storage, "QUANTIZE_CHUNK_TOKENS", 128)
     reads = []
     read = finite.raise_unless_finite
@@ -68,19 +68,22 @@ def test_a_long_prompt_is_checked_finite_with_one_synchronisation(monkeypatch, a
     options = OscarConfig(attention=attention, rotation=rotation, method="oscar")
     torch.manual_seed(0)
 
-    def prefill(keys: torch.Tensor, values: torch.Tensor) -> None:
+    def prefill_and_step(keys: torch.Tensor, values: torch.Tensor) -> None:
         cache = OscarCache(_layer_config(), options)
         returned, _ = cache.update(keys, values, 0)
         cache.layers[0].observe_queries(torch.randn(1, 2, keys.shape[-2], 64, device=DEVICE), returned)
         assert cache.layers[0].quantized_length == 640
+        if DEVICE.type == "cuda":
+            torch.cuda.synchronize()  # as generate does after every token: the flags have arrived
+        cache.update(keys[:, :, -1:], values[:, :, -1:], 0)  # a decode step (it quantizes nothing)
 
     keys, values = (torch.randn(1, 1, 700, 64, device=DEVICE) for _ in range(2))
-    prefill(keys, values)
+    prefill_and_step(keys, values)
     assert len(reads) == 1
 
     keys[0, 0, 600, 3] = float("nan")  # in the fifth block
     with pytest.raises(ValueError, match="non-finite keys or values"):
-        prefill(keys, values)
+        prefill_and_step(keys, values)
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
