@@ -29,18 +29,16 @@ class KVStorage:
     and `values` are views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels'
     residual, in storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
-    quantize(keys, values, start): write the block of these tokens at quantized token `start` (its rows
-        made already), now or, before anything reads them, later (method="oscar" writes a prompt's blocks once its
-        queries came).
+    quantize(keys, values, start): write these tokens' block at quantized token `start` (rows made already), now or,
+    before anything reads it, later (method="oscar" writes a prompt's blocks once its queries came).
     dequantize(start, end, out=None): dense K/V, in the model dtype, of quantized tokens `[start, end)`
-    (block-aligned), written into `out` (a pair of `[B, Hkv, end - start, D]` tensors) when given.
-    """
+    (block-aligned), written into `out` (a pair of `[B, Hkv, end - start, D]` tensors) when given."""
 
     def __init__(
         self,
         layout: StorageLayout,
         window: int,
-        quantize: Callable[..., QuantizedKV],
+        quantize: Callable[..., None],
         dequantize: Callable[..., tuple[torch.Tensor, torch.Tensor]],
     ):
         self.layout, self.window = layout, window
@@ -132,7 +130,7 @@ class KVStorage:
             value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
         for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
             end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
-            self._quantize_next(key_states[:, :, start:end], value_states[:, :, start:end])
+            self.quantize(key_states[:, :, start:end], value_states[:, :, start:end], self._extend(end - start))
         self.held = key_states.shape[-2] - to_quantize
         self.keys[:, :, : self.held] = key_states[:, :, to_quantize:]
         self.values[:, :, : self.held] = value_states[:, :, to_quantize:]
@@ -140,22 +138,19 @@ class KVStorage:
     def flush(self) -> None:
         """Quantize a complete window before it is read (a decode step's flush)."""
         if self.held == self.window:
-            self._quantize_next(self.keys, self.values)
+            self.quantize(self.keys, self.values, self._extend(self.window))
             self.held = 0
-
-    def _quantize_next(self, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Extend the quantized region by these tokens' rows, which `quantize` writes (or the layer, later)."""
-        start = self.length
-        self.grow(start + keys.shape[-2])
-        self.length = start + keys.shape[-2]
-        self.quantize(keys, values, start)
 
     def store(self, block: QuantizedKV) -> None:
         """Append a quantized block to the quantized region."""
+        self.write(self._extend(self.layout.num_tokens(block)), block)
+
+    def _extend(self, tokens: int) -> int:
+        """The quantized region's next `tokens` rows, for the caller to write: the position of the first."""
         start = self.length
-        self.grow(start + self.layout.num_tokens(block))
-        self.length = start + self.layout.num_tokens(block)
-        self.write(start, block)
+        self.grow(start + tokens)
+        self.length = start + tokens
+        return start
 
     def write(self, start: int, block: QuantizedKV, keys_only: bool = False) -> None:
         """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region); with
