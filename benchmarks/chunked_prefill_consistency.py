@@ -89,11 +89,11 @@ def perplexity(model, ids: torch.Tensor, cache, chunk: int, reference: dict[int,
 @torch.no_grad()
 def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]:
     """Perplexity of `ids` as one forward through the exact cache, and each full-attention layer's one-prefill choice
-    (the first CHOICE_TOKENS keys after the sinks and every query of the prompt), as an OscarCache makes it."""
+    (the keys and the queries of the first CHOICE_TOKENS positions after the sinks), as an OscarCache makes it."""
     exact, moments = DynamicCache(config=model.config), {}
-    with recording_query_moments(moments):
-        logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
     config = OscarCache(model.config, {"bits": 2}).oscar_config
+    with recording_query_moments(moments, horizon=getattr(config, "sink_tokens", 0) + CHOICE_TOKENS):
+        logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
     # exact sinks are never quantized: the cache's choice leaves them out, unless they are all it holds
     first = getattr(config, "sink_tokens", 0) if ids.shape[1] > getattr(config, "sink_tokens", 0) else 0
     flags = {

@@ -111,10 +111,12 @@ def test_a_flipped_head_is_quantized_again_from_its_exact_keys():
     _assert_stored_as(layer, keys, values, after, config)
 
 
-def test_exact_copies_stop_at_the_horizon():
-    """Chunks of 1024 tokens: the choice reads the first CHOICE_TOKENS keys and every chunk's queries until the layer
-    holds more than that; then it is final, no exact copy is held, and later queries change nothing. Until then the
-    written blocks' exact copies are their keys alone."""
+@pytest.mark.parametrize("chunk", [1024, CHOICE_TOKENS])
+def test_exact_copies_stop_at_the_horizon(chunk):
+    """Chunks of `chunk` tokens: the choice reads the keys and the queries of the first CHOICE_TOKENS positions, and
+    is final (no exact copy held) from the update that fills them, which chunks of CHOICE_TOKENS tokens do at once:
+    later queries change nothing. Until then the written blocks' exact copies are their keys alone. The same prompt
+    in one update chooses the same."""
     cache = _cache(method="oscar")
     layer = cache.layers[0]
     gen = torch.Generator().manual_seed(6)
@@ -125,17 +127,21 @@ def test_exact_copies_stop_at_the_horizon():
     values = torch.randn_like(keys)
     queries = torch.randn(B, 4 * HKV, total, D, generator=gen)
     queries[0, :4, :, :4] *= 20
-    for start in range(0, total, 1024):
-        got = cache.update(keys[:, :, start : start + 1024], values[:, :, start : start + 1024], layer_idx=0)
-        layer.observe_queries(queries[:, :, start : start + 1024], got[0])
+    for start in range(0, total, chunk):
+        got = cache.update(keys[:, :, start : start + chunk], values[:, :, start : start + chunk], layer_idx=0)
+        layer.observe_queries(queries[:, :, start : start + chunk], got[0])
         held = sum(k.shape[-2] for _, k, _ in layer.rotation.blocks)
-        assert held == (0 if start + 1024 > CHOICE_TOKENS else layer.quantized_length) <= CHOICE_TOKENS
+        assert held == (0 if start + chunk >= CHOICE_TOKENS else layer.quantized_length) <= CHOICE_TOKENS
         assert all(v is None for _, _, v in layer.rotation.blocks)  # written: a flip needs the exact keys only
-        assert layer.rotation.final == (start + 1024 > CHOICE_TOKENS)
-    seen = queries[:, :, : CHOICE_TOKENS + 1024]  # the queries up to the call that crossed the horizon
+        assert layer.rotation.final == (start + chunk >= CHOICE_TOKENS)
+    seen = queries[:, :, :CHOICE_TOKENS]
     want = query_rotation_choice(keys[:, :, :CHOICE_TOKENS], query_moment(seen, HKV), cache.oscar_config)
     assert torch.equal(layer.key_rotated, want) and want[0, 0] != want[1, 1]
     _assert_stored_as(layer, keys, values, want, cache.oscar_config)
+    whole = _cache(method="oscar")
+    got = whole.update(keys, values, layer_idx=0)
+    whole.layers[0].observe_queries(queries, got[0])
+    assert torch.equal(whole.layers[0].key_rotated, want) and whole.layers[0].rotation.final
 
 
 def test_a_cache_filled_by_hand_chooses_from_its_keys_and_says_so():
@@ -176,3 +182,21 @@ def test_a_prompts_blocks_are_quantized_once(tiny_llama, monkeypatch):
     model(torch.randint(3, 97, (1, 1000)), **cache_kwargs(cache))
     assert quantized == [896] * 3  # (1000 - 1) // 128 * 128 tokens per layer, once each
     assert all(layer.key_rotated is not None and not layer.rotation.unwritten for layer in cache.layers)
+
+
+def test_recorded_query_moments_stop_at_the_horizon(tiny_llama):
+    """`recording_query_moments` (the lm-eval wrapper's hand-over) keeps the queries of each layer's first
+    CHOICE_TOKENS positions, as the cache's own attention calls do, across calls in position order: a prompt past
+    the horizon, prefilled in two calls, records what its first CHOICE_TOKENS tokens alone record (causal queries)."""
+    model = tiny_llama(dtype=torch.float64, max_position_embeddings=CHOICE_TOKENS + 64)
+    ids = torch.randint(3, 97, (1, CHOICE_TOKENS + 64))
+    split, past = {}, DynamicCache(config=model.config)
+    with torch.no_grad(), recording_query_moments(split):
+        model(ids[:, :4000], **cache_kwargs(past))
+        model(ids[:, 4000:], **cache_kwargs(past))
+    prefix = {}
+    with torch.no_grad(), recording_query_moments(prefix, horizon=10**9):
+        model(ids[:, :CHOICE_TOKENS])
+    assert split.keys() == prefix.keys() == {0, 1}
+    for index, moment in split.items():
+        torch.testing.assert_close(moment, prefix[index], rtol=1e-10, atol=0)

@@ -4,24 +4,25 @@ keys and the queries that read them (`reference.query_rotation_choice`).
 The choice stays open while the prompt streams in, so that a prompt fed in chunks (chunked prefill, a chat whose first
 turn is a short system prompt, scoring in windows) chooses as the same prompt fed in one call:
 
-* the queries of every multi-token update (handed over by its attention call: `OscarLayer.observe_queries`) add to
-  the layer's running query moment, and the choice is made again from it and the first `CHOICE_TOKENS` keys the layer
-  holds. Prompts of up to `CHOICE_TOKENS` tokens therefore get the same flags fed whole or in chunks, given the same
-  keys and queries (up to the summation order of the moment). Through a model they differ slightly past the first
-  layer (later chunks attend to the quantized history), so a head whose two costs nearly tie may end on the other side;
+* the choice reads the prompt's first `CHOICE_TOKENS` positions after the sinks (the horizon): their keys, and the
+  queries at those positions, which every multi-token update's attention call hands over
+  (`OscarLayer.observe_queries`) to the layer's running query moment; the choice is made again from it at each. A
+  prompt therefore gets the same flags fed whole or in chunks, given the same keys and queries (up to the summation
+  order of the moment). Through a model they differ slightly past the first layer (later chunks attend to the
+  quantized history), so a head whose two costs nearly tie may end on the other side;
 * while the choice is open, the layer keeps the exact keys of every block it quantized. The blocks of a multi-token
   update that returns dense K/V wait, exact (values too), for that update's queries and are quantized once, with the
   choice; a later choice that flips a head quantizes the held keys again (the values' codes and the token norms do not
   depend on the key rotation, so a flip rewrites the keys' codes, scales and minimums only);
-* the choice becomes final, and the copies are dropped, once the layer holds more than `CHOICE_TOKENS` tokens, at a
-  single-token update that follows a prompt (a decode step: its query is not the prompt's), at a crop, and when a
-  block was quantized without a copy (compiled decode steps flush blocks from the device). A later multi-token call
-  (a new turn) thus revises the choice only while the exact copies of every block quantized so far are held;
-  otherwise its queries change nothing. Compiled decode reads the flags from a static tensor: a revision writes it in
-  place, and a compiled step never changes it.
+* the choice becomes final, and the copies are dropped, once the layer holds the horizon (nothing later can change it:
+  a prefill in chunks of `CHOICE_TOKENS` holds no copy past its first chunk), at a single-token update that follows a
+  prompt (a decode step: its query is not the prompt's), at a crop, and when a block was quantized without a copy
+  (compiled decode steps flush blocks from the device). A later multi-token call (a new turn) thus revises the choice
+  only while the exact copies of every block quantized so far are held; otherwise its queries change nothing. Compiled
+  decode reads the flags from a static tensor: a revision writes it in place, and a compiled step never changes it.
 
-Memory beyond the quantized cache, while the choice is open: the exact keys of at most the first `CHOICE_TOKENS`
-tokens, and the exact values of the blocks waiting for their update's queries.
+Memory beyond the quantized cache, while the choice is open: the exact keys of the quantized tokens inside the horizon,
+and the exact values of the blocks waiting for their update's queries.
 
 A layer whose updates' queries never came (a cache filled by hand with `update`, or a model whose attention is not
 sdpa) chooses at its next update from the keys alone: an isotropic query moment, so that each head rotates where that
@@ -41,7 +42,7 @@ from .padding import Padding, valid
 
 logger = logging.get_logger(__name__)
 
-# The prompt keys a choice reads at most; the choice is final once a layer holds more.
+# The prompt positions (after the sinks) whose keys and queries a choice reads; it is final once a layer holds them.
 CHOICE_TOKENS = 4096
 
 KEYS_ONLY_MESSAGE = (
@@ -130,13 +131,21 @@ class KeyRotation:
     def observe_queries(self, layer, query: torch.Tensor, keys: torch.Tensor | None) -> None:
         """`OscarLayer.observe_queries`: the moment of `query` (its newest positions' padding left out) joins."""
         if self.is_for(keys):
-            start, tokens = layer.get_seq_length() - query.shape[-2], query.shape[-2]
+            start = layer.get_seq_length() - query.shape[-2]
+            tokens = min(query.shape[-2], max(self.horizon(layer) - start, 0))  # the queries inside the horizon
+            query = query[:, :, :tokens]
             mask, positions = _real_positions(layer._padding, start, tokens, query.shape[0], query.device)
             self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask), positions)
 
+    @staticmethod
+    def horizon(layer) -> int:
+        """The positions the choice reads: the sinks, then `CHOICE_TOKENS`."""
+        return layer.storage.sinks + CHOICE_TOKENS
+
     def observe(self, layer, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once. `positions`
-        (`[B]`): the query positions it sums; None: every real token the layer holds (a moment of the whole prompt)."""
+        (`[B]`): the query positions it sums; None: every real token the layer holds (a moment of the whole prompt, or
+        of its positions inside the `horizon`, as `observe_queries` takes them)."""
         if self.wants_queries:
             if positions is None:
                 held = layer.get_seq_length()
@@ -160,7 +169,7 @@ class KeyRotation:
         while they are all it holds), write the blocks waiting for it,
         and those already written again if any head's choice flipped (under tensor parallelism: any head of any rank,
         since each quantization all-reduces the token norms, so every rank must quantize the same blocks). Final once
-        the layer holds more than `CHOICE_TOKENS`."""
+        the layer holds its `horizon`."""
         storage, head_group = layer.storage, layer.head_group
         held, count = [], 0
         for _, keys, _ in self.blocks:
@@ -200,7 +209,7 @@ class KeyRotation:
                     layer._quantize_at(keys, values, start, write=True)
         self.blocks = [(start, keys, None) for start, keys, _ in self.blocks]  # a flip needs the exact keys only
         self.unwritten = 0
-        if storage.total > CHOICE_TOKENS:
+        if storage.total >= self.horizon(layer):
             self.finalize()
 
     def finalize(self) -> None:

@@ -43,6 +43,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import AttentionInterface
 
 from .. import decode_path
+from ..cache.key_rotation import CHOICE_TOKENS
 from ..kernels import DECODE_MAX_QUERY_ROWS
 from ..reference import query_moment
 
@@ -204,15 +205,19 @@ def _fused(module, step: FusedStep, query, value, attention_mask, dropout, scali
 
 
 @contextlib.contextmanager
-def recording_query_moments(moments: dict):
-    """While active, each sdpa attention call adds the second moment of its queries (`reference.query_moment`) under
-    its module's `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the
-    lm-eval wrapper fills method caches from one exact prefill)."""
+def recording_query_moments(moments: dict, horizon: int = CHOICE_TOKENS):
+    """While active, each sdpa attention call adds the second moment of its queries (`reference.query_moment`) at the
+    layer's first `horizon` positions (calls in position order, as a prefill makes them) under its module's
+    `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the lm-eval wrapper
+    fills method caches from one exact prefill; a cache with sinks reads `horizon` positions more)."""
     original = AttentionInterface._global_mapping["sdpa"]
+    seen: dict[int, int] = {}  # positions recorded per layer
 
     def recording(module, query, key, *args, **kwargs):
-        moment = query_moment(query, key.shape[1])
         index = module.layer_idx
+        start = seen.get(index, 0)
+        seen[index] = start + query.shape[-2]
+        moment = query_moment(query[:, :, : max(horizon - start, 0)], key.shape[1])
         moments[index] = moment if index not in moments else moments[index] + moment
         return original(module, query, key, *args, **kwargs)
 
