@@ -73,6 +73,16 @@ def _tiny_gemma() -> dict:
 
 
 @pytest.fixture
+def one_layer_config() -> LlamaConfig:
+    """A one-layer Llama config (2 query heads on 1 KV head, head_dim 64) on sdpa, for caches filled by hand."""
+    config = LlamaConfig(
+        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+@pytest.fixture
 def gemma3_config():
     """A tiny Gemma-3-style hybrid: sliding-window and full-attention layers alternate."""
     return Gemma3TextConfig(**_tiny_gemma())

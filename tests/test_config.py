@@ -99,12 +99,9 @@ INTERPRETER_OVERFLOW = pytest.mark.filterwarnings(
 
 
 @pytest.mark.parametrize("attention", ["portable", pytest.param("fused", marks=INTERPRETER_OVERFLOW)])
-def test_values_too_large_for_fp16_scales_are_refused(attention):
+def test_values_too_large_for_fp16_scales_are_refused(attention, one_layer_config):
     """Both quantizers (PyTorch, and the Triton kernel: on CPU through its interpreter) go through the same check."""
-    config = LlamaConfig(
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
-    )
-    config._attn_implementation = "sdpa"
+    config = one_layer_config
     options = dict(rotation=False, token_scaling=False, attention=attention)
     huge = torch.randn(1, 1, 129, 64) * 1e6
     with pytest.raises(ValueError, match="scale_dtype='float32'"):
@@ -121,15 +118,12 @@ INTERPRETER_ALL_NAN = pytest.mark.filterwarnings(
 @pytest.mark.parametrize("attention", ["portable", pytest.param("fused", marks=INTERPRETER_ALL_NAN)])
 @pytest.mark.parametrize("rotation", [True, False], ids=["rotated", "unrotated"])
 @pytest.mark.parametrize("poisoned", ["keys", "values"])
-def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attention):
+def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attention, one_layer_config):
     """NaN/inf from the model is not a scale overflow: the error must not suggest scale_dtype='float32'. The Triton
     quantizer's min/max skip NaN, so its scales can stay finite around one (the keys and the unrotated values passed
     unnoticed until the check read the K/V themselves). The query rule quantizes a prompt's blocks when its attention
     call hands the queries over: the error comes there, in the same forward."""
-    config = LlamaConfig(
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
-    )
-    config._attn_implementation = "sdpa"
+    config = one_layer_config
     kv = {"keys": torch.randn(1, 1, 129, 64), "values": torch.randn(1, 1, 129, 64)}
     kv[poisoned][0, 0, 5, 3] = float("nan")
     options = OscarConfig(attention=attention, scale_dtype="float32", rotation=rotation)

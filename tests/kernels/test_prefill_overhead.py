@@ -6,7 +6,6 @@ interpreter for the kernels) otherwise."""
 import pytest
 import torch
 from oscar_hf.kernels import fake_quantize_keys_triton, quantize_kv_triton
-from transformers import LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.cache import finite, storage
@@ -45,19 +44,11 @@ def test_query_moment_is_the_float64_sum_of_its_queries(dtype):
     torch.testing.assert_close(got.double(), want, rtol=2e-5, atol=2e-5 * want.abs().max().item())
 
 
-def _layer_config() -> LlamaConfig:
-    config = LlamaConfig(
-        num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=64, hidden_size=128
-    )
-    config._attn_implementation = "sdpa"
-    return config
-
-
 # The interpreter's min/max (numpy's nanmin/nanmax) warn about the groups that the rotation has made all NaN.
 @pytest.mark.filterwarnings("ignore:All-NaN slice encountered:RuntimeWarning:triton.runtime.interpreter")
 @pytest.mark.parametrize("attention", ["portable", "fused"])
 @pytest.mark.parametrize("rotation", [True, False], ids=["query-rule", "unrotated"])
-def test_a_long_prompt_is_checked_finite_once(monkeypatch, attention, rotation):
+def test_a_long_prompt_is_checked_finite_once(monkeypatch, attention, rotation, one_layer_config):
     """A prompt of five quantized blocks (quantized in slices of 128 tokens here, of QUANTIZE_CHUNK_TOKENS in use)
     reads its finite flags once, and a NaN in its last block is refused, named as such: at once on CPU tensors; on
     CUDA, whose flags travel to the host behind the kernels (no synchronisation), by the layer's next update."""
@@ -69,7 +60,7 @@ def test_a_long_prompt_is_checked_finite_once(monkeypatch, attention, rotation):
     torch.manual_seed(0)
 
     def prefill_and_step(keys: torch.Tensor, values: torch.Tensor) -> None:
-        cache = OscarCache(_layer_config(), options)
+        cache = OscarCache(one_layer_config, options)
         returned, _ = cache.update(keys, values, 0)
         cache.layers[0].observe_queries(torch.randn(1, 2, keys.shape[-2], 64, device=DEVICE), returned)
         assert cache.layers[0].quantized_length == 640
