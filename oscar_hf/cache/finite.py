@@ -20,8 +20,8 @@ class FiniteCheck:
       the layer's first update that finds them arrived (in `generate`, the next step's: it synchronises after every
       token; a chunked prefill's next chunk), and at the latest by the next `defer`, which waits for them. Reading
       device flags at once would make the host wait for the GPU, and the GPU for the host's next launches, at every
-      layer of a prefill. A block is only read after its update (by later steps), so a non-finite one is refused
-      before anything but the next few steps reads it;
+      layer of a prefill. A non-finite block is thus refused a step or a chunk after its quantization, having been
+      read by at most that step's or chunk's attention;
     * elsewhere (CPU tensors, a block quantized outside `gathered`), at once."""
 
     def __init__(self, config: OscarConfig):
