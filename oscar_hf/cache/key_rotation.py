@@ -4,8 +4,8 @@ keys and the queries that read them (`reference.query_rotation_choice`).
 The choice stays open while the prompt streams in, so that a prompt fed in chunks (chunked prefill, a chat whose first
 turn is a short system prompt, scoring in windows) chooses as the same prompt fed in one call:
 
-* the choice reads the prompt's first `CHOICE_TOKENS` positions after the sinks (the horizon): their keys, and the
-  queries at those positions, which every multi-token update's attention call hands over
+* the choice reads the prompt's sinks and the `CHOICE_TOKENS` positions after them (the horizon): the keys of the
+  latter, and the queries at all of them, which every multi-token update's attention call hands over
   (`OscarLayer.observe_queries`) to the layer's running query moment; the choice is made again from it at each. A
   prompt therefore gets the same flags fed whole or in chunks, given the same keys and queries (up to the summation
   order of the moment). Through a model they differ slightly past the first layer (later chunks attend to the
@@ -42,7 +42,8 @@ from .padding import Padding, valid
 
 logger = logging.get_logger(__name__)
 
-# The prompt positions (after the sinks) whose keys and queries a choice reads; it is final once a layer holds them.
+# The prompt positions after the sinks whose keys (and, with the sinks', queries) a choice reads; it is final once a
+# layer holds them.
 CHOICE_TOKENS = 4096
 
 KEYS_ONLY_MESSAGE = (
