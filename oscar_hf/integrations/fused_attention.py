@@ -209,7 +209,8 @@ def recording_query_moments(moments: dict, horizon: int = CHOICE_TOKENS):
     """While active, each sdpa attention call adds the second moment of its queries (`reference.query_moment`) at the
     layer's first `horizon` positions (calls in position order, as a prefill makes them) under its module's
     `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the lm-eval wrapper
-    fills method caches from one exact prefill; a cache with sinks reads `horizon` positions more)."""
+    fills method caches from one exact prefill; a cache with S sinks reads S positions more, `horizon=S +
+    CHOICE_TOKENS`))."""
     original = AttentionInterface._global_mapping["sdpa"]
     seen: dict[int, int] = {}  # positions recorded per layer
 
