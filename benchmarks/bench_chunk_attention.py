@@ -1,7 +1,7 @@
 """Attention of one prefill chunk over the 2-bit history, per layer on the GPU: the fused chunk kernel vs dequantize +
 transformers' sdpa (issue 37).
 
-    python benchmarks/bench_chunk_attention.py [--batch 4] [--histories 8192 32768] [--chunk 4096] [--sweep]
+    python benchmarks/bench_chunk_attention.py [--batch 4] [--histories 8192 32768] [--chunks 4096] [--sweep]
         [--out benchmarks/results]
 
 Shape: Llama-3.1-8B's attention (Hq=32, Hkv=8, D=128), bf16, method="oscar" (keys rotated per head, here alternating),
@@ -11,8 +11,11 @@ a quantized history of H tokens followed by a 64-token exact window, then the ch
   history in one new bf16 buffer, the quantized region dequantized into it (`dequantize_kv_triton`), then
   transformers' `sdpa_attention_forward` with the 4D bool causal mask a chunk with history gets (it expands K/V to the
   query heads, `repeat_kv`, since a mask rules out SDPA's GQA path on CUDA);
-- `fused_chunk`: what the cache does now (`ChunkHistory`): the exact window and the chunk concatenated
-  (`KVStorage.exact`), `chunk_attention_triton` over the packed history in place;
+- `fused_chunk`: the fused kernel (`ChunkHistory` with padding or a short chunk): the exact window and the chunk
+  concatenated (`KVStorage.exact`), `chunk_attention_triton` over the packed history in place;
+- `flash_pieces`: the same exact tokens, `chunk_attention_flash`: flash attention over them and over the history
+  dequantized piece by piece (`ChunkHistory` for a long chunk without padding; `chunk_attention` picks between the
+  two at `FLASH_MIN_QUERIES`, where these rows cross);
 - `sdpa_dense_bf16`: the sdpa call of `dequant_sdpa` alone, on dense K/V already there (what a bf16 cache's chunk costs
   in attention): a reference point, not a path of the cache;
 - `flash_dense_bf16`: the same attention by torch's flash attention on dense K/V already there (`causal_lower_right`,
@@ -21,7 +24,7 @@ a quantized history of H tokens followed by a 64-token exact window, then the ch
 
 Each row: the median time of `triton.testing.do_bench` (ms) and the peak memory the call allocates beyond its inputs
 (`transient_mib`, from `torch.cuda.max_memory_allocated`). The causal mask (built once per forward by transformers,
-shared by the layers: `mask_mib`) is an input here. `fused_chunk` rows carry their error against `dequant_sdpa`
+shared by the layers: `mask_mib`) is an input here. Kernel and flash rows carry their error against `dequant_sdpa`
 (relative RMSE; both bf16). `--sweep` also times the kernel's launch variants (`ChunkTuning`). Rows are appended to
 `chunk_attention_<gpu>.json` under --out, each with this process's `run` id.
 """
@@ -30,6 +33,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import math
 import sys
 from pathlib import Path
@@ -37,7 +42,12 @@ from types import SimpleNamespace
 
 import torch
 from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
-from oscar_hf.kernels.chunk_attention import ChunkTuning, chunk_attention_triton, default_chunk_tuning
+from oscar_hf.kernels.chunk_attention import (
+    ChunkTuning,
+    chunk_attention_flash,
+    chunk_attention_triton,
+    default_chunk_tuning,
+)
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.bias import causal_lower_right
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -136,12 +146,25 @@ def flash_dense(inputs: dict, history: tuple, scale: float) -> torch.Tensor:
 
 def fused_chunk(inputs: dict, config: OscarConfig, scale: float, tuning: ChunkTuning | None = None) -> torch.Tensor:
     """`ChunkHistory`: the exact window then the chunk (`KVStorage.exact`), the kernel over the packed history."""
-    (wk, wv), (nk, nv) = inputs["window"], inputs["new"]
-    keys, values = torch.cat((wk, nk), dim=-2), torch.cat((wv, nv), dim=-2)
+    keys, values = exact_tokens(inputs)
     out = chunk_attention_triton(
         inputs["query"], inputs["quantized"], keys, values, None, scale, config, inputs["key_rotated"], tuning=tuning
     )
     return out.transpose(1, 2)  # sdpa's layout, as the sdpa entry returns it (a view: the kernel writes [B, T, H, D])
+
+
+def flash_pieces(inputs: dict, config: OscarConfig, scale: float) -> torch.Tensor:
+    """`ChunkHistory` for a long chunk: the same exact tokens, flash over them and the history dequantized in pieces."""
+    keys, values = exact_tokens(inputs)
+    out = chunk_attention_flash(
+        inputs["query"], inputs["quantized"], keys, values, scale, config, inputs["key_rotated"]
+    )
+    return out.transpose(1, 2)
+
+
+def exact_tokens(inputs: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    (wk, wv), (nk, nv) = inputs["window"], inputs["new"]
+    return torch.cat((wk, nk), dim=-2), torch.cat((wv, nv), dim=-2)
 
 
 def measure(fn) -> dict:
@@ -170,12 +193,17 @@ def bench_history(batch: int, history: int, chunk: int, config: OscarConfig, swe
         *flash_rows(inputs, config, scale, reference, shape),
     ]
     for tuning in SWEEP if sweep else (default_chunk_tuning(HEAD_DIM),):
-        out = fused_chunk(inputs, config, scale, tuning).float()
-        err = ((out - reference.float()).norm() / reference.float().norm()).item()
-        del out
-        row = {**shape, "path": "fused_chunk", "tuning": dataclasses.asdict(tuning), "rel_err": err}
-        rows.append({**row, **measure(lambda t=tuning: fused_chunk(inputs, config, scale, t))})
+        fused = functools.partial(fused_chunk, inputs, config, scale, tuning)
+        tuned = {"path": "fused_chunk", "tuning": dataclasses.asdict(tuning)}
+        rows.append({**shape, **tuned, "rel_err": rel_err(fused(), reference), **measure(fused)})
+    flash = functools.partial(flash_pieces, inputs, config, scale)
+    rows.append({**shape, "path": "flash_pieces", "rel_err": rel_err(flash(), reference), **measure(flash)})
     return rows
+
+
+def rel_err(out: torch.Tensor, reference: torch.Tensor) -> float:
+    """Relative RMSE of `out` against `reference`."""
+    return ((out.float() - reference.float()).norm() / reference.float().norm()).item()
 
 
 def flash_rows(inputs: dict, config: OscarConfig, scale: float, reference: torch.Tensor, shape: dict) -> list[dict]:
@@ -191,8 +219,7 @@ def flash_rows(inputs: dict, config: OscarConfig, scale: float, reference: torch
 def measure_flash_dense(inputs: dict, config: OscarConfig, scale: float, reference: torch.Tensor) -> dict:
     """`measure` of the flash call alone, its dense K/V an input (freed on return), and its error."""
     dense = dense_history(inputs, config)
-    out = flash_dense(inputs, dense, scale).float()
-    err = ((out - reference.float()).norm() / reference.float().norm()).item()
+    err = rel_err(flash_dense(inputs, dense, scale), reference)
     return {"rel_err": err, **measure(lambda: flash_dense(inputs, dense, scale))}
 
 
@@ -206,7 +233,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--histories", type=int, nargs="+", default=[8192, 32768])
-    parser.add_argument("--chunk", type=int, default=4096)
+    parser.add_argument("--chunks", type=int, nargs="+", default=[4096], help="chunk lengths T")
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch variants")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
@@ -221,8 +248,8 @@ def main(argv: list[str] | None = None) -> Path:
         "config": config.to_dict(),
         "argv": sys.argv[1:] if argv is None else argv,
     }
-    for history in args.histories:
-        rows = bench_history(args.batch, history - history % config.residual_length, args.chunk, config, args.sweep)
+    for history, chunk in itertools.product(args.histories, args.chunks):
+        rows = bench_history(args.batch, history - history % config.residual_length, chunk, config, args.sweep)
         for row in rows:
             row["run"] = run
         record["rows"].extend(rows)

@@ -25,6 +25,16 @@ tensor cores see M = BLOCK_M rows (tokens x group). The program runs one online 
 
 Both parts share the running max and sum (base-2 scores, `scaling * log2(e)`), so the log-sum-exp merge of the two is
 the online softmax itself and one write of the normalised output ends the program.
+
+`chunk_attention_flash(...)` computes the same attention (no padding) through torch's flash attention: the chunk over
+its exact tokens (bottom-right causal), then over the quantized history piece by piece, each piece dequantized into
+one reused buffer pair in the model dtype (`dequantize_kv_triton`), the partial results merged by their log-sum-exp
+in float32 (`merge_partial`). Its transients are the buffer pair (`piece_tokens`, 4 T tokens) and a float32
+output: the size of the chunk, never of the history. Where a chunk is long it is the faster of the two: the fused
+kernel dequantizes every history tile once per query tile (T * g / BLOCK_M times), flash reads tiles dequantized once
+(`chunk_attention_<gpu>.json`: 4096 tokens over 32K of history, B = 4, H200: 34.9 ms fused, ~27.5 flash). A short
+chunk is memory-bound, and the fused kernel reads 2-bit codes where flash reads bf16 written just before.
+`chunk_attention` picks between them (`FLASH_MIN_QUERIES`).
 """
 
 from __future__ import annotations
@@ -42,9 +52,13 @@ from . import DECODE_HEAD_DIMS
 from .common import MODEL_DTYPES, announce_first_launch, fwht_rows, interpreting, on_device
 from .decode_tiles import any_masked, dot, online_softmax_step, quantized_blocks, query_operand
 from .decode_workspace import no_storage, nothing
+from .dequantize import dequantize_kv_triton
 from .quantize_pack import check_key_rotated
 
 _LOG2E = 1.4426950408889634
+# Chunks of at least this many queries take `chunk_attention_flash` where they can (no padding, flash available):
+# from `bench_chunk_attention.py --chunks ...` (B = 4, 32K of history, H200), where the two paths cross.
+FLASH_MIN_QUERIES = 1024
 
 
 @dataclass(frozen=True)
@@ -225,6 +239,89 @@ def chunk_attention_triton(
             num_warps=tuning.num_warps, num_stages=tuning.num_stages,
         )  # fmt: skip
     return out
+
+
+def chunk_attention(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    exact_keys: torch.Tensor,
+    exact_values: torch.Tensor,
+    key_padding_mask: torch.Tensor | None,
+    scaling: float,
+    config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`chunk_attention_triton`'s attention by the faster path for this call: `chunk_attention_flash` for a chunk of
+    at least `FLASH_MIN_QUERIES` queries without padding where torch's flash attention takes its tensors, else the
+    fused kernel."""
+    args = (query, quantized, exact_keys, exact_values)
+    if key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES and _flash_takes(query, exact_keys):
+        return chunk_attention_flash(*args, scaling, config, key_rotated)
+    return chunk_attention_triton(*args, key_padding_mask, scaling, config, key_rotated)
+
+
+def chunk_attention_flash(
+    query: torch.Tensor,
+    quantized: QuantizedKV | None,
+    exact_keys: torch.Tensor,
+    exact_values: torch.Tensor,
+    scaling: float,
+    config: OscarConfig,
+    key_rotated: torch.Tensor | None = None,
+    *,
+    piece_tokens: int | None = None,
+) -> torch.Tensor:
+    """`chunk_attention_triton`'s attention without padding, by torch's flash attention over the exact tokens and
+    over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
+    tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 4 T."""
+    num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config)
+    check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, "chunk_attention_flash")
+    if not _flash_takes(query, exact_keys):
+        raise ValueError(
+            "chunk_attention_flash: torch's flash attention does not take these tensors here (it needs CUDA, bf16 or "
+            "fp16, a supported head_dim, and flash enabled); use chunk_attention_triton."
+        )
+    out, lse = _flash(query, exact_keys, exact_values, scaling, causal=True)
+    if not num_quantized:
+        return out
+    acc = out.float()
+    group = config.group_size
+    piece = min(num_quantized, -(-(piece_tokens or 4 * query.shape[-2]) // group) * group)
+    buffers = [exact_keys.new_empty(*exact_keys.shape[:2], piece, exact_keys.shape[3]) for _ in range(2)]
+    layout = StorageLayout.of(config)
+    for start in range(0, num_quantized, piece):
+        end = min(start + piece, num_quantized)
+        keys, values = (buffer[:, :, : end - start] for buffer in buffers)
+        dequantize_kv_triton(layout.rows(quantized, start, end), config, key_rotated, out=(keys, values))
+        merge_partial(acc, lse, *_flash(query, keys, values, scaling, causal=False))
+    return acc.to(query.dtype)  # keeps the [B, T, Hq, D] layout
+
+
+def merge_partial(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> None:
+    """Fold attention over one set of keys into attention over others, in place: `acc` `[..., T, D]` float32 and
+    `lse` `[..., T]` (natural log-sum-exp of the scores) over the keys so far, `out` and `out_lse` over new ones.
+    The softmax over all keys weighs each normalised part by its share of the total exp-sum, exp(lse_part - lse)."""
+    total = torch.logaddexp(lse, out_lse)
+    acc.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(out, (out_lse - total).exp_().unsqueeze(-1))
+    lse.copy_(total)
+
+
+def _flash(query, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's flash attention with its log-sum-exp `[B, Hq, T]` (float32): GQA without expanding K/V, `causal`
+    aligned bottom-right (query i of T sees keys 0 .. S - T + i), as flash attention defines it."""
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
+        query, keys, values, 0.0, causal, False, scale=scaling
+    )[:2]
+    return out, lse
+
+
+def _flash_takes(query: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether torch's flash attention runs on these tensors (device, dtype, head_dim, GQA, enabled by the user)."""
+    if query.device.type != "cuda":
+        return False
+    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+
+    return can_use_flash_attention(SDPAParams(query, keys, keys, None, 0.0, True, True))
 
 
 def _validate(query, quantized, exact_keys, exact_values, key_padding_mask, config) -> int:

@@ -69,13 +69,14 @@ class ChunkHistory:
     decode = False
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """The chunk's attention `[B, Hq, T, D]` by the fused kernel, the packed history read in place."""
-        from ..kernels.chunk_attention import chunk_attention_triton
+        """The chunk's attention `[B, Hq, T, D]` by the faster of the fused kernel (the packed history read in place)
+        and flash attention over the history dequantized piece by piece (`kernels.chunk_attention.chunk_attention`)."""
+        from ..kernels.chunk_attention import chunk_attention
 
         layer, length = self.layer, self.quantized_length
         quantized = layer.storage.rows(0, length) if length else None
         padding = storage_order(self.key_padding(attention_mask, query.shape[-2]), self.sinks, length)
-        return chunk_attention_triton(
+        return chunk_attention(
             query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
         )
 

@@ -1,5 +1,6 @@
-"""Fused chunk attention (kernels/chunk_attention.py) vs the float64 reference: dequantization + plain softmax
-attention (`oscar_hf.reference.decode_attention`, whose contract holds for any number of queries).
+"""Chunk attention (kernels/chunk_attention.py: the fused kernel, and flash attention over the history dequantized
+piece by piece) vs the float64 reference: dequantization + plain softmax attention
+(`oscar_hf.reference.decode_attention`, whose contract holds for any number of queries).
 
 The quantized inputs come from `oscar_hf.reference.quantize_kv` on fresh random K/V, so these tests check the attention
 kernel alone. Small shapes run everywhere (CPU: Triton's interpreter); the `gpu`-marked one needs CUDA.
@@ -13,7 +14,14 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
-from oscar_hf.kernels.chunk_attention import ChunkTuning, chunk_attention_triton
+from oscar_hf.kernels.chunk_attention import (
+    FLASH_MIN_QUERIES,
+    ChunkTuning,
+    chunk_attention,
+    chunk_attention_flash,
+    chunk_attention_triton,
+    merge_partial,
+)
 from reference_checks import assert_close_to_reference
 
 from oscar_hf.config import OscarConfig
@@ -188,3 +196,69 @@ def test_chunk_attention_bf16_on_cuda_at_scale(gqa: int):
     case = Case(chunk=1000, quantized=2048, window=128, gqa=gqa, head_dim=128, left_pad=300, dtype=torch.bfloat16,
                 method="oscar", batch=2, kv_heads=4)  # fmt: skip
     _check(case)
+
+
+def test_merge_partial_equals_softmax_over_all_keys():
+    """Attention over 50 keys split 20 / 30, each part normalised with its log-sum-exp, merged: the softmax over all
+    50 (float64, so the merge's own arithmetic is all that differs)."""
+    gen = torch.Generator().manual_seed(5)
+    query, keys, values = (torch.randn(2, 3, n, 8, generator=gen, dtype=torch.float64) for n in (7, 50, 50))
+    keys = keys * 3  # peaked softmaxes: the parts' maxima differ by a lot
+
+    def attend(k, v):
+        scores = query @ k.transpose(-1, -2)
+        return scores.softmax(-1) @ v, scores.logsumexp(-1)
+
+    acc, lse = attend(keys[:, :, :20], values[:, :, :20])
+    merge_partial(acc, lse, *attend(keys[:, :, 20:], values[:, :, 20:]))
+    whole, whole_lse = attend(keys, values)
+    torch.testing.assert_close(acc, whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(lse, whole_lse, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the error where flash attention is absent")
+def test_chunk_attention_flash_refuses_cpu_tensors():
+    with pytest.raises(ValueError, match="flash attention does not take these tensors"):
+        chunk_attention_flash(*_without_mask(make_inputs(BASE)))
+
+
+def _without_mask(inputs: tuple) -> tuple:
+    query, quantized, keys, values, _, scaling, config, flags = inputs
+    return query, quantized, keys, values, scaling, config, flags
+
+
+FLASH_CASES = [
+    Case(chunk=200, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, method="oscar", kv_heads=4),
+    Case(chunk=77, quantized=512, window=3, gqa=1, dtype=torch.float16),
+    Case(chunk=130, quantized=0, window=16, head_dim=128, dtype=torch.bfloat16),
+    Case(chunk=64, quantized=96, window=40, dtype=torch.bfloat16, key_bits=4, value_bits=2, method="oscar"),
+    Case(chunk=300, quantized=1024, window=128, head_dim=128, dtype=torch.float16, rotation=False),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
+@pytest.mark.parametrize("piece_tokens", [None, 64])
+def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int | None):
+    """Flash attention over the exact tokens and the dequantized pieces (one piece, or 64-token pieces: up to 16
+    merges), GQA 1 / 4, head_dim 64 / 128, both half dtypes, per-head key rotation, K4V2, no rotation."""
+    inputs = make_inputs(case)
+    out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
+    assert out.shape == inputs[0].shape and out.dtype == case.dtype
+    assert out.transpose(1, 2).is_contiguous()  # the [B, T, Hq, D] layout the attention integration reshapes
+    ref = attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, case.dtype, f"{case.id} pieces of {piece_tokens}")
+
+
+@pytest.mark.gpu
+def test_chunk_attention_takes_flash_for_long_chunks_without_padding():
+    """`chunk_attention`: a chunk of FLASH_MIN_QUERIES queries without padding by flash, with padding (or shorter) by
+    the fused kernel; each equal to its path's own result."""
+    long = Case(chunk=FLASH_MIN_QUERIES, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, batch=1)
+    query, quantized, keys, values, _, scaling, config, flags = make_inputs(long)
+    flash = chunk_attention_flash(query, quantized, keys, values, scaling, config, flags)
+    assert torch.equal(chunk_attention(query, quantized, keys, values, None, scaling, config, flags), flash)
+    padded = make_inputs(replace(long, left_pad=30))
+    assert torch.equal(chunk_attention(*padded), chunk_attention_triton(*padded))
+    short = make_inputs(replace(long, chunk=FLASH_MIN_QUERIES - 1))
+    assert torch.equal(chunk_attention(*short), chunk_attention_triton(*short))
