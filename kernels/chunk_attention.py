@@ -321,7 +321,9 @@ def _flash_takes(query: torch.Tensor, keys: torch.Tensor) -> bool:
         return False
     from torch.backends.cuda import SDPAParams, can_use_flash_attention
 
-    return can_use_flash_attention(SDPAParams(query, keys, keys, None, 0.0, True, True))
+    # is_causal=False: torch's check refuses a causal flag with T != S (sdpa's causal is top-left); the flash op
+    # itself aligns it bottom-right, as `_flash` wants (torch.nn.attention.bias.causal_lower_right relies on it too).
+    return can_use_flash_attention(SDPAParams(query, keys, keys, None, 0.0, False, True))
 
 
 def _validate(query, quantized, exact_keys, exact_values, key_padding_mask, config) -> int:
