@@ -11,10 +11,10 @@ Launchers only, imported lazily so that `import oscar_hf.kernels` works where Tr
   (kernels/decode_attention.py, the launcher: the Triton split kernel of kernels/decode_triton.py, on CUDA GPUs the
   usual decode step's full blocks through the Gluon kernel of kernels/decode_gluon.py, the merge of
   kernels/decode_merge.py; launch choices in kernels/decode_tuning.py)
-- `chunk_attention(query, quantized, exact_keys, exact_values, key_padding_mask, scaling, config)`
-  (kernels/chunk_attention.py): a prefill chunk's attention over the packed history and its exact tokens, by the
-  fused kernel (`chunk_attention_triton`) or, for a long chunk without padding, by flash attention over the history
-  dequantized piece by piece (`chunk_attention_flash`)
+- `chunk_attention_triton(query, quantized, exact_keys, exact_values, key_padding_mask, scaling, config)` and
+  `chunk_attention_flash(...)` (kernels/chunk_attention.py): a prefill chunk's attention over the packed history and
+  its exact tokens, by the fused kernel or, for a long chunk without padding, by flash attention over the history
+  dequantized piece by piece (`chunk_attention.chunk_attention` picks)
 
 and the decode kernel's limits, which callers check before choosing it (importing them needs no Triton).
 """
@@ -24,7 +24,6 @@ from __future__ import annotations
 import importlib
 
 __all__ = [
-    "chunk_attention",
     "chunk_attention_flash",
     "chunk_attention_triton",
     "DECODE_HEAD_DIMS",
@@ -42,7 +41,6 @@ DECODE_MAX_QUERY_TOKENS = 16  # query tokens per call (speculative decoding) ...
 DECODE_MAX_QUERY_ROWS = 64  # ... and query rows per KV head, (Hq / Hkv) * Tq
 
 _HOMES = {
-    "chunk_attention": ".chunk_attention",
     "chunk_attention_flash": ".chunk_attention",
     "chunk_attention_triton": ".chunk_attention",
     "quantize_kv_triton": ".quantize_pack",

@@ -115,3 +115,36 @@ def test_a_chunk_the_kernel_cannot_serve_gets_the_mask_of_its_whole_history(tiny
     fused = _chunked_prefill(model, ids, mask, FUSED, 24, "paper")
     assert len(calls) == 6
     _assert_bf16_close(fused, portable, mask)
+
+
+@pytest.mark.gpu
+def test_generate_chunked_prefill_takes_flash_for_long_chunks_without_padding(tiny_llama, monkeypatch):
+    """generate(prefill_chunk_size=FLASH_MIN_QUERIES) of a batch without padding: every chunk with history attends
+    by flash over the dequantized history (`chunk_attention.chunk_attention`), and the logits are the portable
+    path's; a left-padded batch takes the fused kernel."""
+    model, ids, mask = _model_and_prompt(tiny_llama, 3 * chunk_attention.FLASH_MIN_QUERIES + 37)
+    ids, mask = ids[:, 37:], mask[:, 37:]  # no padding left: 3 whole chunks
+    calls = {"flash": 0, "fused": 0}
+    for name, path in (("flash", "chunk_attention_flash"), ("fused", "chunk_attention_triton")):
+        kernel = getattr(chunk_attention, path)
+        monkeypatch.setattr(
+            chunk_attention, path, lambda *a, _k=kernel, _n=name, **k: calls.update({_n: calls[_n] + 1}) or _k(*a, **k)
+        )
+
+    def logits(attention, ids, mask):
+        out = model.generate(
+            ids, attention_mask=mask, cache_implementation="oscar", cache_config=dict(attention=attention),
+            prefill_chunk_size=chunk_attention.FLASH_MIN_QUERIES, max_new_tokens=1, do_sample=False,
+            output_logits=True, return_dict_in_generate=True, disable_compile=True,
+        )  # fmt: skip
+        return out.logits[0].float()
+
+    fused = logits("auto", ids, mask)
+    assert calls == {"flash": 2 * 2, "fused": 0}  # 2 layers x the 2 chunks after the first
+    portable = logits("portable", ids, mask)
+    assert ((fused - portable).norm() / portable.norm()).item() < 2e-2
+    padded_ids = torch.cat((torch.zeros_like(ids[:, :8]), ids), dim=1)
+    padded_mask = torch.cat((torch.zeros_like(mask[:, :8]), mask), dim=1)
+    padded_mask[0, :8] = 1
+    logits("auto", padded_ids, padded_mask)
+    assert calls == {"flash": 4, "fused": 2 * 3}  # chunks of 1024, 1024, 1024 and 8 tokens
