@@ -26,10 +26,11 @@ tensor cores see M = BLOCK_M rows (tokens x group). The program runs one online 
 Both parts share the running max and sum (base-2 scores, `scaling * log2(e)`), so the log-sum-exp merge of the two is
 the online softmax itself and one write of the normalised output ends the program.
 
-`chunk_attention_flash(...)` computes the same attention (no padding) through torch's flash attention: the chunk over
-its exact tokens (bottom-right causal), then over the quantized history piece by piece, each piece dequantized into
-one reused buffer pair in the model dtype (`dequantize_kv_triton`), the partial results merged by their log-sum-exp
-in float32 (`merge_partial`). Its transients are the buffer pair (`piece_tokens`, 4 T tokens) and a float32
+`chunk_attention_flash(...)` computes the same attention (no padding) through torch's flash attention over the quantized
+history piece by piece, each piece dequantized into one reused buffer pair in the model dtype
+(`dequantize_kv_triton`), the last piece followed by the exact tokens (one call, bottom-right causal), the partial
+results merged by their log-sum-exp in float32 (`merge_partial`). Its transients are the buffer pair (a piece of
+`piece_tokens`, 4 T by default, and the E exact tokens) and, where the history spans several pieces, a float32
 output: the size of the chunk, never of the history. Where a chunk is long it is the faster of the two: the fused
 kernel dequantizes every history tile once per query tile (T * g / BLOCK_M times), flash reads tiles dequantized once
 (`chunk_attention_<gpu>.json`: 4096 tokens over 32K of history, B = 4, H200: 34.9 ms fused, ~27.5 flash). A short
@@ -281,19 +282,34 @@ def chunk_attention_flash(
             "chunk_attention_flash: torch's flash attention does not take these tensors here (it needs CUDA, bf16 or "
             "fp16, a supported head_dim, and flash enabled); use chunk_attention_triton."
         )
-    out, lse = _flash(query, exact_keys, exact_values, scaling, causal=True)
     if not num_quantized:
+        return _flash(query, exact_keys, exact_values, scaling, causal=True)[0]
+    group, num_exact = config.group_size, exact_keys.shape[2]
+    piece = min(num_quantized, -(-(piece_tokens or 4 * query.shape[-2]) // group) * group)
+    # One buffer pair holds a piece and, behind the last piece, the exact tokens: the last piece and the exact tokens
+    # are one flash call (causal bottom-right: every query sees the whole piece), so a history of one piece needs no
+    # merge at all.
+    shape = (*exact_keys.shape[:2], piece + num_exact, exact_keys.shape[3])
+    buffers = [exact_keys.new_empty(shape) for _ in range(2)]
+    layout = StorageLayout.of(config)
+
+    def dequantized(start: int, end: int, exact: tuple = ()) -> list[torch.Tensor]:
+        """The buffers' views holding quantized tokens [start, end), then `exact` (keys, values) if given."""
+        n = end - start
+        dequantize_kv_triton(
+            layout.rows(quantized, start, end), config, key_rotated, out=tuple(b[:, :, :n] for b in buffers)
+        )
+        for buffer, tokens in zip(buffers, exact):
+            buffer[:, :, n : n + num_exact] = tokens
+        return [buffer[:, :, : n + (num_exact if exact else 0)] for buffer in buffers]
+
+    last = (num_quantized - 1) // piece * piece  # where the last piece starts
+    out, lse = _flash(query, *dequantized(last, num_quantized, (exact_keys, exact_values)), scaling, causal=True)
+    if not last:
         return out
     acc = out.float()
-    group = config.group_size
-    piece = min(num_quantized, -(-(piece_tokens or 4 * query.shape[-2]) // group) * group)
-    buffers = [exact_keys.new_empty(*exact_keys.shape[:2], piece, exact_keys.shape[3]) for _ in range(2)]
-    layout = StorageLayout.of(config)
-    for start in range(0, num_quantized, piece):
-        end = min(start + piece, num_quantized)
-        keys, values = (buffer[:, :, : end - start] for buffer in buffers)
-        dequantize_kv_triton(layout.rows(quantized, start, end), config, key_rotated, out=(keys, values))
-        merge_partial(acc, lse, *_flash(query, keys, values, scaling, causal=False))
+    for start in range(0, last, piece):
+        merge_partial(acc, lse, *_flash(query, *dequantized(start, start + piece), scaling, causal=False))
     return acc.to(query.dtype)  # keeps the [B, T, Hq, D] layout
 
 
