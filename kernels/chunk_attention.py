@@ -26,16 +26,17 @@ tensor cores see M = BLOCK_M rows (tokens x group). The program runs one online 
 Both parts share the running max and sum (base-2 scores, `scaling * log2(e)`), so the log-sum-exp merge of the two is
 the online softmax itself and one write of the normalised output ends the program.
 
-`chunk_attention_flash(...)` computes the same attention (no padding) through torch's flash attention over the quantized
-history piece by piece, each piece dequantized into one reused buffer pair in the model dtype
-(`dequantize_kv_triton`), the last piece followed by the exact tokens (one call, bottom-right causal), the partial
-results merged by their log-sum-exp in float32 (`merge_partial`). Its transients are the buffer pair (a piece of
-`piece_tokens`, 4 T by default, and the E exact tokens) and, where the history spans several pieces, a float32
+`chunk_attention_flash(...)` computes the same attention (no padding) through torch's fused attention (cuDNN's where
+torch can use it, 1.6-1.8x flash attention's speed on an H200, else flash): the chunk's T queries over their own T
+tokens (causal, square), then over the history piece by piece, each piece of the quantized region dequantized into
+one reused buffer pair in the model dtype (`dequantize_kv_triton`), the last piece followed by the exact tokens
+before the chunk (sinks, window), the partial results merged by their log-sum-exp in float32 (`merge_partial`). Its
+transients are the buffer pair (a piece of `piece_tokens`, 4 T by default, and the exact prefix) and a float32
 output: the size of the chunk, never of the history. Where a chunk is long it is the faster of the two: the fused
-kernel dequantizes every history tile once per query tile (T * g / BLOCK_M times), flash reads tiles dequantized once
-(`chunk_attention_<gpu>.json`: 4096 tokens over 32K of history, B = 4, H200: 34.9 ms fused, ~27.5 flash). A short
-chunk is memory-bound, and the fused kernel reads 2-bit codes where flash reads bf16 written just before.
-`chunk_attention` picks between them (`FLASH_MIN_QUERIES`).
+kernel dequantizes every history tile once per query tile (T * g / BLOCK_M times) and runs Triton's tensor-core code,
+torch's attention reads tiles dequantized once (`chunk_attention_<gpu>.json`: `flash_pieces` against `fused_chunk`).
+A short chunk is memory-bound, and the fused kernel reads 2-bit codes where the other path reads bf16 written just
+before. `chunk_attention` picks between them (`FLASH_MIN_QUERIES`).
 """
 
 from __future__ import annotations
@@ -256,7 +257,7 @@ def chunk_attention(
     at least `FLASH_MIN_QUERIES` queries without padding where torch's flash attention takes its tensors, else the
     fused kernel."""
     args = (query, quantized, exact_keys, exact_values)
-    if key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES and _flash_takes(query, exact_keys):
+    if key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES and _fused_backend(query, exact_keys):
         return chunk_attention_flash(*args, scaling, config, key_rotated)
     return chunk_attention_triton(*args, key_padding_mask, scaling, config, key_rotated)
 
@@ -272,44 +273,48 @@ def chunk_attention_flash(
     *,
     piece_tokens: int | None = None,
 ) -> torch.Tensor:
-    """`chunk_attention_triton`'s attention without padding, by torch's flash attention over the exact tokens and
-    over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
+    """`chunk_attention_triton`'s attention without padding, by torch's fused attention over the chunk's own tokens
+    and over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
     tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 4 T."""
     num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config)
     check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, "chunk_attention_flash")
-    if not _flash_takes(query, exact_keys):
+    backend = _fused_backend(query, exact_keys)
+    if backend is None:
         raise ValueError(
-            "chunk_attention_flash: torch's flash attention does not take these tensors here (it needs CUDA, bf16 or "
-            "fp16, a supported head_dim, and flash enabled); use chunk_attention_triton."
+            "chunk_attention_flash: torch's fused attention (cuDNN or flash) does not take these tensors here (it "
+            "needs CUDA, bf16 or fp16, a supported head_dim, and the backend enabled); use chunk_attention_triton."
         )
-    if not num_quantized:
-        return _flash(query, exact_keys, exact_values, scaling, causal=True)[0]
-    group, num_exact = config.group_size, exact_keys.shape[2]
-    piece = min(num_quantized, -(-(piece_tokens or 4 * query.shape[-2]) // group) * group)
-    # One buffer pair holds a piece and, behind the last piece, the exact tokens: the last piece and the exact tokens
-    # are one flash call (causal bottom-right: every query sees the whole piece), so a history of one piece needs no
-    # merge at all.
-    shape = (*exact_keys.shape[:2], piece + num_exact, exact_keys.shape[3])
-    buffers = [exact_keys.new_empty(shape) for _ in range(2)]
-    layout = StorageLayout.of(config)
-
-    def dequantized(start: int, end: int, exact: tuple = ()) -> list[torch.Tensor]:
-        """The buffers' views holding quantized tokens [start, end), then `exact` (keys, values) if given."""
-        n = end - start
-        dequantize_kv_triton(
-            layout.rows(quantized, start, end), config, key_rotated, out=tuple(b[:, :, :n] for b in buffers)
-        )
-        for buffer, tokens in zip(buffers, exact):
-            buffer[:, :, n : n + num_exact] = tokens
-        return [buffer[:, :, : n + (num_exact if exact else 0)] for buffer in buffers]
-
-    last = (num_quantized - 1) // piece * piece  # where the last piece starts
-    out, lse = _flash(query, *dequantized(last, num_quantized, (exact_keys, exact_values)), scaling, causal=True)
-    if not last:
+    num_exact, num_queries = exact_keys.shape[2], query.shape[2]
+    prefix = num_exact - num_queries  # the exact tokens before the chunk's own (sinks, window): every query sees them
+    own = (exact_keys[:, :, prefix:], exact_values[:, :, prefix:])
+    out, lse = _attend(backend, query, *own, scaling, causal=True)  # square: either backend's causal alignment
+    if not num_quantized and not prefix:
         return out
     acc = out.float()
-    for start in range(0, last, piece):
-        merge_partial(acc, lse, *_flash(query, *dequantized(start, start + piece), scaling, causal=False))
+
+    def history():
+        """(keys, values) over everything before the chunk's own tokens, in pieces; the last piece is followed by
+        the exact prefix in the same buffers (one call)."""
+        if not num_quantized:
+            yield exact_keys[:, :, :prefix], exact_values[:, :, :prefix]
+            return
+        group = config.group_size
+        piece = min(num_quantized, -(-(piece_tokens or 4 * num_queries) // group) * group)
+        shape = (*exact_keys.shape[:2], piece + prefix, exact_keys.shape[3])
+        buffers = [exact_keys.new_empty(shape) for _ in range(2)]
+        layout = StorageLayout.of(config)
+        for start in range(0, num_quantized, piece):
+            end = min(start + piece, num_quantized)
+            n = end - start
+            rows = layout.rows(quantized, start, end)
+            dequantize_kv_triton(rows, config, key_rotated, out=tuple(b[:, :, :n] for b in buffers))
+            extra = prefix if end == num_quantized else 0
+            for buffer, exact in zip(buffers, (exact_keys, exact_values)):
+                buffer[:, :, n : n + extra] = exact[:, :, :extra]
+            yield tuple(buffer[:, :, : n + extra] for buffer in buffers)
+
+    for keys, values in history():
+        merge_partial(acc, lse, *_attend(backend, query, keys, values, scaling, causal=False))
     return acc.to(query.dtype)  # keeps the [B, T, Hq, D] layout
 
 
@@ -322,24 +327,31 @@ def merge_partial(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_l
     lse.copy_(total)
 
 
-def _flash(query, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch's flash attention with its log-sum-exp `[B, Hq, T]` (float32): GQA without expanding K/V, `causal`
-    aligned bottom-right (query i of T sees keys 0 .. S - T + i), as flash attention defines it."""
+def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch's fused attention with its log-sum-exp `[B, Hq, T]` (float32), GQA without expanding K/V. `causal` only
+    where S = T: cuDNN aligns the diagonal top-left, flash bottom-right, and the two agree there."""
+    if backend == "cudnn":  # 1.6-1.8x flash's speed on an H200 (bf16, D = 128)
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            query, keys, values, None, True, 0.0, causal, False, scale=scaling
+        )[:2]
+        return out, lse.squeeze(-1)  # [B, Hq, T, 1]
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         query, keys, values, 0.0, causal, False, scale=scaling
     )[:2]
     return out, lse
 
 
-def _flash_takes(query: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether torch's flash attention runs on these tensors (device, dtype, head_dim, GQA, enabled by the user)."""
+def _fused_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
+    """ "cudnn" or "flash": the torch attention backend that takes these tensors (device, dtype, head_dim, GQA,
+    enabled by the user), cuDNN first; None if neither does."""
     if query.device.type != "cuda":
-        return False
-    from torch.backends.cuda import SDPAParams, can_use_flash_attention
+        return None
+    from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
 
-    # is_causal=False: torch's check refuses a causal flag with T != S (sdpa's causal is top-left); the flash op
-    # itself aligns it bottom-right, as `_flash` wants (torch.nn.attention.bias.causal_lower_right relies on it too).
-    return can_use_flash_attention(SDPAParams(query, keys, keys, None, 0.0, False, True))
+    params = SDPAParams(query, keys, keys, None, 0.0, False, True)
+    if can_use_cudnn_attention(params):
+        return "cudnn"
+    return "flash" if can_use_flash_attention(params) else None
 
 
 def _validate(query, quantized, exact_keys, exact_values, key_padding_mask, config) -> int:

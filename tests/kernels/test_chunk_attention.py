@@ -23,6 +23,7 @@ from oscar_hf.kernels.chunk_attention import (
     merge_partial,
 )
 from reference_checks import assert_close_to_reference
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
@@ -218,7 +219,7 @@ def test_merge_partial_equals_softmax_over_all_keys():
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the error where flash attention is absent")
 def test_chunk_attention_flash_refuses_cpu_tensors():
-    with pytest.raises(ValueError, match="flash attention does not take these tensors"):
+    with pytest.raises(ValueError, match="fused attention .cuDNN or flash. does not take these tensors"):
         chunk_attention_flash(*_without_mask(make_inputs(BASE)))
 
 
@@ -239,11 +240,14 @@ FLASH_CASES = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("piece_tokens", [None, 64])
-def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int | None):
-    """Flash attention over the exact tokens and the dequantized pieces (one piece, or 64-token pieces: up to 16
-    merges), GQA 1 / 4, head_dim 64 / 128, both half dtypes, per-head key rotation, K4V2, no rotation."""
+@pytest.mark.parametrize("backend", [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], ids=lambda b: b.name)
+def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int | None, backend: SDPBackend):
+    """torch's fused attention over the chunk's own tokens, then the dequantized pieces (one piece, or 64-token pieces:
+    up to 16 merges) and the exact prefix, GQA 1 / 4, head_dim 64 / 128, both half dtypes, per-head key rotation, K4V2,
+    no rotation, no history but a window; through cuDNN's attention and through flash attention."""
     inputs = make_inputs(case)
-    out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
+    with sdpa_kernel([backend]):  # the one torch backend this call may use
+        out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
     assert out.transpose(1, 2).is_contiguous()  # the [B, T, Hq, D] layout the attention integration reshapes
     ref = attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
