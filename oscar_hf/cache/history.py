@@ -5,9 +5,10 @@ as dense K/V (`dense`, with its mask: `dense_mask`) for attention features the k
 
 A chunk attends to every complete block quantized, the rest of the history exact, its own tokens exact.
 `OscarLayer.update` stores the chunk and returns it alone, carrying a `FusedStep` whose history is a `ChunkHistory`: the
-length of the quantized region before the chunk (its blocks read in place by `kernels/chunk_attention.py`) and the exact
-tokens (the sinks and the window) followed by the chunk (a new buffer: storing the chunk rewrites the window). The
-kernel's transients are the size of the chunk, never of the history: the dense history of the portable path
+length of the quantized region before the chunk (its blocks read in place by the fused kernel of
+`kernels/chunk_attention.py`, or dequantized piece by piece for torch's attention: `chunk_attention`) and the exact
+tokens (the sinks and the window) followed by the chunk (a new buffer: storing the chunk rewrites the window). Either
+path's transients are the size of the chunk, never of the history: the dense history of the portable path
 (`KVStorage.history`) is built only for attention features the kernel lacks (`dense`). So is the mask: where the cache
 was told the padding (`OscarCache.set_padding`, as generate does), the layer asks transformers for the mask of the
 chunk's own tokens only (`OscarLayer.get_mask_sizes`), and the history's padding comes from the cache (`key_padding`).
