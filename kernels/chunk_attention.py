@@ -277,8 +277,9 @@ def chunk_attention_flash(
     """`chunk_attention_triton`'s attention without padding, by torch's fused attention over the chunk's own tokens
     and over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
     tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 4 T."""
-    num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config)
-    check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, "chunk_attention_flash")
+    who = "chunk_attention_flash"
+    num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config, who)
+    check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, who)
     backend = _fused_backend(query, exact_keys)
     if backend is None:
         raise ValueError(
@@ -343,8 +344,8 @@ def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> 
 
 
 def _fused_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
-    """ "cudnn" or "flash": the torch attention backend that takes these tensors (device, dtype, head_dim, GQA,
-    enabled by the user), cuDNN first; None if neither does."""
+    """The torch attention backend that takes these tensors (device, dtype, head_dim, GQA, enabled by the user),
+    cuDNN first: "cudnn" or "flash", None if neither does."""
     if query.device.type != "cuda":
         return None
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
@@ -355,9 +356,11 @@ def _fused_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
     return "flash" if can_use_flash_attention(params) else None
 
 
-def _validate(query, quantized, exact_keys, exact_values, key_padding_mask, config) -> int:
-    """Check shapes/dtypes/devices (a ValueError names what is wrong); return the number of quantized tokens."""
-    who = "chunk_attention_triton"
+def _validate(
+    query, quantized, exact_keys, exact_values, key_padding_mask, config, who="chunk_attention_triton"
+) -> int:
+    """Check shapes/dtypes/devices (a ValueError names `who` and what is wrong); return the number of quantized
+    tokens."""
     if query.dim() != 4 or exact_keys.dim() != 4 or exact_keys.shape != exact_values.shape:
         raise ValueError(
             f"{who}: query must be [B, Hq, T, D] and exact keys/values both [B, Hkv, E, D], got "

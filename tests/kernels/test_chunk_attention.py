@@ -218,9 +218,13 @@ def test_merge_partial_equals_softmax_over_all_keys():
 
 
 @pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the error where flash attention is absent")
-def test_chunk_attention_flash_refuses_cpu_tensors():
+def test_chunk_attention_flash_refuses_cpu_tensors_and_bad_shapes():
+    inputs = _without_mask(make_inputs(BASE))
     with pytest.raises(ValueError, match="fused attention .cuDNN or flash. does not take these tensors"):
-        chunk_attention_flash(*_without_mask(make_inputs(BASE)))
+        chunk_attention_flash(*inputs)
+    query, quantized, keys, values, *rest = inputs
+    with pytest.raises(ValueError, match=r"chunk_attention_flash: query must be \[B, Hq, T, D\]"):
+        chunk_attention_flash(query, quantized, keys, values[:, :, 1:], *rest)
 
 
 def _without_mask(inputs: tuple) -> tuple:
