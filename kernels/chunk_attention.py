@@ -27,12 +27,13 @@ Both parts share the running max and sum (base-2 scores, `scaling * log2(e)`), s
 the online softmax itself and one write of the normalised output ends the program.
 
 `chunk_attention_flash(...)` computes the same attention (no padding) through torch's FlashAttention-style kernels
-(cuDNN's where torch can use it, 1.6-1.8x FlashAttention-2's speed on an H200, else FlashAttention-2): the chunk's T
-queries over their own T tokens (causal, square), then over the history piece by piece, each piece of the quantized
-region dequantized into one reused buffer pair in the model dtype (`dequantize_kv_triton`), the last piece followed by
-the exact tokens before the chunk (sinks, window), the partial results merged by their log-sum-exp in float32
-(`merge_partial`). Its transients are the buffer pair (a piece of `piece_tokens`, 4 T by default, and the exact prefix)
-and a float32 output: the size of the chunk, never of the history. Where a chunk is long it is the faster of the two:
+(cuDNN's where torch can use it, 1.6-1.8x FlashAttention-2's speed on an H200, else FlashAttention-2; on the CPU tensors
+of Triton's interpreter torch's CPU flash kernel, so that CI runs the same code): the chunk's T queries over their own T
+tokens (causal, square), then over the history piece by piece, each piece of the quantized region dequantized into one
+reused buffer pair in the model dtype (`dequantize_kv_triton`), the last piece followed by the exact tokens before the
+chunk (sinks, window), each part folded into the first part's output by their log-sum-exp (`merge_partial`). Its
+transients are the buffer pair (pieces of 2 T tokens by default, and the exact prefix) and two outputs: at GQA 4 about
+three times the chunk's output, never anything of the history's size. Where a chunk is long it is the faster of the two:
 the fused kernel dequantizes every history tile once per query tile (T * g / BLOCK_M times) and runs Triton's
 tensor-core code, torch's attention reads tiles dequantized once (`chunk_attention_<gpu>.json`: `flash_pieces` against
 `fused_chunk`). A short chunk is memory-bound, and the fused kernel reads 2-bit codes where the other path reads bf16
@@ -276,15 +277,15 @@ def chunk_attention_flash(
 ) -> torch.Tensor:
     """`chunk_attention_triton`'s attention without padding, by torch's fused attention over the chunk's own tokens
     and over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
-    tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 4 T."""
+    tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 2 T."""
     who = "chunk_attention_flash"
     num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config, who)
     check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, who)
     backend = _fused_backend(query, exact_keys)
     if backend is None:
         raise ValueError(
-            "chunk_attention_flash: torch's fused attention (cuDNN or flash) does not take these tensors here (it "
-            "needs CUDA, bf16 or fp16, a supported head_dim, and the backend enabled); use chunk_attention_triton."
+            "chunk_attention_flash: torch's fused attention (cuDNN or flash) does not take these tensors here (on CUDA "
+            "it needs bf16 or fp16, a supported head_dim, and the backend enabled); use chunk_attention_triton."
         )
     num_exact, num_queries = exact_keys.shape[2], query.shape[2]
     prefix = num_exact - num_queries  # the exact tokens before the chunk's own (sinks, window): every query sees them
@@ -292,7 +293,6 @@ def chunk_attention_flash(
     out, lse = _attend(backend, query, *own, scaling, causal=True)  # square: either backend's causal alignment
     if not num_quantized and not prefix:
         return out
-    acc = out.float()
 
     def history():
         """(keys, values) over everything before the chunk's own tokens, in pieces; the last piece is followed by
@@ -301,7 +301,7 @@ def chunk_attention_flash(
             yield exact_keys[:, :, :prefix], exact_values[:, :, :prefix]
             return
         group = config.group_size
-        piece = min(num_quantized, -(-(piece_tokens or 4 * num_queries) // group) * group)
+        piece = min(num_quantized, -(-(piece_tokens or 2 * num_queries) // group) * group)
         shape = (*exact_keys.shape[:2], piece + prefix, exact_keys.shape[3])
         buffers = [exact_keys.new_empty(shape) for _ in range(2)]
         layout = StorageLayout.of(config)
@@ -316,16 +316,18 @@ def chunk_attention_flash(
             yield tuple(buffer[:, :, : n + extra] for buffer in buffers)
 
     for keys, values in history():
-        merge_partial(acc, lse, *_attend(backend, query, keys, values, scaling, causal=False))
-    return acc.to(query.dtype)  # keeps the [B, T, Hq, D] layout
+        merge_partial(out, lse, *_attend(backend, query, keys, values, scaling, causal=False))
+    return out
 
 
-def merge_partial(acc: torch.Tensor, lse: torch.Tensor, out: torch.Tensor, out_lse: torch.Tensor) -> None:
-    """Fold attention over one set of keys into attention over others, in place: `acc` `[..., T, D]` float32 and
-    `lse` `[..., T]` (natural log-sum-exp of the scores) over the keys so far, `out` and `out_lse` over new ones.
-    The softmax over all keys weighs each normalised part by its share of the total exp-sum, exp(lse_part - lse)."""
-    total = torch.logaddexp(lse, out_lse)
-    acc.mul_((lse - total).exp_().unsqueeze(-1)).addcmul_(out, (out_lse - total).exp_().unsqueeze(-1))
+def merge_partial(out: torch.Tensor, lse: torch.Tensor, part: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """Fold attention over new keys into attention over others, in place: `out` `[..., T, D]` and `lse` `[..., T]`
+    (float32: the natural log-sum-exp of the scores) over the keys so far, `part` and `part_lse` over the new ones.
+    The softmax over all keys weighs each normalised part by its share of the total exp-sum: out + w (part - out) with
+    w = exp(part_lse - lse_total), one pass in `out`'s dtype (w rounded to it: a relative error of the dtype's
+    rounding, as the output's own)."""
+    total = torch.logaddexp(lse, part_lse)
+    out.lerp_(part, (part_lse - total).exp_().unsqueeze(-1).to(out.dtype))
     lse.copy_(total)
 
 
@@ -337,6 +339,10 @@ def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> 
             query, keys, values, None, True, 0.0, causal, False, scale=scaling
         )[:2]
         return out, lse.squeeze(-1)  # [B, Hq, T, 1]
+    if backend == "cpu":
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys, values, 0.0, causal, scale=scaling
+        )
     out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
         query, keys, values, 0.0, causal, False, scale=scaling
     )[:2]
@@ -344,8 +350,11 @@ def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> 
 
 
 def _fused_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
-    """The torch attention backend that takes these tensors (device, dtype, head_dim, GQA, enabled by the user),
-    cuDNN first: "cudnn" or "flash", None if neither does."""
+    """The torch attention backend that takes these tensors: on CUDA "cudnn" or "flash" (device, dtype, head_dim,
+    GQA, enabled by the user; cuDNN first), on CPU (Triton's interpreter) "cpu", torch's CPU flash kernel, where flash
+    is enabled; None if none does."""
+    if query.device.type == "cpu":
+        return "cpu" if torch.backends.cuda.flash_sdp_enabled() else None
     if query.device.type != "cuda":
         return None
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention

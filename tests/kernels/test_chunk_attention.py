@@ -217,10 +217,9 @@ def test_merge_partial_equals_softmax_over_all_keys():
     torch.testing.assert_close(lse, whole_lse, rtol=1e-12, atol=1e-12)
 
 
-@pytest.mark.skipif(DEVICE.type == "cuda", reason="checks the error where flash attention is absent")
-def test_chunk_attention_flash_refuses_cpu_tensors_and_bad_shapes():
+def test_chunk_attention_flash_refuses_without_a_backend_and_bad_shapes():
     inputs = _without_mask(make_inputs(BASE))
-    with pytest.raises(ValueError, match="fused attention .cuDNN or flash. does not take these tensors"):
+    with sdpa_kernel([SDPBackend.MATH]), pytest.raises(ValueError, match="does not take these tensors"):
         chunk_attention_flash(*inputs)
     query, quantized, keys, values, *rest = inputs
     with pytest.raises(ValueError, match=r"chunk_attention_flash: query must be \[B, Hq, T, D\]"):
@@ -241,14 +240,19 @@ FLASH_CASES = [
 ]
 
 
-@pytest.mark.gpu
+# torch's backends: cuDNN's and flash attention on CUDA; its CPU flash kernel on CPU tensors (Triton's interpreter)
+BACKENDS = (
+    [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION] if DEVICE.type == "cuda" else [SDPBackend.FLASH_ATTENTION]
+)
+
+
 @pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
 @pytest.mark.parametrize("piece_tokens", [None, 64])
-@pytest.mark.parametrize("backend", [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION], ids=lambda b: b.name)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int | None, backend: SDPBackend):
     """torch's fused attention over the chunk's own tokens, then the dequantized pieces (one piece, or 64-token pieces:
-    up to 16 merges) and the exact prefix, GQA 1 / 4, head_dim 64 / 128, both half dtypes, per-head key rotation, K4V2,
-    no rotation, no history but a window; through cuDNN's attention and through flash attention."""
+    up to 16 merges, each in the model dtype) and the exact prefix, GQA 1 / 4, head_dim 64 / 128, both half dtypes,
+    per-head key rotation, K4V2, no rotation, no history but a window; through each backend torch has here."""
     inputs = make_inputs(case)
     with sdpa_kernel([backend]):  # the one torch backend this call may use
         out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
