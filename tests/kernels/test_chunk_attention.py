@@ -3,7 +3,8 @@ piece by piece) vs the float64 reference: dequantization + plain softmax attenti
 (`oscar_hf.reference.decode_attention`, whose contract holds for any number of queries).
 
 The quantized inputs come from `oscar_hf.reference.quantize_kv` on fresh random K/V, so these tests check the attention
-kernel alone. Small shapes run everywhere (CPU: Triton's interpreter); the `gpu`-marked one needs CUDA.
+kernel alone. Small shapes run everywhere (CPU: Triton's interpreter and torch's CPU flash kernel); the `gpu`-marked
+ones need CUDA.
 """
 
 from __future__ import annotations
