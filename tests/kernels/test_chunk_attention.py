@@ -263,6 +263,31 @@ def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int |
     assert_close_to_reference(out, ref, case.dtype, f"{case.id} pieces of {piece_tokens}")
 
 
+def test_chunk_attention_flash_fuzzed():
+    """A seeded draw over chunk lengths, history (quantized and window) lengths, piece sizes, GQA 1/4, head_dim
+    64/128, the half dtypes, methods and bit widths, through the backend torch picks here (cuDNN first on CUDA)."""
+    rng = random.Random(41)
+    for seed in range(6):
+        quantized = 32 * rng.randrange(0, 6)
+        case = Case(
+            chunk=rng.randrange(1, 80),
+            quantized=quantized,
+            window=rng.randrange(0 if quantized == 0 else 1, 33),
+            gqa=rng.choice((1, 4)),
+            head_dim=rng.choice((64, 128)),
+            dtype=rng.choice((torch.bfloat16, torch.float16)),
+            method=rng.choice(("paper", "oscar")),
+            key_bits=rng.choice((2, 4)),
+            value_bits=rng.choice((2, 4)),
+            kv_heads=rng.choice((1, 2)),
+        )
+        piece_tokens = rng.choice((None, 32, 64))
+        inputs = make_inputs(case, seed)
+        out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
+        ref = attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+        assert_close_to_reference(out, ref, case.dtype, f"{case.id} seed {seed} pieces of {piece_tokens}")
+
+
 @pytest.mark.gpu
 def test_chunk_attention_takes_flash_for_long_chunks_without_padding():
     """`chunk_attention`: a chunk of FLASH_MIN_QUERIES queries without padding by flash, with padding (or shorter) by
