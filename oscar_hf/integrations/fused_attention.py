@@ -210,7 +210,7 @@ def recording_query_moments(moments: dict, horizon: int = CHOICE_TOKENS):
     layer's first `horizon` positions (calls in position order, as a prefill makes them) under its module's
     `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the lm-eval wrapper
     fills method caches from one exact prefill; a cache with S sinks reads S positions more, `horizon=S +
-    CHOICE_TOKENS`))."""
+    CHOICE_TOKENS`)."""
     original = AttentionInterface._global_mapping["sdpa"]
     seen: dict[int, int] = {}  # positions recorded per layer
 
