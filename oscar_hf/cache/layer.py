@@ -63,7 +63,7 @@ class OscarLayer(CacheLayerMixin):
         self.rotation = KeyRotation(config)
         self._set_config(config)
         self.storage = KVStorage(self.layout, config.residual_length, self._quantize, self._dequantize)
-        self.fused_step: fused_attention.FusedStep | None = None  # this layer's latest fused decode step
+        self.fused_step: fused_attention.FusedStep | None = None  # its latest fused step, until attended
         self._compiled: CompiledDecode | None = None  # compiled decode only
         self._padding: Padding | None = None  # set by `OscarCache.set_padding`: which positions hold padding
         self._padding_given = False  # whether `set_padding` said so (else padding is known from the masks only)

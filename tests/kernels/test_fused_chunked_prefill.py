@@ -2,6 +2,9 @@
 (kernels/chunk_attention.py) over the packed history in place, never through a dense history, and gives the portable
 path's logits. On CPU the kernels run in Triton's interpreter (tests/kernels/conftest.py), with attention="fused"."""
 
+import gc
+import weakref
+
 import pytest
 import torch
 from oscar_hf.kernels import chunk_attention
@@ -9,6 +12,7 @@ from oscar_hf.kernels import chunk_attention
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs, decode_path
 from oscar_hf.cache.history import ChunkHistory
 from oscar_hf.cache.storage import KVStorage
+from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -115,6 +119,29 @@ def test_a_chunk_the_kernel_cannot_serve_gets_the_mask_of_its_whole_history(tiny
     fused = _chunked_prefill(model, ids, mask, FUSED, 24, "paper")
     assert len(calls) == 6
     _assert_bf16_close(fused, portable, mask)
+
+
+def test_a_chunk_s_buffers_do_not_outlive_its_attention(tiny_llama, monkeypatch):
+    """A chunk's step (its K/V, and the exact buffers of its history) is freed once its layer attended: at most the
+    cache's latest step (kept to check that it was attended) survives a forward, not one per layer until the next
+    chunk, which would bound the serving batch (every layer's chunk buffers held at once)."""
+    model, ids, mask = _model_and_prompt(tiny_llama, 96)
+    made = []
+    start = fused_attention.FusedStep.start.__func__
+
+    def recording(cls, layer, keys, values, history):
+        start(cls, layer, keys, values, history)
+        made.append(weakref.ref(history.keys))
+
+    monkeypatch.setattr(fused_attention.FusedStep, "start", classmethod(recording))
+    cache = OscarCache(model.config, OscarConfig(attention=FUSED, residual_length=32, method="paper"))
+    cache.set_padding(mask)
+    for end in (24, 48, 72):
+        model(ids[:, end - 24 : end], attention_mask=mask[:, :end], **cache_kwargs(cache), use_cache=True)
+        gc.collect()
+        assert sum(ref() is not None for ref in made) <= 1, f"chunk buffers alive after the forward up to {end}"
+    assert len(made) == 4  # 2 layers x the chunks with history
+    assert all(layer.fused_step is None for layer in cache.layers)
 
 
 @pytest.mark.gpu
