@@ -9,14 +9,16 @@ Caches (`--caches`): `static-compiled` (bf16 StaticCache, generate's automatic c
 chunked prefill); chunks of `--prefill-chunk-size` tokens (generate's `prefill_chunk_size`). Same models and timing as
 bench_generate.py (random bf16 weights, a streamer synchronising per token, step = median of the second half).
 
-Finding the largest batch: a full doubling/bisection search would prefill hundreds of long prompts (an OScaR batch
-of ~60 at 32K alone takes minutes), so the search measures instead of guessing. Two probes (B=1 and B=2: prefill + 2
-decode steps, eager, same chunking) give the peak memory's fixed part and its part per sequence (everything that grows
-with the batch, cache and prefill transients alike, is linear in it); the predicted batch fills `--memory-fraction`
-of the GPU, capped by `--max-batch`. The timed run at that batch is the check: if it runs out of memory, the search
-bisects between the largest batch known to fit and the smallest that failed until they are adjacent (at most
-`--tries` timed runs). `max_batch` is the largest batch that ran; `predicted_batch`, `capped` and `oom_batches` say how
-it was found (with tries left over, the largest batch that fits lies below the smallest of `oom_batches`).
+Finding the largest batch: a full doubling/bisection search would prefill hundreds of long prompts (an OScaR batch of
+~60 at 32K alone takes minutes), so the search measures instead of guessing. Two probes (B=1 and B=2: prefill + 2 decode
+steps, eager, same chunking) give the peak memory's fixed part and its part per sequence (everything that grows with the
+batch, cache and prefill transients alike, is linear in it); the predicted batch fills `--memory-fraction` of the GPU,
+capped by `--max-batch`. The timed run at that batch is the check: if it runs out of memory, the next try steps down to
+`BACKOFF` of it until one fits, then the search bisects between the largest batch known to fit and the smallest that
+failed until they are adjacent (at most `--tries` timed runs). Run as a script, it sets
+PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True unless the caller set it (`ALLOCATOR` says why; the run records it).
+`max_batch` is the largest batch that ran; `predicted_batch`, `capped` and `oom_batches` say how it was found (with
+tries left over, the largest batch that fits lies below the smallest of `oom_batches`).
 
 A cache that fails otherwise (e.g. a compile error) is recorded with its `error` and the run goes on; so is a job not
 started because `--budget-s` seconds had passed: one invocation always leaves a record. Past that budget a search
@@ -35,6 +37,7 @@ import argparse
 import dataclasses
 import functools
 import math
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -49,6 +52,13 @@ import bench_generate as bench  # noqa: E402  (models, generate options, timing,
 CACHES = ("static-compiled", "dynamic", "oscar-compiled")
 CHUNKED = {"static-compiled", "oscar-compiled"}  # the plain DynamicCache baseline prefills the whole prompt at once
 PROBE_TOKENS = 3  # prefill + 2 decode steps
+# After a timed run at the predicted batch runs out of memory, and before any fits, the next try takes this fraction
+# of it: what the eager probes do not show (compiled prefill and decode, CUDA graphs) is a few percent of the peak.
+BACKOFF = 0.85
+# The allocator setting the records run with (this script's own process only; a setting the caller made stands): at
+# the largest batch the caching allocator's fragmentation, not the cache, decided the batch without it (H200, OScaR
+# B=87 at 32K: a 9.5 GiB MLP activation refused with 24 GiB reserved but unallocated).
+ALLOCATOR = "expandable_segments:True"
 
 
 @dataclasses.dataclass
@@ -108,9 +118,12 @@ def largest_batch(
         low = best[0] if best else fits
         if failed is None or failed - low <= 1:
             break  # the prediction (or the cap) fitted, or the largest batch that fits is found
-        # bisect between the largest batch known to fit and the smallest that failed; a last try with no timed run
-        # that fitted takes the former
-        guess = low if best is None and attempt == tries - 2 else (low + failed) // 2
+        if best is not None:  # bisect between the largest batch known to fit and the smallest that failed
+            guess = (low + failed) // 2
+        elif attempt == tries - 2:  # a last try with no timed run that fitted takes the batch known to fit
+            guess = low
+        else:  # a missed prediction is off by a few percent, not by half: step down from it
+            guess = max(low, min(failed - 1, math.floor(BACKOFF * failed)))
     return (*best, search) if best else (0, None, search)
 
 
@@ -149,6 +162,7 @@ def main(argv: list[str] | None = None) -> Path:
         "model_config": bench.MODELS[args.model][2],
         "new_tokens": args.new_tokens,
         "capacity_gib": capacity,
+        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
         "argv": sys.argv[1:] if argv is None else argv,
     }
     blockers = bench.oscar_compile_blockers(model)
@@ -239,4 +253,5 @@ def summary(row: dict) -> str:
 
 
 if __name__ == "__main__":
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", ALLOCATOR)  # read at CUDA's first use, which main() makes
     main()

@@ -64,16 +64,20 @@ def test_the_memory_model_predicts_the_largest_batch(throughput):
 def test_a_timed_run_out_of_memory_bisects_to_the_largest_batch_that_fits(throughput):
     gpu = FakeGPU(capacity=80.0, timed_extra=10.0)  # compiled runs need more than the eager probes showed
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=6)
-    # predicted (80 - 16) / 4 = 16: OOM (90 GiB); then (2 + 16) // 2 = 9 fits (62 GiB), 12 fits (74), 14 does not (82)
-    # and 13 fits (78): adjacent to 14, the largest batch that fits
+    # predicted (80 - 16) / 4 = 16: OOM (90 GiB); then 0.85 x 16 -> 13 fits (78 GiB) and 14 does not (82): adjacent,
+    # 13 is the largest batch that fits
     assert batch == 13 and search.oom_batches == [16, 14]
-    assert gpu.calls[2:] == [("timed", 16), ("timed", 9), ("timed", 12), ("timed", 14), ("timed", 13)]
-    gpu = FakeGPU(capacity=80.0, timed_extra=10.0)  # out of tries: the largest batch that ran
+    assert gpu.calls[2:] == [("timed", 16), ("timed", 13), ("timed", 14)]
+    gpu = FakeGPU(capacity=80.0, timed_extra=22.0)  # steps down until one fits (10 at 78 GiB), then bisects
+    batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=6)
+    assert batch == 10 and search.oom_batches == [16, 13, 11]
+    assert gpu.calls[2:] == [("timed", 16), ("timed", 13), ("timed", 11), ("timed", 9), ("timed", 10)]
+    gpu = FakeGPU(capacity=80.0, timed_extra=6.0)  # out of tries: the largest batch that ran (14; 15 never tried)
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
-    assert batch == 12 and search.oom_batches == [16]
+    assert batch == 14 and search.oom_batches == [16] and gpu.calls[2:] == [("timed", 16), ("timed", 13), ("timed", 14)]
     gpu = FakeGPU(capacity=80.0, timed_extra=50.0)  # only B=2 fits timed: the last try takes the batch known to fit
     batch, _, search = throughput.largest_batch(gpu.probe, gpu.timed, 80.0, max_batch=64, tries=3)
-    assert batch == 2 and search.oom_batches == [16, 9]
+    assert batch == 2 and search.oom_batches == [16, 13]
 
 
 def test_the_time_budget_stops_a_search_between_timed_runs(throughput):
@@ -83,8 +87,8 @@ def test_the_time_budget_stops_a_search_between_timed_runs(throughput):
     batch, result, search = throughput.largest_batch(
         gpu.probe, gpu.timed, 80.0, max_batch=64, tries=6, out_of_time=lambda: next(budget)
     )
-    assert batch == 9 and result["batch"] == 9 and search.out_of_time and search.oom_batches == [16]
-    assert gpu.calls[2:] == [("timed", 16), ("timed", 9)]
+    assert batch == 13 and result["batch"] == 13 and search.out_of_time and search.oom_batches == [16]
+    assert gpu.calls[2:] == [("timed", 16), ("timed", 13)]
 
 
 def test_the_cap_and_what_does_not_fit(throughput):
