@@ -15,6 +15,8 @@ from lm_eval.models.huggingface import HFLM
 from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, LlamaForCausalLM
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
+from oscar_hf.cache import key_rotation
+from oscar_hf.integrations import lm_eval as lm_eval_integration
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
 from oscar_hf.integrations.transformers import CACHE_KWARG
 from oscar_hf.offline_models import model_path
@@ -128,6 +130,30 @@ def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, tiny_llama, 
         cache = OscarCache(model.config, OscarConfig(bits=2))
         first = model(torch.tensor([context]), **cache_kwargs(cache)).logits[0, -1:]
         rest = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
+    expected = torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_shared_prefill_records_the_queries_a_cache_with_sinks_reads(tokenizer, tiny_llama, monkeypatch):
+    """With S sinks the query rule reads S positions more than without (`KeyRotation.horizon`): the wrapper's exact
+    prefill records the queries of those positions too, so the filled cache holds the query moment its own prefill
+    would (a context longer than the horizon: `CHOICE_TOKENS` made 160 here), and scores the same."""
+    monkeypatch.setattr(key_rotation, "CHOICE_TOKENS", 160)
+    monkeypatch.setattr(lm_eval_integration, "CHOICE_TOKENS", 160)
+    model = llama(tiny_llama, tokenizer)
+    context = tokenizer(PAIRS[0][0]).input_ids
+    continuation = tokenizer(PAIRS[0][1]).input_ids
+    assert len(context) > 160 + 32
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int2", cache_config={"sink_tokens": 32})
+    _, filled = wrapper._prefill(context)
+    got = wrapper._continuation_logprobs(context, continuation)
+    with torch.no_grad():
+        cache = OscarCache(model.config, OscarConfig(bits=2, sink_tokens=32))
+        first = model(torch.tensor([context]), **cache_kwargs(cache)).logits[0, -1:]
+        moments = [layer.rotation.moment.clone() for layer in cache.layers]
+        rest = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
+    for layer, moment in zip(filled.layers, moments):
+        torch.testing.assert_close(layer.rotation.moment, moment, rtol=1e-5, atol=1e-6)
     expected = torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 

@@ -44,6 +44,7 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import QuantizedLayer
 
 from ..cache import OscarCache, OscarLayer, average_bits
+from ..cache.key_rotation import CHOICE_TOKENS
 from ..config import OscarConfig
 from ..methods import METHODS
 from ..offline_models import MODELS, model_path
@@ -53,19 +54,19 @@ from .transformers import CACHE_KWARG  # past_key_values up to transformers 5.23
 
 class PrefillStore:
     """Exact prefills (last-position log-probs, DynamicCache, each layer's query second moments for method="oscar")
-    keyed by context tokens; LRU with `max_entries` (None: unbounded, for wrappers sharing it across methods; clear it
-    between tasks to free memory)."""
+    keyed by the positions whose queries they record and the context tokens; LRU with `max_entries` (None: unbounded,
+    for wrappers sharing it across methods; clear it between tasks to free memory)."""
 
     def __init__(self, max_entries: int | None = 1):
         self.max_entries = max_entries
-        self._entries: OrderedDict[tuple[int, ...], tuple[torch.Tensor, DynamicCache, dict]] = OrderedDict()
+        self._entries: OrderedDict[tuple, tuple[torch.Tensor, DynamicCache, dict]] = OrderedDict()
 
-    def get(self, key: tuple[int, ...]):
+    def get(self, key: tuple):
         if key in self._entries:
             self._entries.move_to_end(key)
         return self._entries.get(key)
 
-    def put(self, key: tuple[int, ...], value: tuple[torch.Tensor, DynamicCache, dict]) -> None:
+    def put(self, key: tuple, value: tuple[torch.Tensor, DynamicCache, dict]) -> None:
         self._entries[key] = value
         while self.max_entries is not None and len(self._entries) > self.max_entries:
             self._entries.popitem(last=False)
@@ -260,12 +261,15 @@ class OscarHFLM(HFLM):
     @torch.no_grad()
     def _prefill(self, context: list[int]) -> tuple[torch.Tensor, object]:
         """Last-position log-probs of `context` and a cache of this method holding it, as a prefill leaves it."""
-        key = tuple(context)
+        # The query rule reads the queries at the sinks and the CHOICE_TOKENS positions after them (`KeyRotation`):
+        # methods whose horizons both cover the context share its prefill.
+        horizon = min(CHOICE_TOKENS + self.cache_config.get("sink_tokens", 0), len(context))
+        key = (horizon, tuple(context))
         entry = self.prefill_store.get(key)
         if entry is None:
             exact, moments = DynamicCache(config=self.model.config), {}
             inputs = torch.tensor([context], device=self.device)
-            with recording_query_moments(moments):
+            with recording_query_moments(moments, horizon):
                 logits = self.model(inputs, **{CACHE_KWARG: exact}, logits_to_keep=1).logits[0, -1]
             entry = (F.log_softmax(logits.float(), dim=-1), exact, moments)
             self.prefill_store.put(key, entry)
