@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--contexts", type=int, nargs="+", default=[32768, 131072])
     parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
     parser.add_argument("--prefill-chunk-size", type=int, default=4096)
-    parser.add_argument("--max-batch", type=int, default=64, help="the largest batch tried (bounds the time)")
+    parser.add_argument("--max-batch", type=int, default=128, help="the largest batch tried (bounds the time)")
     parser.add_argument("--memory-fraction", type=float, default=0.9, help="of the GPU's memory the prediction fills")
     parser.add_argument("--tries", type=int, default=4, help="timed runs per job at most (bisecting after an OOM)")
     parser.add_argument("--new-tokens", type=int, default=16, help="of the timed run; at least 4")
