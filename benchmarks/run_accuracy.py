@@ -57,6 +57,7 @@ MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 BITS_METHODS = [
     "oscar-k4v2",
     "oscar-int2-sinks4",
+    "oscar-auto-3.2",
     "oscar-auto-3.6",
     "oscar-auto-4.1",
     "hf-quanto-int2",
