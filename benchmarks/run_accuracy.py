@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import math
 import platform
@@ -122,7 +123,9 @@ def task_metrics(task: str) -> tuple[str, ...]:
     return METRICS["gen"] if "_gen_" in task else METRICS["retrieval"]
 
 
+@functools.cache
 def git_commit() -> str:
+    """The commit this process started from (its code; commits made while it runs are not)."""
     out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     return out.stdout.strip() or "unknown"
 
@@ -699,6 +702,7 @@ def main() -> None:
         "op (measured 10-30x slower here), while one thread loses at most 2x on the large matmuls",
     )
     args = parser.parse_args()
+    git_commit()  # read now: entries name the commit the run started from
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not args.plot_only and "plan" in args.steps:
