@@ -244,7 +244,7 @@ def kv_decomposition(model, tokenizer, task: str, limit: int) -> dict:
         targets = torch.tensor(continuation, device=model.device)
         for variant, method, part in variants:
             first, cache = wrapper._prefill(context)  # a fresh copy of the exact prefill
-            moments = wrapper.prefill_store.get(tuple(context))[2]  # its queries' second moments (method="oscar")
+            moments = wrapper.prefill_store.get(wrapper._prefill_key(context))[2]  # its queries' second moments
             for idx, layer in enumerate(cache.layers):
                 if method is None or type(layer) is not DynamicLayer:
                     continue

@@ -258,18 +258,21 @@ class OscarHFLM(HFLM):
         logits = self.model(inputs, **{CACHE_KWARG: cache}).logits[0]
         return torch.cat([first[None], F.log_softmax(logits.float(), dim=-1)])
 
+    def _prefill_key(self, context: list[int]) -> tuple[int, tuple[int, ...]]:
+        """The key of `context`'s exact prefill in the store: the positions whose queries it records, and the tokens.
+        The query rule reads the queries at the sinks and the CHOICE_TOKENS positions after them (`KeyRotation`):
+        methods whose horizons both cover the context share its prefill."""
+        return min(CHOICE_TOKENS + self.cache_config.get("sink_tokens", 0), len(context)), tuple(context)
+
     @torch.no_grad()
     def _prefill(self, context: list[int]) -> tuple[torch.Tensor, object]:
         """Last-position log-probs of `context` and a cache of this method holding it, as a prefill leaves it."""
-        # The query rule reads the queries at the sinks and the CHOICE_TOKENS positions after them (`KeyRotation`):
-        # methods whose horizons both cover the context share its prefill.
-        horizon = min(CHOICE_TOKENS + self.cache_config.get("sink_tokens", 0), len(context))
-        key = (horizon, tuple(context))
+        key = self._prefill_key(context)
         entry = self.prefill_store.get(key)
         if entry is None:
             exact, moments = DynamicCache(config=self.model.config), {}
             inputs = torch.tensor([context], device=self.device)
-            with recording_query_moments(moments, horizon):
+            with recording_query_moments(moments, horizon=key[0]):
                 logits = self.model(inputs, **{CACHE_KWARG: exact}, logits_to_keep=1).logits[0, -1]
             entry = (F.log_softmax(logits.float(), dim=-1), exact, moments)
             self.prefill_store.put(key, entry)
