@@ -185,7 +185,7 @@ def _fused(module, step: FusedStep, query, value, attention_mask, dropout, scali
     step.attended = True
     # The layer holds its step only until it is attended (a KV-sharing layer finds it on the keys it is handed).
     # Left in place, a prefill chunk's K/V and exact buffers would outlive the layer's forward, every layer's until
-    # the next chunk: ~0.75 GiB per sequence at Llama-3.1-8B's shape and 4096-token chunks, a third of what bounds
+    # the next chunk: ~0.75 GiB per sequence at Llama-3.1-8B's shape and 4096-token chunks, over a third of what bounds
     # the serving batch. Compiled, they would be two more graph outputs per layer, which CUDA-graph replays rebuild
     # as tensors on the host while the GPU waits (generate synchronises every step).
     step.layer.fused_step = None
