@@ -46,7 +46,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarLayer, cache_kwargs
-from oscar_hf.cache.key_rotation import CHOICE_TOKENS
+from oscar_hf.cache.key_rotation import CHOICE_TOKENS, choice_horizon
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.offline_models import cache_dir, load_model
 from oscar_hf.reference import query_rotation_choice
@@ -92,7 +92,7 @@ def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]
     (the keys and the queries of the first CHOICE_TOKENS positions after the sinks), as an OscarCache makes it."""
     exact, moments = DynamicCache(config=model.config), {}
     config = OscarCache(model.config, {"bits": 2}).oscar_config
-    with recording_query_moments(moments, horizon=getattr(config, "sink_tokens", 0) + CHOICE_TOKENS):
+    with recording_query_moments(moments, horizon=choice_horizon(config.sink_tokens)):
         logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
     # exact sinks are never quantized: the cache's choice leaves them out, unless they are all it holds
     first = getattr(config, "sink_tokens", 0) if ids.shape[1] > getattr(config, "sink_tokens", 0) else 0

@@ -16,7 +16,6 @@ from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, Lla
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.cache import key_rotation
-from oscar_hf.integrations import lm_eval as lm_eval_integration
 from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
 from oscar_hf.integrations.transformers import CACHE_KWARG
 from oscar_hf.offline_models import model_path
@@ -138,8 +137,7 @@ def test_the_shared_prefill_records_the_queries_a_cache_with_sinks_reads(tokeniz
     """With S sinks the query rule reads S positions more than without (`KeyRotation.horizon`): the wrapper's exact
     prefill records the queries of those positions too, so the filled cache holds the query moment its own prefill
     would (a context longer than the horizon: `CHOICE_TOKENS` made 160 here), and scores the same."""
-    monkeypatch.setattr(key_rotation, "CHOICE_TOKENS", 160)
-    monkeypatch.setattr(lm_eval_integration, "CHOICE_TOKENS", 160)
+    monkeypatch.setattr(key_rotation, "CHOICE_TOKENS", 160)  # `choice_horizon` reads it, for the cache and the wrapper
     model = llama(tiny_llama, tokenizer)
     context = tokenizer(PAIRS[0][0]).input_ids
     continuation = tokenizer(PAIRS[0][1]).input_ids

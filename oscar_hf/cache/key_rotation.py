@@ -46,6 +46,12 @@ logger = logging.get_logger(__name__)
 # layer holds them.
 CHOICE_TOKENS = 4096
 
+
+def choice_horizon(sinks: int) -> int:
+    """The prompt positions a choice reads behind `sinks` sink positions: the sinks, then `CHOICE_TOKENS`."""
+    return sinks + CHOICE_TOKENS
+
+
 KEYS_ONLY_MESSAGE = (
     "OscarCache(method='oscar'): no queries reached a layer before it had to choose its key rotation (a cache filled "
     "by hand with `update`, or a model whose attention is not 'sdpa'), so each KV head chose from its keys alone: it "
@@ -140,8 +146,8 @@ class KeyRotation:
 
     @staticmethod
     def horizon(layer) -> int:
-        """The positions the choice reads: the sinks, then `CHOICE_TOKENS`."""
-        return layer.storage.sinks + CHOICE_TOKENS
+        """The positions the choice of `layer` reads (`choice_horizon` of its sink slots)."""
+        return choice_horizon(layer.storage.sinks)
 
     def observe(self, layer, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
         """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once. `positions`

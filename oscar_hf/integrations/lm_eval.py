@@ -44,7 +44,7 @@ from transformers import DynamicCache, QuantizedCache
 from transformers.cache_utils import QuantizedLayer
 
 from ..cache import OscarCache, OscarLayer, average_bits
-from ..cache.key_rotation import CHOICE_TOKENS
+from ..cache.key_rotation import choice_horizon
 from ..config import OscarConfig
 from ..methods import METHODS
 from ..offline_models import MODELS, model_path
@@ -260,9 +260,9 @@ class OscarHFLM(HFLM):
 
     def _prefill_key(self, context: list[int]) -> tuple[int, tuple[int, ...]]:
         """The key of `context`'s exact prefill in the store: the positions whose queries it records, and the tokens.
-        The query rule reads the queries at the sinks and the CHOICE_TOKENS positions after them (`KeyRotation`):
+        The query rule reads the queries at the sinks and the positions after them up to its horizon (`KeyRotation`):
         methods whose horizons both cover the context share its prefill."""
-        return min(CHOICE_TOKENS + self.cache_config.get("sink_tokens", 0), len(context)), tuple(context)
+        return min(choice_horizon(self.cache_config.get("sink_tokens", 0)), len(context)), tuple(context)
 
     @torch.no_grad()
     def _prefill(self, context: list[int]) -> tuple[torch.Tensor, object]:
