@@ -40,9 +40,10 @@ class OscarConfig:
         residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
             quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
         sink_tokens: the first tokens of each sequence kept exact, in the model dtype, never quantized (attention
-            sinks: the first tokens draw much of every query's attention). A left-padded row's sinks are its first
-            real tokens: the cache keeps the first `sink_tokens` + (the most left padding of any row) positions
-            exact. 0 (default) keeps none. Like the residual window, they are exact tokens: `KVMemory` counts them as
+            sinks: the first tokens draw much of every query's attention). Each row keeps its own first real
+            tokens in `sink_tokens` slots, whatever its left padding, once the cache knows the padding
+            (`OscarCache.set_padding`; generate tells it); without it, a padded row's first positions are its sinks.
+            0 (default) keeps none. Like the residual window, they are exact tokens: `KVMemory` counts them as
             exact bytes, `average_bits` (the quantized region's bits per element) leaves them out.
         rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values (see `method` for keys).
         token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).

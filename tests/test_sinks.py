@@ -95,11 +95,20 @@ def test_chunks_crossing_the_sinks_attend_to_exact_sinks(oracle):
     assert cache.layers[0].quantized_length == (sum(chunks) - 16 - 1) // 128 * 128
 
 
+def _padded_prefill(config, keys, values, queries, mask):
+    cache = _cache(config)
+    cache.set_padding(mask)
+    for start, end in ((0, 300), (300, 400)):  # a prefill, then a chunk that flushes one more block
+        got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
+        cache.layers[0].observe_queries(queries[:, :, start:end], got[0])
+    return cache.layers[0]
+
+
 @pytest.mark.parametrize("method", ["paper", "oscar"])
-def test_a_left_padded_rows_sinks_are_its_first_real_tokens(method):
-    """Row 0 has 40 padding positions: the cache keeps 4 + 40 positions exact, so row 0's first 4 real tokens are
-    its sinks and its history is exactly that row's in a cache of its own, shifted by the padding; row 1 keeps its
-    first 44 tokens exact."""
+def test_a_left_padded_rows_sinks_are_its_own_first_real_tokens(oracle, method):
+    """Row 0 has 40 padding positions: its sinks are its first 4 real tokens (positions 40-43), kept exact in the
+    same 4 slots as row 1's (positions 0-3); quantization counts neither row's padding nor its sinks, so making the
+    sinks loud (as attention sinks are) changes nothing else the layer holds."""
     config = OscarConfig(scale_dtype="float32", method=method, sink_tokens=4)
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(B, HKV, 400, D, dtype=torch.float64, generator=gen)
@@ -108,21 +117,30 @@ def test_a_left_padded_rows_sinks_are_its_first_real_tokens(method):
     mask = torch.ones(B, 400, dtype=torch.long)
     mask[0, :40] = 0
     queries = torch.randn(B, 4 * HKV, 400, D, dtype=torch.float64, generator=gen)
-    cache, alone = _cache(config), _cache(config)
-    cache.set_padding(mask)
-    for start, end in ((0, 300), (300, 400)):  # a prefill, then a chunk that flushes one more block
-        got = cache.update(keys[:, :, start:end], values[:, :, start:end], layer_idx=0)
-        cache.layers[0].observe_queries(queries[:, :, start:end], got[0])
-        real = slice(max(start, 40), end)
-        got = alone.update(keys[:1, :, real], values[:1, :, real], layer_idx=0)
-        alone.layers[0].observe_queries(queries[:1, :, real], got[0])
-    layer, alone_layer = cache.layers[0], alone.layers[0]
-    assert (layer.quantized_length, alone_layer.quantized_length) == (256, 256)
-    for got, want, exact in zip(layer.dense_history(), alone_layer.dense_history(), (keys, values)):
-        assert torch.equal(got[:1, :, 40:], want)
-        assert torch.equal(got[:, :, :44], exact[:, :, :44])  # the sinks of both rows, exact
+    sinks = torch.zeros(B, 400, dtype=torch.bool)
+    sinks[0, 40:44] = sinks[1, :4] = True
+    made_loud = (sinks | ~mask.bool())[:, None, :, None]  # the sinks and row 0's padding
+    loud_keys, loud_values = torch.where(made_loud, 1000 * keys, keys), torch.where(made_loud, 100 * values, values)
+    layer = _padded_prefill(config, keys, values, queries, mask)
+    loud = _padded_prefill(config, loud_keys, loud_values, queries, mask)
+    assert (layer.storage.sinks, layer.quantized_length, layer.residual_length) == (4, 384, 12)
+    counted = mask.bool() & ~sinks
+    for got, got_loud, exact, exact_loud in zip(
+        layer.dense_history(), loud.dense_history(), (keys, values), (loud_keys, loud_values)
+    ):
+        sinks_view, counted_view = (m[:, None, :, None].expand_as(got) for m in (sinks, counted))
+        assert torch.equal(got[sinks_view], exact[sinks_view])
+        assert torch.equal(got_loud[sinks_view], exact_loud[sinks_view])
+        assert torch.equal(got[:, :, 388:], exact[:, :, 388:])  # the window
+        assert torch.equal(got[counted_view], got_loud[counted_view])
     if method == "oscar":
-        assert torch.equal(layer.key_rotated[:1], alone_layer.key_rotated)
+        assert torch.equal(layer.key_rotated, loud.key_rotated)
+        return
+    # the quantized region (positions 4-387) against the oracle of the same tokens with padding and sinks left out
+    want = oracle(keys[:, :, 4:388], values[:, :, 4:388], config, valid=counted[:, 4:388])
+    for got, w in zip(layer.dense_history(), want):
+        real = counted[:, None, 4:388, None].expand_as(w)
+        _assert_history((got[:, :, 4:388][real],), (w[real],), "quantized")
 
 
 def _filled(sinks=16, tokens=300):
@@ -191,5 +209,5 @@ def test_exact_cache_generate_with_sinks_equals_dynamic_cache(tiny_llama, exact_
     got = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), **options)
     assert torch.equal(got.sequences, want.sequences)
     layer = cache.layers[0]
-    # 4 sinks after the most padding (130); 299 tokens held: 134 exact sinks, 128 quantized, 37 in the window
-    assert (layer.storage.sinks, layer.quantized_length, layer.residual_length) == (134, 128, 37)
+    # 4 sink slots, each row's own; 299 tokens held: 4 sinks, 256 quantized, 39 in the window
+    assert (layer.storage.sinks, layer.quantized_length, layer.residual_length) == (4, 256, 39)

@@ -181,7 +181,7 @@ class OscarCache(DynamicCache):
                 f"OscarCache.set_padding takes the 2D attention mask [batch, positions] (1 = token, 0 = padding), "
                 f"got shape {tuple(attention_mask.shape)}."
             )
-        padding = None if attention_mask is None else Padding.of(attention_mask)
+        padding = None if attention_mask is None else Padding.of(attention_mask, self.oscar_config.sink_tokens)
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 layer.set_padding(padding)

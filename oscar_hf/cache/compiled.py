@@ -50,7 +50,7 @@ class CompiledDecode:
         held = self.length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
         torch._assert_async(held < layer.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
         if storage.capacity:
-            padding = None if layer._padding is None else layer._padding.mask
+            padding = None if layer._padding is None else layer._padding.counted  # rows' own sinks are not counted
             after_sinks = held
             if sinks:  # the quantized region starts after the sinks, its padding columns too
                 after_sinks = (held - sinks).clamp(min=0)
@@ -62,8 +62,17 @@ class CompiledDecode:
         slot = held % window
         if sinks:
             slot = torch.where(held < sinks, held, sinks + (held - sinks) % window)
-        storage.exact_keys.index_copy_(2, slot.view(1), key_states)
-        storage.exact_values.index_copy_(2, slot.view(1), value_states)
+        row_sinks = layer._padding if layer._padding is not None and layer._padding.sinks is not None else None
+        if row_sinks is None:
+            storage.exact_keys.index_copy_(2, slot.view(1), key_states)
+            storage.exact_values.index_copy_(2, slot.view(1), value_states)
+        else:  # a row's own sink goes to its slot (its copy in the window is never read), padding to an empty slot
+            positions = row_sinks.sinks
+            before = (positions < held).sum(1, keepdim=True)  # [B, 1]: the row's sinks before this token
+            own = positions.gather(1, before.clamp(max=sinks - 1)) == held
+            slot = torch.where((before < sinks) & (own | (held < sinks)), before, slot).view(-1, 1, 1, 1)
+            storage.exact_keys.scatter_(2, slot.expand_as(key_states), key_states)
+            storage.exact_values.scatter_(2, slot.expand_as(value_states), value_states)
         self.length.add_(1)
         self.is_newer = True
 
@@ -74,23 +83,28 @@ class CompiledDecode:
         stored = storage.buffers if storage.capacity else None
         padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
         if storage.sinks and padding is not None:
-            padding = _storage_order(padding, self.length, storage.sinks, storage.window)
+            padding = _storage_order(padding, self.length, storage.sinks, storage.window, layer._padding)
         return kernel_ops.decode_attention(
             query, stored, storage.exact_keys, storage.exact_values, padding, scaling, layer._op_config,
             layer.key_rotated, self.length, storage.sinks,
         )  # fmt: skip
 
 
-def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int) -> torch.Tensor:
+def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int, row_sinks) -> torch.Tensor:
     """`padding.storage_order` with the quantized length on the device: the kernel reads column q for quantized token
     q (q < L, position sinks + q) and column L + j for residual slot j (a sink, position j, for j < sinks; else the
-    window's token at position L + j)."""
+    window's token at position L + j). With rows' own sinks (`row_sinks`, a `Padding` with sinks), sink slot j is read
+    once its token is held, and no row's sink where its position puts it."""
     columns = torch.arange(padding.shape[1], device=padding.device)
     quantized = (held - sinks - 1).clamp(min=0) // window * window
-    index = torch.where(
-        columns < quantized, columns + sinks, torch.where(columns < quantized + sinks, columns - quantized, columns)
-    )
-    return padding[:, index]
+    slot = (columns >= quantized) & (columns < quantized + sinks)
+    index = torch.where(columns < quantized, columns + sinks, torch.where(slot, columns - quantized, columns))
+    ordered = padding[:, index]
+    if row_sinks is None or row_sinks.sinks is None:
+        return ordered
+    positions = row_sinks.sinks
+    filled = positions.gather(1, (columns - quantized).clamp(0, sinks - 1).expand(positions.shape[0], -1)) < held
+    return torch.where(slot, filled, ordered & (index > positions[:, -1:]))
 
 
 def mask_width(layer) -> int:

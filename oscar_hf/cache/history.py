@@ -41,7 +41,7 @@ class DecodeHistory:
 
         storage = layer.storage
         padding = key_padding(attention_mask, query.shape[0], storage.total)
-        padding = storage_order(padding, storage.sinks_held, storage.length)
+        padding = storage_order(padding, storage.sinks_held, storage.length, layer._padding)
         keys, values = storage.exact_tokens()
         return decode_attention_triton(
             query, storage.quantized(), keys, values, padding, scaling, layer.config, layer.key_rotated
@@ -67,6 +67,7 @@ class ChunkHistory:
     quantized_length: int
     keys: torch.Tensor
     values: torch.Tensor
+    tokens: int  # T
     decode = False
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -76,7 +77,8 @@ class ChunkHistory:
 
         layer, length = self.layer, self.quantized_length
         quantized = layer.storage.rows(0, length) if length else None
-        padding = storage_order(self.key_padding(attention_mask, query.shape[-2]), self.sinks, length)
+        padding = self.key_padding(attention_mask, query.shape[-2])
+        padding = storage_order(padding, self.sinks, length, layer._padding, self.positions - self.tokens)
         return chunk_attention(
             query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
         )
@@ -129,12 +131,16 @@ class ChunkHistory:
         """The same history as dense K/V in the model dtype, as the portable path hands it to the model's sdpa."""
         if not self.quantized_length:
             return self.keys, self.values
-        sinks = self.sinks
+        sinks, row_sinks = self.sinks, self.layer._padding
         keys, values = self.layer.storage.dequantize(0, self.quantized_length)
-        return tuple(
+        dense = tuple(
             torch.cat((exact[:, :, :sinks], quantized, exact[:, :, sinks:]), dim=-2)
             for exact, quantized in ((self.keys, keys), (self.values, values))
         )
+        if row_sinks is not None and row_sinks.sinks is not None:  # the quantized copies of rows' sinks
+            for history, exact in zip(dense, (self.keys, self.values)):
+                row_sinks.place_sinks(history, exact[:, :, :sinks], self.positions - self.tokens)
+        return dense
 
 
 def step_history(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> DecodeHistory | ChunkHistory:
@@ -143,4 +149,5 @@ def step_history(layer, key_states: torch.Tensor, value_states: torch.Tensor) ->
     storage = layer.storage
     if not layer.path.chunk_step(storage.total, storage.held, key_states.shape[-2], storage.window):
         return DecodeHistory(layer)
-    return ChunkHistory(layer, storage.sinks_held, storage.length, *storage.exact(key_states, value_states))
+    exact = storage.exact(key_states, value_states)
+    return ChunkHistory(layer, storage.sinks_held, storage.length, *exact, key_states.shape[-2])

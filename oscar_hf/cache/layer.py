@@ -3,7 +3,7 @@
 A layer holds up to three regions of its history, oldest first:
 
 * the sinks (`sink_tokens`, 0 by default): the first tokens, exact, in the model dtype, never quantized; with left
-  padding, as many more as the most left padding of any row, so that every row keeps its first real tokens exact;
+  padding (`set_padding`), each row's own first real tokens, in the same slots (`padding.Padding` says where);
 * the quantized region: `quantized_length` tokens (a multiple of `residual_length`) in the storage contract of
   `oscar_hf.reference` (packed codes, scales/mins, token norms), in buffers that grow by doubling so that a
   flush copies one block, never the whole history;
@@ -44,7 +44,7 @@ from .history import DecodeHistory, step_history
 from .key_rotation import KeyRotation
 from .layer_bits import LayerBits
 from .memory import KVMemory
-from .padding import Padding, sink_slots, valid
+from .padding import Padding, valid
 from .storage import KVStorage
 
 
@@ -104,7 +104,7 @@ class OscarLayer(CacheLayerMixin):
         for states in (key_states, value_states):
             check_head_dim(states.shape[-1], self.config)
         self.dtype, self.device = key_states.dtype, key_states.device
-        self.storage.allocate(key_states, value_states, sink_slots(self.config.sink_tokens, self._padding))
+        self.storage.allocate(key_states, value_states, self.config.sink_tokens)
         self.is_initialized = True
         if self.compiled_decode:
             self._compiled = CompiledDecode(self)
@@ -146,7 +146,7 @@ class OscarLayer(CacheLayerMixin):
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
             fused_attention.FusedStep.start(self, key_states, value_states, history)
             return key_states, value_states
-        keys, values = storage.history(key_states, value_states)  # a new buffer: `append` may rewrite the window
+        keys, values = storage.history(key_states, value_states, self._padding)  # new: `append` may rewrite the window
         self._append_dense(key_states, value_states, keys)
         return keys, values
 
@@ -154,10 +154,10 @@ class OscarLayer(CacheLayerMixin):
         """Append the tokens of an update whose attention call receives `keys`: while the key rotation is open, the
         blocks they complete wait, exact, for that call's queries (`KeyRotation`), which it hands over."""
         if self.rotation.final:
-            self.storage.append(key_states, value_states)
+            self.storage.append(key_states, value_states, self._padding)
             return
         with self.rotation.deferring():
-            self.storage.append(key_states, value_states)
+            self.storage.append(key_states, value_states, self._padding)
         self.rotation.await_queries(keys)
         fused_attention.await_queries(self, keys)
 
@@ -283,7 +283,7 @@ class OscarLayer(CacheLayerMixin):
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, as dense K/V in the model dtype, in position order (sinks, quantized region, window)."""
         self.rotation.write_waiting(self)
-        return self.storage.history()
+        return self.storage.history(row_sinks=self._padding)
 
     # method="oscar"'s query rule (its state and choice: `KeyRotation`, whose docstring says when it is final)
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:

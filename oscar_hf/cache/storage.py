@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..layout import QuantizedKV, StorageLayout
+from .padding import Padding
 
 # Tokens quantized per call during a long prefill: bounds the float32 temporaries of `quantize_kv`.
 QUANTIZE_CHUNK_TOKENS = 4096
@@ -25,9 +26,10 @@ class KVStorage:
     """In position order: `sinks_held` exact sink tokens (up to `sinks`), `length` quantized tokens (a multiple of the
     window size R) in `buffers`, then `held` exact tokens (1..R once anything follows the sinks) at the start of the
     window buffers `keys`/`values` (`[B, Hkv, R, D]`). The sinks fill first: tokens follow them only once they are
-    full. The sinks and the window share the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys`
-    and `values` are views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels'
-    residual, in storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
+    full (with left padding, each row's slots hold its own first real tokens: `append`'s `row_sinks`). The sinks and
+    the window share the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys` and `values` are
+    views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels' residual, in
+    storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
     quantize(keys, values, start): write these tokens' block at quantized token `start` (rows made already), now or,
     before anything reads it, later (method="oscar" writes a prompt's blocks once its queries came).
@@ -105,15 +107,20 @@ class KVStorage:
 
     # ----------------------------------------------------------------------------------------------------------
     # writing
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, row_sinks: Padding | None = None) -> None:
         """Add tokens to the window, quantizing whole blocks but the newest: the window keeps the last 1..R tokens (a
         complete last block is quantized when the next update begins, `flush`), so a fused decode step finds its own
-        tokens in the window. The first tokens fill the sinks."""
+        tokens in the window. The first tokens fill the sinks; with `row_sinks` (a `Padding` with sinks) each row's
+        sinks are its own first real tokens: copied into the slots from wherever they arrive (those past the first
+        positions are stored there too, as copies that attention and quantization leave out)."""
+        if row_sinks is not None and row_sinks.sinks is not None:
+            row_sinks.fill_sinks((self.exact_keys, self.exact_values), (key_states, value_states), self.total)
         if self.sinks_held < self.sinks:
             taken = min(self.sinks - self.sinks_held, key_states.shape[-2])
             end = self.sinks_held + taken
-            self.exact_keys[:, :, self.sinks_held : end] = key_states[:, :, :taken]
-            self.exact_values[:, :, self.sinks_held : end] = value_states[:, :, :taken]
+            if row_sinks is None or row_sinks.sinks is None:
+                self.exact_keys[:, :, self.sinks_held : end] = key_states[:, :, :taken]
+                self.exact_values[:, :, self.sinks_held : end] = value_states[:, :, :taken]
             self.sinks_held = end
             key_states, value_states = key_states[:, :, taken:], value_states[:, :, taken:]
             if not key_states.shape[-2]:
@@ -212,12 +219,16 @@ class KVStorage:
         return torch.cat((keys, new_keys), dim=-2), torch.cat((values, new_values), dim=-2)
 
     def history(
-        self, new_keys: torch.Tensor | None = None, new_values: torch.Tensor | None = None
+        self,
+        new_keys: torch.Tensor | None = None,
+        new_values: torch.Tensor | None = None,
+        row_sinks: Padding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, then `new_keys`/`new_values` (tokens not stored yet) if given, as dense K/V in the model
-        dtype, in position order: the sinks, the dequantized region, the exact window, the new tokens. One new buffer
-        each for K and V, the quantized region dequantized straight into it, so that the dense history of a chunk's
-        attention is its only transient (no concatenation copies), and `append` may then rewrite the window freely."""
+        dtype, in position order: the sinks, the dequantized region, the exact window, the new tokens (with
+        `row_sinks`, each row's sinks at their own positions: `Padding.place_sinks`). One new buffer each for K and V,
+        the quantized region dequantized straight into it, so that the dense history of a chunk's attention is its
+        only transient (no concatenation copies), and `append` may then rewrite the window freely."""
         window_keys, window_values = self.window_keys(), self.window_values()
         if new_keys is None:
             new_keys, new_values = window_keys[:, :, :0], window_values[:, :, :0]
@@ -235,6 +246,8 @@ class KVStorage:
             dense[:, :, :sinks] = exact[:, :, :sinks]
             dense[:, :, end : end + held] = window
             dense[:, :, end + held :] = new
+            if sinks and row_sinks is not None and row_sinks.sinks is not None:
+                row_sinks.place_sinks(dense, exact[:, :, : self.sinks], end + held)
         return keys, values
 
     # ----------------------------------------------------------------------------------------------------------

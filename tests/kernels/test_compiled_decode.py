@@ -432,10 +432,11 @@ def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
 
 
 def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
-    """sink_tokens=4 on a batch whose row 1 has 2 padding positions: 6 sink slots, 5 held after the 5-token prompt.
-    The first compiled step fills the last sink slot, the next 32 the window, the 34th flushes a block into the
-    quantized region after the sinks (the flush's count and padding columns offset by them), and the kernel reads
-    the quantized region, the sinks and the window, the padding mask put in that order on the device."""
+    """sink_tokens=4 on a batch whose row 1 has 2 padding positions: 4 sink slots, each row's own first real tokens;
+    the 5-token prompt holds 3 of row 1's, so the first compiled step writes its last sink into its slot (row 0's
+    token goes to the window). Later steps fill the window, one flushes a block into the quantized region after the
+    sinks (the flush's count and padding columns offset by them, row 1's copy of its sink left out), and the kernel
+    reads the quantized region, the sinks and the window, the padding mask put in that order on the device."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=1
     ).to(DEVICE)
@@ -465,7 +466,7 @@ def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
     for a, b in zip(logits, eager_logits):
         torch.testing.assert_close(a, b, atol=1e-2, rtol=1e-2)
     layer = cache.layers[0]
-    assert layer.storage.sinks == 6 and layer.get_seq_length() == 41 and layer.quantized_length == 32
+    assert layer.storage.sinks == 4 and layer.get_seq_length() == 41 and layer.quantized_length == 32
 
 
 def _auto_bits_llama(tiny_llama):

@@ -63,8 +63,8 @@ def test_fused_chunked_prefill_matches_portable(tiny_llama, monkeypatch, method,
     """Chunks of 24 tokens (the 32-token window boundary falls inside chunks) over 2 layers with GQA 4, a left-padded
     row: the fused path's logits at every real position within bf16 noise of the portable path's, the same argmax
     wherever the portable top-2 margin is decisive, with one kernel call per layer and chunk with history, and no
-    dense history built. With 4 sinks, 4 + 37 positions stay exact: the second chunk fills them and spills over, and
-    the last two chunks read a quantized block that follows them."""
+    dense history built. With 4 sinks, row 1's (positions 37-40) arrive in the second chunk, which reads them as its
+    own tokens; the later chunks read them from their slots, not their copies in the quantized blocks."""
     model, ids, mask = _model_and_prompt(tiny_llama, tokens)
     portable = _chunked_prefill(model, ids, mask, "portable", 24, method, sinks)
 
