@@ -59,6 +59,7 @@ BITS_METHODS = [
     "oscar-k4v2",
     "oscar-int2-sinks4",
     "oscar-auto-3.2",
+    "oscar-auto-3.2-sinks4",
     "oscar-auto-3.6",
     "oscar-auto-4.1",
     "hf-quanto-int2",

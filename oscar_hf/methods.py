@@ -22,6 +22,7 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
     # layer-wise widths chosen from each prompt under a budget of average stored bits per K/V element
     "oscar-auto-3.2": ("oscar", {"bits": "auto", "avg_bits": 3.2}),  # INT2's memory, a few layers 4-bit
+    "oscar-auto-3.2-sinks4": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 4}),
     "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6}),
     "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1}),
     "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
