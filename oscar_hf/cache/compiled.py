@@ -19,7 +19,7 @@ import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
 from ..kernels import ops as kernel_ops
-from .padding import key_padding
+from .padding import key_padding, row_sinks
 
 
 class CompiledDecode:
@@ -62,12 +62,12 @@ class CompiledDecode:
         slot = held % window
         if sinks:
             slot = torch.where(held < sinks, held, sinks + (held - sinks) % window)
-        row_sinks = layer._padding if layer._padding is not None and layer._padding.sinks is not None else None
-        if row_sinks is None:
+        own_sinks = row_sinks(layer._padding)
+        if own_sinks is None:
             storage.exact_keys.index_copy_(2, slot.view(1), key_states)
             storage.exact_values.index_copy_(2, slot.view(1), value_states)
         else:  # a row's own sink goes to its slot (its copy in the window is never read), padding to an empty slot
-            positions = row_sinks.sinks
+            positions = own_sinks.sinks
             before = (positions < held).sum(1, keepdim=True)  # [B, 1]: the row's sinks before this token
             own = positions.gather(1, before.clamp(max=sinks - 1)) == held
             slot = torch.where((before < sinks) & (own | (held < sinks)), before, slot).view(-1, 1, 1, 1)
@@ -83,26 +83,26 @@ class CompiledDecode:
         stored = storage.buffers if storage.capacity else None
         padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
         if storage.sinks and padding is not None:
-            padding = _storage_order(padding, self.length, storage.sinks, storage.window, layer._padding)
+            padding = _storage_order(padding, self.length, storage.sinks, storage.window, row_sinks(layer._padding))
         return kernel_ops.decode_attention(
             query, stored, storage.exact_keys, storage.exact_values, padding, scaling, layer._op_config,
             layer.key_rotated, self.length, storage.sinks,
         )  # fmt: skip
 
 
-def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int, row_sinks) -> torch.Tensor:
+def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int, own_sinks) -> torch.Tensor:
     """`padding.storage_order` with the quantized length on the device: the kernel reads column q for quantized token
     q (q < L, position sinks + q) and column L + j for residual slot j (a sink, position j, for j < sinks; else the
-    window's token at position L + j). With rows' own sinks (`row_sinks`, a `Padding` with sinks), sink slot j is read
+    window's token at position L + j). With rows' own sinks (`own_sinks`: `padding.row_sinks`), sink slot j is read
     once its token is held, and no row's sink where its position puts it."""
     columns = torch.arange(padding.shape[1], device=padding.device)
     quantized = (held - sinks - 1).clamp(min=0) // window * window
     slot = (columns >= quantized) & (columns < quantized + sinks)
     index = torch.where(columns < quantized, columns + sinks, torch.where(slot, columns - quantized, columns))
     ordered = padding[:, index]
-    if row_sinks is None or row_sinks.sinks is None:
+    if own_sinks is None:
         return ordered
-    positions = row_sinks.sinks
+    positions = own_sinks.sinks
     filled = positions.gather(1, (columns - quantized).clamp(0, sinks - 1).expand(positions.shape[0], -1)) < held
     return torch.where(slot, filled, ordered & (index > positions[:, -1:]))
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .padding import key_padding, storage_order
+from .padding import key_padding, row_sinks, storage_order
 
 
 @dataclass(eq=False)
@@ -41,7 +41,7 @@ class DecodeHistory:
 
         storage = layer.storage
         padding = key_padding(attention_mask, query.shape[0], storage.total)
-        padding = storage_order(padding, storage.sinks_held, storage.length, layer._padding)
+        padding = storage_order(padding, storage.sinks_held, storage.length, row_sinks(layer._padding))
         keys, values = storage.exact_tokens()
         return decode_attention_triton(
             query, storage.quantized(), keys, values, padding, scaling, layer.config, layer.key_rotated
@@ -67,7 +67,7 @@ class ChunkHistory:
     quantized_length: int
     keys: torch.Tensor
     values: torch.Tensor
-    tokens: int  # T
+    tokens: int  # the chunk's own, T
     decode = False
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
@@ -78,7 +78,7 @@ class ChunkHistory:
         layer, length = self.layer, self.quantized_length
         quantized = layer.storage.rows(0, length) if length else None
         padding = self.key_padding(attention_mask, query.shape[-2])
-        padding = storage_order(padding, self.sinks, length, layer._padding, self.positions - self.tokens)
+        padding = storage_order(padding, self.sinks, length, row_sinks(layer._padding), self.positions - self.tokens)
         return chunk_attention(
             query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
         )
@@ -131,15 +131,15 @@ class ChunkHistory:
         """The same history as dense K/V in the model dtype, as the portable path hands it to the model's sdpa."""
         if not self.quantized_length:
             return self.keys, self.values
-        sinks, row_sinks = self.sinks, self.layer._padding
+        sinks, own_sinks = self.sinks, row_sinks(self.layer._padding)
         keys, values = self.layer.storage.dequantize(0, self.quantized_length)
         dense = tuple(
             torch.cat((exact[:, :, :sinks], quantized, exact[:, :, sinks:]), dim=-2)
             for exact, quantized in ((self.keys, keys), (self.values, values))
         )
-        if row_sinks is not None and row_sinks.sinks is not None:  # the quantized copies of rows' sinks
+        if own_sinks is not None:  # over the quantized copies of rows' sinks
             for history, exact in zip(dense, (self.keys, self.values)):
-                row_sinks.place_sinks(history, exact[:, :, :sinks], self.positions - self.tokens)
+                own_sinks.place_sinks(history, exact[:, :, :sinks], self.positions - self.tokens)
         return dense
 
 

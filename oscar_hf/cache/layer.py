@@ -44,7 +44,7 @@ from .history import DecodeHistory, step_history
 from .key_rotation import KeyRotation
 from .layer_bits import LayerBits
 from .memory import KVMemory
-from .padding import Padding, valid
+from .padding import Padding, row_sinks, valid
 from .storage import KVStorage
 
 
@@ -146,7 +146,8 @@ class OscarLayer(CacheLayerMixin):
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
             fused_attention.FusedStep.start(self, key_states, value_states, history)
             return key_states, value_states
-        keys, values = storage.history(key_states, value_states, self._padding)  # new: `append` may rewrite the window
+        # a new buffer: `append` may rewrite the window
+        keys, values = storage.history(key_states, value_states, row_sinks(self._padding))
         self._append_dense(key_states, value_states, keys)
         return keys, values
 
@@ -154,10 +155,10 @@ class OscarLayer(CacheLayerMixin):
         """Append the tokens of an update whose attention call receives `keys`: while the key rotation is open, the
         blocks they complete wait, exact, for that call's queries (`KeyRotation`), which it hands over."""
         if self.rotation.final:
-            self.storage.append(key_states, value_states, self._padding)
+            self.storage.append(key_states, value_states, row_sinks(self._padding))
             return
         with self.rotation.deferring():
-            self.storage.append(key_states, value_states, self._padding)
+            self.storage.append(key_states, value_states, row_sinks(self._padding))
         self.rotation.await_queries(keys)
         fused_attention.await_queries(self, keys)
 
@@ -283,7 +284,7 @@ class OscarLayer(CacheLayerMixin):
     def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, as dense K/V in the model dtype, in position order (sinks, quantized region, window)."""
         self.rotation.write_waiting(self)
-        return self.storage.history(row_sinks=self._padding)
+        return self.storage.history(own_sinks=row_sinks(self._padding))
 
     # method="oscar"'s query rule (its state and choice: `KeyRotation`, whose docstring says when it is final)
     def observe_queries(self, query: torch.Tensor, keys: torch.Tensor | None = None) -> None:

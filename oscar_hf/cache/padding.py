@@ -17,10 +17,8 @@ class Padding:
     mask: torch.Tensor  # [B, P] bool, True for real tokens; positions from P on are real
     end: int  # no row has padding at or after this position: blocks starting there need no mask (host-side)
     sinks: torch.Tensor | None = None  # [B, sink_tokens] long: the positions of each row's sinks, ascending
-    # [B, W] bool: the tokens quantization counts, real and no row's sink (positions from W on count); host-side, no
-    # row has a sink at or after `sinks_end`
-    quantizable: torch.Tensor | None = None
-    sinks_end: int = 0
+    quantizable: torch.Tensor | None = None  # [B, W] bool: real and no row's sink; positions from W on are both
+    sinks_end: int = 0  # no row has a sink at or after this position (host-side)
 
     @classmethod
     def of(cls, attention_mask: torch.Tensor, sink_tokens: int = 0) -> Padding | None:
@@ -84,8 +82,8 @@ class Padding:
 
     def place_sinks(self, dense: torch.Tensor, slots: torch.Tensor, held: int) -> None:
         """Write each row's sinks among the first `held` positions (`slots` `[B, Hkv, sink_tokens, D]`) at their
-        positions in `dense` (`[B, Hkv, positions, D]`, position order; what the positions held there are quantized
-        copies, which attention does not read)."""
+        positions in `dense` (`[B, Hkv, positions, D]`, position order), over the copies stored there (quantized ones,
+        which attention does not read)."""
         positions = self.sinks.to(dense.device)
         rows, slot = (positions < held).nonzero(as_tuple=True)
         dense[rows, :, positions[rows, slot]] = slots[rows, :, slot]
@@ -106,6 +104,12 @@ def _columns(
     return torch.cat([part, part.new_ones(batch, tokens - part.shape[1])], dim=1).to(device)
 
 
+def row_sinks(padding: Padding | None) -> Padding | None:
+    """`padding` where it says where each row's own sinks are (left padding and `sink_tokens`), else None: the sinks
+    are the first positions, shared by the rows."""
+    return padding if padding is not None and padding.sinks is not None else None
+
+
 def valid(padding: Padding | None, start: int, tensor: torch.Tensor) -> torch.Tensor | None:
     """`padding.valid`, None without padding."""
     return None if padding is None else padding.valid(start, tensor)
@@ -115,19 +119,19 @@ def storage_order(
     padding: torch.Tensor | None,
     sinks: int,
     quantized: int,
-    row_sinks: Padding | None = None,
+    own_sinks: Padding | None = None,
     held: int | None = None,
 ) -> torch.Tensor | None:
     """A key padding mask `[B, positions]` in position order (as transformers builds it) over `sinks` sink slots,
     `quantized` quantized tokens and exact ones, reordered as the fused kernels read the tokens: the quantized ones,
-    then the exact ones (the sinks, then the rest; `storage.KVStorage`). With `row_sinks` (a `Padding` with sinks),
+    then the exact ones (the sinks, then the rest; `storage.KVStorage`). With `own_sinks` (`row_sinks` of the padding),
     slot j holds each row's own (j + 1)-th real token: it is read once its position is among the `held` positions
     the slots were filled from (default: all), and the row's sinks where the positions put them (quantized, or in
     the window or a chunk: copies) are not."""
     if not sinks:
         return padding
     end = sinks + quantized
-    if row_sinks is None or row_sinks.sinks is None:
+    if own_sinks is None:
         if padding is None:
             return None
         return torch.cat((padding[:, sinks:end], padding[:, :sinks], padding[:, end:]), dim=1)
@@ -136,7 +140,7 @@ def storage_order(
             "OscarCache: set_padding said that rows hold padding, but an attention call brought no attention mask; "
             "pass the batch's attention_mask to the model's forward (generate does)."
         )
-    positions = row_sinks.sinks.to(padding.device)
+    positions = own_sinks.sinks.to(padding.device)
     held = padding.shape[1] if held is None else held
     filled = positions[:, :sinks] < held
     columns = torch.arange(sinks, padding.shape[1], device=padding.device)

@@ -26,7 +26,7 @@ class KVStorage:
     """In position order: `sinks_held` exact sink tokens (up to `sinks`), `length` quantized tokens (a multiple of the
     window size R) in `buffers`, then `held` exact tokens (1..R once anything follows the sinks) at the start of the
     window buffers `keys`/`values` (`[B, Hkv, R, D]`). The sinks fill first: tokens follow them only once they are
-    full (with left padding, each row's slots hold its own first real tokens: `append`'s `row_sinks`). The sinks and
+    full (with left padding, each row's slots hold its own first real tokens: `append`'s `own_sinks`). The sinks and
     the window share the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys` and `values` are
     views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels' residual, in
     storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
@@ -107,18 +107,18 @@ class KVStorage:
 
     # ----------------------------------------------------------------------------------------------------------
     # writing
-    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, row_sinks: Padding | None = None) -> None:
+    def append(self, key_states: torch.Tensor, value_states: torch.Tensor, own_sinks: Padding | None = None) -> None:
         """Add tokens to the window, quantizing whole blocks but the newest: the window keeps the last 1..R tokens (a
         complete last block is quantized when the next update begins, `flush`), so a fused decode step finds its own
-        tokens in the window. The first tokens fill the sinks; with `row_sinks` (a `Padding` with sinks) each row's
+        tokens in the window. The first tokens fill the sinks; with `own_sinks` (`padding.row_sinks`) each row's
         sinks are its own first real tokens: copied into the slots from wherever they arrive (those past the first
         positions are stored there too, as copies that attention and quantization leave out)."""
-        if row_sinks is not None and row_sinks.sinks is not None:
-            row_sinks.fill_sinks((self.exact_keys, self.exact_values), (key_states, value_states), self.total)
+        if own_sinks is not None:
+            own_sinks.fill_sinks((self.exact_keys, self.exact_values), (key_states, value_states), self.total)
         if self.sinks_held < self.sinks:
             taken = min(self.sinks - self.sinks_held, key_states.shape[-2])
             end = self.sinks_held + taken
-            if row_sinks is None or row_sinks.sinks is None:
+            if own_sinks is None:
                 self.exact_keys[:, :, self.sinks_held : end] = key_states[:, :, :taken]
                 self.exact_values[:, :, self.sinks_held : end] = value_states[:, :, :taken]
             self.sinks_held = end
@@ -222,11 +222,11 @@ class KVStorage:
         self,
         new_keys: torch.Tensor | None = None,
         new_values: torch.Tensor | None = None,
-        row_sinks: Padding | None = None,
+        own_sinks: Padding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, then `new_keys`/`new_values` (tokens not stored yet) if given, as dense K/V in the model
         dtype, in position order: the sinks, the dequantized region, the exact window, the new tokens (with
-        `row_sinks`, each row's sinks at their own positions: `Padding.place_sinks`). One new buffer each for K and V,
+        `own_sinks`, each row's sinks at their own positions: `Padding.place_sinks`). One new buffer each for K and V,
         the quantized region dequantized straight into it, so that the dense history of a chunk's attention is its
         only transient (no concatenation copies), and `append` may then rewrite the window freely."""
         window_keys, window_values = self.window_keys(), self.window_values()
@@ -246,8 +246,8 @@ class KVStorage:
             dense[:, :, :sinks] = exact[:, :, :sinks]
             dense[:, :, end : end + held] = window
             dense[:, :, end + held :] = new
-            if sinks and row_sinks is not None and row_sinks.sinks is not None:
-                row_sinks.place_sinks(dense, exact[:, :, : self.sinks], end + held)
+            if sinks and own_sinks is not None:
+                own_sinks.place_sinks(dense, exact[:, :, : self.sinks], end + held)
         return keys, values
 
     # ----------------------------------------------------------------------------------------------------------
