@@ -73,13 +73,15 @@ def retrieval(*lengths: str) -> list[str]:
     return [f"oscar_{task}_{length}" for length in lengths for task in RETRIEVAL]
 
 
-def bits_methods(model_name: str) -> list[str]:
-    """The evidence methods and `BITS_METHODS` that run on a model. The peers do not run on Gemma 3, whose
-    sliding-window layers transformers' QuantizedCache refuses, and which tiny-turboquant keeps full-length: the
-    wrapper cannot fill its layers from the shared exact prefill, whose sliding layers keep only their window."""
-    peers = ("quantized", "tiny-turboquant")
+def bits_methods(model_name: str, for_retrieval: bool = True) -> list[str]:
+    """The evidence methods and `BITS_METHODS` that run on a model's perplexity or (`for_retrieval`) retrieval tasks.
+    Transformers' QuantizedCache refuses Gemma 3's sliding-window layers. tiny-turboquant keeps them full-length (the
+    model's mask still limits them to the window): its perplexity runs, each window through a cache of its own, but
+    not retrieval, whose caches the wrapper fills from the shared exact prefill (its sliding layers keep only their
+    window)."""
     sliding = model_name == "gemma-3-270m"
-    return EVIDENCE_METHODS + [m for m in BITS_METHODS if not (sliding and METHODS[m][0] in peers)]
+    refused = ("quantized", "tiny-turboquant") if for_retrieval else ("quantized",)
+    return EVIDENCE_METHODS + [m for m in BITS_METHODS if not (sliding and METHODS[m][0] in refused)]
 
 
 # Runs of (model, tasks, methods), in priority order (documents per task: `documents`): 2k retrieval with 30
@@ -97,7 +99,8 @@ PLAN = [
     *((name, retrieval("4k"), EVIDENCE_METHODS) for name in MODELS),
     *((name, ["oscar_passkey_gen_2k"], EVIDENCE_METHODS) for name in MODELS),
     ("smollm2-135m", retrieval("8k"), COMPARED_METHODS),
-    *((name, ["oscar_pg_ppl_1k", *retrieval("2k", "4k")], bits_methods(name)) for name in MODELS),
+    *((name, ["oscar_pg_ppl_1k"], bits_methods(name, for_retrieval=False)) for name in MODELS),
+    *((name, retrieval("2k", "4k"), bits_methods(name)) for name in MODELS),
 ]
 
 
