@@ -140,12 +140,15 @@ def storage_order(
             "OscarCache: set_padding said that rows hold padding, but an attention call brought no attention mask; "
             "pass the batch's attention_mask to the model's forward (generate does)."
         )
-    positions = own_sinks.sinks.to(padding.device)
     held = padding.shape[1] if held is None else held
-    filled = positions[:, :sinks] < held
-    columns = torch.arange(sinks, padding.shape[1], device=padding.device)
-    # a sink's copy is left out where its slot is read: before `held` (a chunk's own tokens are read where they are)
-    rest = padding[:, sinks:] & ((columns > positions[:, -1:]) | (columns >= held))
+    filled = own_sinks.sinks[:, :sinks].to(padding.device) < held
+    # The copies of the rows' sinks lie before `sinks_end` (the columns after it need nothing): left out where their
+    # slots are read, before `held` (a chunk's own tokens are read where they are).
+    copies = min(own_sinks.sinks_end, held)
+    rest = padding[:, sinks:]
+    if copies > sinks:
+        counted = own_sinks.counted[:, sinks:copies].to(padding.device)
+        rest = torch.cat((rest[:, : copies - sinks] & counted, rest[:, copies - sinks :]), dim=1)
     return torch.cat((rest[:, :quantized], filled, rest[:, quantized:]), dim=1)
 
 
