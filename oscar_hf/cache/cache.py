@@ -171,6 +171,7 @@ class OscarCache(DynamicCache):
         2D mask `[B, positions]` a model takes (1 for real tokens, 0 for padding), its first column the cache's first
         position; positions past its end count as real. Padding keys then enter no key group's min/max nor
         method="oscar"'s rotation choice (`reference.quantize_kv`, `valid`); a group of padding only decodes to zeros.
+        With `sink_tokens`, each row's sinks are then its own first real tokens (`padding.Padding`).
 
         `generate(cache_implementation="oscar")` calls it with the prompt's mask. By hand, call it before the forward
         that brings padded tokens (e.g. a left-padded prompt batch): `cache.set_padding(inputs["attention_mask"])`.

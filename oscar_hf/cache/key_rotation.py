@@ -184,7 +184,7 @@ class KeyRotation:
                 break
             held.append(keys)
             count += keys.shape[-2]
-        held.append(storage.window_keys())
+        held.append(storage.keys[:, :, : storage.held])
         keys = torch.cat(held, dim=-2)[:, :, :CHOICE_TOKENS]
         first = storage.sinks  # the position of the first key quantized: the sinks never are, nor choose ...
         if not keys.shape[-2]:  # ... unless they are all the layer holds

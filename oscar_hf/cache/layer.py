@@ -146,8 +146,7 @@ class OscarLayer(CacheLayerMixin):
             self._append_dense(key_states, value_states, key_states)  # a decode step completes no block
             fused_attention.FusedStep.start(self, key_states, value_states, history)
             return key_states, value_states
-        # a new buffer: `append` may rewrite the window
-        keys, values = storage.history(key_states, value_states, row_sinks(self._padding))
+        keys, values = storage.history(key_states, value_states, row_sinks(self._padding))  # new buffers: see append
         self._append_dense(key_states, value_states, keys)
         return keys, values
 

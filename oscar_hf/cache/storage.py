@@ -25,11 +25,10 @@ QUANTIZE_CHUNK_TOKENS = 4096
 class KVStorage:
     """In position order: `sinks_held` exact sink tokens (up to `sinks`), `length` quantized tokens (a multiple of the
     window size R) in `buffers`, then `held` exact tokens (1..R once anything follows the sinks) at the start of the
-    window buffers `keys`/`values` (`[B, Hkv, R, D]`). The sinks fill first: tokens follow them only once they are
-    full (with left padding, each row's slots hold its own first real tokens: `append`'s `own_sinks`). The sinks and
-    the window share the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys` and `values` are
-    views of their last R tokens), so the exact tokens are one run, `exact_tokens()`: the kernels' residual, in
-    storage order `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
+    window buffers `keys`/`values` (`[B, Hkv, R, D]`). The sinks fill first (`append`). The sinks and the window share
+    the buffers `exact_keys`/`exact_values` (`[B, Hkv, sinks + R, D]`; `keys` and `values` are views of their last R
+    tokens), so the exact tokens are one run, `exact_tokens()`: the kernels' residual, in storage order
+    `[quantized | sinks | window]` (`padding.storage_order` puts a padding mask in it).
 
     quantize(keys, values, start): write these tokens' block at quantized token `start` (rows made already), now or,
     before anything reads it, later (method="oscar" writes a prompt's blocks once its queries came).
@@ -65,8 +64,8 @@ class KVStorage:
         self.layout, self.buffers, self.length, self._views = layout, None, 0, (None, 0, None)
 
     def allocate(self, key_states: torch.Tensor, value_states: torch.Tensor, sinks: int = 0) -> None:
-        """The exact buffers (`sinks` sink slots and the window), for K/V like these. Zeros: compiled steps read
-        (masked) unused slots, which must never hold NaN garbage."""
+        """The exact buffers (`sinks` slots, then the window) for K/V like these, zeroed: compiled steps read unused
+        slots (masked), which must never hold NaN garbage."""
         self.sinks = sinks
         tokens = sinks + self.window
         self.exact_keys = key_states.new_zeros(*key_states.shape[:2], tokens, key_states.shape[-1])
@@ -74,10 +73,8 @@ class KVStorage:
         self._window_views()
 
     def _window_views(self) -> None:
-        if not self.sinks:  # the window is the whole buffer (compiled decode marks these very tensors static)
-            self.keys, self.values = self.exact_keys, self.exact_values
-            return
-        self.keys, self.values = self.exact_keys[:, :, self.sinks :], self.exact_values[:, :, self.sinks :]
+        exact = (self.exact_keys, self.exact_values)  # no sinks: these very tensors, which compiled decode marks static
+        self.keys, self.values = tuple(t[:, :, self.sinks :] for t in exact) if self.sinks else exact
 
     def check_batch(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse K/V whose batch, heads or head_dim differ from what is held (a cache reused for another batch),
@@ -98,8 +95,7 @@ class KVStorage:
         return self.sinks_held + self.length + self.held
 
     def set_total(self, total: int) -> None:
-        """The lengths of `total` tokens stored by compiled steps: the sinks fill first, then the window holds the
-        last 1..R."""
+        """The lengths of `total` tokens stored by compiled steps (the sinks first, the last 1..R in the window)."""
         self.sinks_held = min(total, self.sinks)
         rest = total - self.sinks_held
         self.length = max(rest - 1, 0) // self.window * self.window
@@ -110,9 +106,8 @@ class KVStorage:
     def append(self, key_states: torch.Tensor, value_states: torch.Tensor, own_sinks: Padding | None = None) -> None:
         """Add tokens to the window, quantizing whole blocks but the newest: the window keeps the last 1..R tokens (a
         complete last block is quantized when the next update begins, `flush`), so a fused decode step finds its own
-        tokens in the window. The first tokens fill the sinks; with `own_sinks` (`padding.row_sinks`) each row's
-        sinks are its own first real tokens: copied into the slots from wherever they arrive (those past the first
-        positions are stored there too, as copies that attention and quantization leave out)."""
+        tokens in the window. The first positions fill the sinks; with `own_sinks` (`padding.row_sinks`) each row's
+        slots take its own first real tokens wherever they arrive (copies that attention and quantization skip)."""
         if own_sinks is not None:
             own_sinks.fill_sinks((self.exact_keys, self.exact_values), (key_states, value_states), self.total)
         if self.sinks_held < self.sinks:
@@ -200,12 +195,6 @@ class KVStorage:
             self._views = (self.buffers, self.length, views)
         return views
 
-    def window_keys(self) -> torch.Tensor:
-        return self.keys[:, :, : self.held]
-
-    def window_values(self) -> torch.Tensor:
-        return self.values[:, :, : self.held]
-
     def exact_tokens(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The exact tokens as the kernels read them, the sinks then the window: one run of the exact buffers (the
         window holds tokens only once the sinks are full)."""
@@ -225,11 +214,10 @@ class KVStorage:
         own_sinks: Padding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Everything stored, then `new_keys`/`new_values` (tokens not stored yet) if given, as dense K/V in the model
-        dtype, in position order: the sinks, the dequantized region, the exact window, the new tokens (with
-        `own_sinks`, each row's sinks at their own positions: `Padding.place_sinks`). One new buffer each for K and V,
-        the quantized region dequantized straight into it, so that the dense history of a chunk's attention is its
-        only transient (no concatenation copies), and `append` may then rewrite the window freely."""
-        window_keys, window_values = self.window_keys(), self.window_values()
+        dtype, in position order: the sinks (`own_sinks`: each row's at its positions), the dequantized region, the
+        exact window, the new tokens. One new buffer each for K and V, the quantized region dequantized straight into
+        it, so that a chunk's dense history is its only transient, and `append` may then rewrite the window freely."""
+        window_keys, window_values = self.keys[:, :, : self.held], self.values[:, :, : self.held]
         if new_keys is None:
             new_keys, new_values = window_keys[:, :, :0], window_values[:, :, :0]
         sinks, length, held = self.sinks_held, self.length, self.held
