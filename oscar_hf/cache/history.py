@@ -78,7 +78,7 @@ class ChunkHistory:
         layer, length = self.layer, self.quantized_length
         quantized = layer.storage.rows(0, length) if length else None
         padding = self.key_padding(attention_mask, query.shape[-2])
-        padding = storage_order(padding, self.sinks, length, row_sinks(layer._padding), self.positions - self.tokens)
+        padding = storage_order(padding, self.sinks, length, row_sinks(layer._padding), self.history_positions)
         return chunk_attention(
             query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
         )
@@ -87,6 +87,11 @@ class ChunkHistory:
     def positions(self) -> int:
         """The tokens this chunk attends to: the history, then its own."""
         return self.quantized_length + self.keys.shape[-2]
+
+    @property
+    def history_positions(self) -> int:
+        """The positions before the chunk: what the sink slots were filled from."""
+        return self.positions - self.tokens
 
     def covers_history(self, attention_mask: torch.Tensor | None) -> bool:
         """Whether the attention call's mask spans the history too; else (`OscarLayer.get_mask_sizes` asked for the
@@ -139,7 +144,7 @@ class ChunkHistory:
         )
         if own_sinks is not None:  # over the quantized copies of rows' sinks
             for history, exact in zip(dense, (self.keys, self.values)):
-                own_sinks.place_sinks(history, exact[:, :, :sinks], self.positions - self.tokens)
+                own_sinks.place_sinks(history, exact[:, :, :sinks], self.history_positions)
         return dense
 
 

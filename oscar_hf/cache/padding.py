@@ -27,10 +27,10 @@ class Padding:
         positions = torch.arange(width, device=mask.device)
         if not mask.numel():
             return None
-        real = mask.long().cumsum(1)  # real tokens at or before each position
+        count = mask.long().cumsum(1)  # real tokens at or before each position
         nth = torch.arange(1, sink_tokens + 1, device=mask.device).expand(batch, -1)
         # the n-th real token's position; past the mask every position is real
-        sinks = torch.searchsorted(real, nth.contiguous()).where(nth <= real[:, -1:], width - 1 + nth - real[:, -1:])
+        sinks = torch.searchsorted(count, nth.contiguous()).where(nth <= count[:, -1:], width - 1 + nth - count[:, -1:])
         last = sinks[:, -1].amax() if sink_tokens else positions.new_zeros(())
         # one host sync per call: no padding at or after `end`, no sink at or after `sinks_end`
         end, sinks_end = (int(n) for n in torch.stack((torch.where(mask, 0, positions + 1).amax(), last + 1)))
