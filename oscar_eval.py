@@ -35,19 +35,21 @@ pretrained= takes a local model folder, a hub id, or an offline model of oscar_h
 INSTALL = 'oscar-eval needs lm-eval: install the evaluation extra, `pip install -e ".[eval]"` in the repository.'
 
 
-def methods() -> dict[str, tuple[str | None, dict]]:
-    """`oscar_hf.methods.METHODS`, read from its file without importing the oscar_hf package (see the docstring)."""
+def methods_module():
+    """`oscar_hf.methods` (METHODS, DEFAULT_METHOD), read from its file without importing the oscar_hf package (see
+    the docstring)."""
     package = importlib.util.find_spec("oscar_hf")
     spec = importlib.util.spec_from_file_location(
         "_oscar_eval_methods", Path(package.submodule_search_locations[0]) / "methods.py"
     )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.METHODS
+    return module
 
 
 def _parser() -> argparse.ArgumentParser:
-    table = methods()
+    module = methods_module()
+    table, default = module.METHODS, module.DEFAULT_METHOD
     methods_help = "\n".join(f"  {name:26} {_describe(*options)}" for name, options in table.items())
     parser = argparse.ArgumentParser(
         prog="oscar-eval",
@@ -55,7 +57,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog=EXAMPLE,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--method", choices=sorted(table), help="the KV cache to evaluate (default: oscar-int2)")
+    parser.add_argument("--method", choices=sorted(table), help=f"the KV cache to evaluate (default: {default})")
     parser.add_argument(
         "--cache_config",
         type=json.loads,

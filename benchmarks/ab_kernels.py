@@ -109,7 +109,7 @@ def measure_shape(
     """One shape: every arm's error against the float32 reference on the first input set (where it fits), then
     `rounds` rounds of CUDA-graph medians over all input sets, the arms interleaved; with `shared_kv` every KV head
     reads the first one's quantized data (`shared_across_heads`)."""
-    config, scale = OscarConfig(), 1 / math.sqrt(bench.HEAD_DIM)
+    config, scale = OscarConfig(bits=2), 1 / math.sqrt(bench.HEAD_DIM)
     if shared_kv:  # one input set: its codes are meant to stay in L2
         data = bench.make_sets(batch, context, config, 1, gen, residual)
         data = [{**s, "quantized": shared_across_heads(s["quantized"])} for s in data]

@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> Path:
     header = bench.record_header("prefill chunk attention over the 2-bit history, per layer", "cuda")
     path = args.out / f"chunk_attention_{bench.gpu_slug(header['device'])}.json"
     record = bench.open_record(path, header.pop("benchmark"))
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2)
     record["runs"][run] = {
         **header,
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW, "dtype": "bf16"},

@@ -374,7 +374,7 @@ def sinks(gen, l2_bytes, shapes, counts) -> dict:
     """The fused INT2 kernel with S exact sink tokens, for each S of `counts`, against the same kernel without, in one
     run: an eager step with sinks is the kernel reading S more exact tokens with the window (`OscarLayer` keeps them
     in one buffer), so each time is that of RESIDUAL + S residual tokens; graph medians, relative to S = 0's."""
-    scale, config, rows = 1 / math.sqrt(HEAD_DIM), OscarConfig(), []
+    scale, config, rows = 1 / math.sqrt(HEAD_DIM), OscarConfig(bits=2), []
     for batch, context in shapes:
         for count in [0, *counts]:
             data, fused_bytes, _ = timed_sets(batch, context, config, l2_bytes, gen, residual=RESIDUAL + count)
@@ -468,15 +468,15 @@ def main() -> None:
     args = parser.parse_args()
     HEAD_DIM = args.head_dim
     if args.profile_once:
-        data = make_sets(8, 32768, OscarConfig(), 1, torch.Generator(device="cuda").manual_seed(0))[0]
-        fused(data, OscarConfig(), 1 / math.sqrt(HEAD_DIM))
+        data = make_sets(8, 32768, OscarConfig(bits=2), 1, torch.Generator(device="cuda").manual_seed(0))[0]
+        fused(data, OscarConfig(bits=2), 1 / math.sqrt(HEAD_DIM))
         torch.cuda.synchronize()
         return
 
     props = torch.cuda.get_device_properties(0)
     gpu = torch.cuda.get_device_name(0)
     l2 = getattr(props, "L2_cache_size", 50 << 20)
-    config = OscarConfig()
+    config = OscarConfig(bits=2)
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {
         "device": gpu,

@@ -19,7 +19,9 @@ Caches (`--variants`), each row for every batch x context:
   --target DIR` and put DIR on PYTHONPATH, or pass `--extra-path DIR`); without it the row is skipped with the reason;
 - `oscar`: OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`);
 - `oscar-compiled`: OScaR with generate's automatic compile, run only where `OscarCache.compile_blockers()` is empty
-  (otherwise skipped with the blockers).
+  (otherwise skipped with the blockers);
+- `oscar-int2`, `oscar-int2-compiled`: the same with 2-bit keys and values everywhere and no sinks (`bits=2,
+  sink_tokens=0`), against which the default's layer-wise widths and sinks are measured.
 
 Timing: before each row, its cache runs one eager warm-up generate of the row's shape (same batch and prompt length,
 a few new tokens), so that Triton/cuBLAS first-call costs and the caching allocator's first growth to that shape stay
@@ -123,6 +125,9 @@ VARIANTS = {
     "quantized-quanto-int2": Variant("quantized-quanto-int2", "quantized", False, {"backend": "quanto", "nbits": 2}),
     "oscar": Variant("oscar", "oscar", False, {"attention": "auto"}),
     "oscar-compiled": Variant("oscar", "oscar", True, {"attention": "auto"}),
+    # the 2-bit cache without sinks (the default before bits="auto" and 4 sinks): what the default's choice costs
+    "oscar-int2": Variant("oscar-int2", "oscar", False, {"attention": "auto", "bits": 2, "sink_tokens": 0}),
+    "oscar-int2-compiled": Variant("oscar-int2", "oscar", True, {"attention": "auto", "bits": 2, "sink_tokens": 0}),
 }
 WARMUP_TOKENS = 4
 
@@ -336,8 +341,11 @@ def main(argv: list[str] | None = None) -> Path:
         "argv": sys.argv[1:] if argv is None else argv,
     }
     skipped = {}
-    if "oscar-compiled" in args.variants and (blockers := oscar_compile_blockers(model)):
-        skipped["oscar-compiled"] = f"OscarCache is not compileable here: {'; '.join(blockers)}"
+    compiled_oscar = [
+        name for name in args.variants if VARIANTS[name].implementation == "oscar" and VARIANTS[name].compiled
+    ]
+    if compiled_oscar and (blockers := oscar_compile_blockers(model)):
+        skipped.update(dict.fromkeys(compiled_oscar, f"OscarCache is not compileable here: {'; '.join(blockers)}"))
     if "quantized-quanto-int2" in args.variants and (missing := quanto_missing()):
         skipped["quantized-quanto-int2"] = missing
     print(f"run {run}: {args.model} on {header['device']} -> {path}", flush=True)

@@ -91,7 +91,7 @@ def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]
     """Perplexity of `ids` as one forward through the exact cache, and each full-attention layer's one-prefill choice
     (the keys and the queries of the first CHOICE_TOKENS positions after the sinks), as an OscarCache makes it."""
     exact, moments = DynamicCache(config=model.config), {}
-    config = OscarCache(model.config, {"bits": 2}).oscar_config
+    config = OscarCache(model.config, {"bits": 2, "sink_tokens": 0}).oscar_config
     with recording_query_moments(moments, horizon=choice_horizon(config.sink_tokens)):
         logits = model(ids, **cache_kwargs(exact)).logits[0, :-1].float()
     # exact sinks are never quantized: the cache's choice leaves them out, unless they are all it holds
@@ -106,7 +106,7 @@ def choice_of(model, ids: torch.Tensor) -> tuple[float, dict[int, torch.Tensor]]
 def pinned(model, flags: dict[int, torch.Tensor]) -> OscarCache:
     """An INT2 default cache whose layers keep `flags` as their final choice (this script's own cache: it sets the
     choice's state directly, to score the same feeding with another choice)."""
-    cache = OscarCache(model.config, {"bits": 2})
+    cache = OscarCache(model.config, {"bits": 2, "sink_tokens": 0})
     for i, layer_flags in flags.items():
         rotation = cache.layers[i].rotation
         rotation.flags, rotation.final = layer_flags.clone(), True
@@ -142,7 +142,7 @@ def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dic
     # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
     reference_ppl, one_prefill = choice_of(model, ids)
     row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
-    cache = OscarCache(model.config, {"bits": 2})
+    cache = OscarCache(model.config, {"bits": 2, "sink_tokens": 0})
     ppl, chunks = perplexity(model, ids, cache, chunk, one_prefill)
     row("oscar-int2", chunk, ppl, **head_counts(_flags(cache), one_prefill), **chunks)
     ppl, chunks = perplexity(model, ids, pinned(model, one_prefill), chunk, one_prefill)

@@ -49,7 +49,7 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
     loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
     context = 32768
     batch, kv_heads, residual = 8, 8, 64
-    config = OscarConfig(method="oscar" if per_head else "paper")
+    config = OscarConfig(method="oscar" if per_head else "paper", bits=2)
     query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
     quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, context, "cpu")
     keys, values = (torch.randn(batch, kv_heads, residual, head_dim, dtype=torch.bfloat16) for _ in range(2))

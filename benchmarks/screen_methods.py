@@ -58,7 +58,7 @@ def score(
     if options is None:
         cache = copy.deepcopy(exact)
     else:
-        cache = OscarCache(model.config, OscarConfig(**options))
+        cache = OscarCache(model.config, OscarConfig(bits=2, sink_tokens=0, **options))  # the INT2 screen
         for idx, (layer, prefilled) in enumerate(zip(cache.layers, exact.layers, strict=True)):
             if type(layer) is type(prefilled):
                 cache.layers[idx] = copy.deepcopy(prefilled)

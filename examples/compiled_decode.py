@@ -42,6 +42,7 @@ def main() -> None:
 
     with torch.inference_mode():
         out = model(ids, **cache_kwargs(cache), use_cache=True, logits_to_keep=1)  # prefill: eager
+        cache.choose_bits()  # the layers' widths (bits="auto"), before the first compiled step: generate does this
         token = out.logits[:, -1:].argmax(-1)
         tokens, times = [token], []
         for _ in range(args.new_tokens - 1):

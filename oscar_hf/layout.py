@@ -58,6 +58,7 @@ class StorageLayout:
 
     @classmethod
     def of(cls, config: OscarConfig) -> StorageLayout:
+        config.require_widths("StorageLayout.of")
         c = config
         return cls(c.key_bits, c.value_bits, c.group_size, c.token_scaling, c.scale_torch_dtype)
 

@@ -10,25 +10,29 @@ Plain data, importing nothing: `oscar-eval --help` reads this file without impor
 # "quantized" is transformers' own QuantizedCache (needs optimum-quanto or hqq; refuses sliding-window models).
 # "tiny-turboquant": tiny-turboquant's TinyKVCache(**cache_config), a peer that generate takes as a cache object (it is
 # no cache_implementation of transformers).
+# The method whose config is `OscarConfig()`'s defaults (tests/test_config.py holds them equal).
+DEFAULT_METHOD = "oscar-auto-3.2-sinks4"
+# Every OScaR method names its widths and sinks, so that a change of `OscarConfig`'s defaults leaves its records true.
 METHODS: dict[str, tuple[str | None, dict]] = {
     "bf16": (None, {}),
-    # the default (method="auto"): the query rule (each KV head's key rotation chosen from the prompt's queries) on a
-    # model with sdpa attention, as transformers loads one by default; the paper's method elsewhere, with a warning
-    "oscar-int2": ("oscar", {"bits": 2}),
-    "oscar-paper-int2": ("oscar", {"bits": 2, "method": "paper"}),  # the paper's method: every key rotated
-    "oscar-int4": ("oscar", {"bits": 4}),  # the default at 4 bits
-    "oscar-k4v2": ("oscar", {"key_bits": 4, "value_bits": 2}),  # the default with 4-bit keys and 2-bit values
-    "oscar-int2-sinks4": ("oscar", {"bits": 2, "sink_tokens": 4}),  # the default with 4 exact attention-sink tokens
-    "oscar-paper-int4": ("oscar", {"bits": 4, "method": "paper"}),  # the paper's method at 4 bits
-    # layer-wise widths chosen from each prompt under a budget of average stored bits per K/V element
-    "oscar-auto-3.2": ("oscar", {"bits": "auto", "avg_bits": 3.2}),  # INT2's memory, a few layers 4-bit
+    # the default cache (`OscarConfig()`): layer-wise widths under 3.2 stored bits per K/V element, 4 exact sinks,
+    # method="auto" (the query rule on an sdpa model, as transformers loads one by default; the paper's method
+    # elsewhere, with a warning)
     "oscar-auto-3.2-sinks4": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 4}),
-    "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6}),
-    "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1}),
-    "kivi-int2": ("oscar", {"bits": 2, "rotation": False, "token_scaling": False}),
+    "oscar-int2": ("oscar", {"bits": 2, "sink_tokens": 0}),  # 2-bit keys and values, the query rule
+    "oscar-paper-int2": ("oscar", {"bits": 2, "sink_tokens": 0, "method": "paper"}),  # the paper's: every key rotated
+    "oscar-int4": ("oscar", {"bits": 4, "sink_tokens": 0}),
+    "oscar-k4v2": ("oscar", {"key_bits": 4, "value_bits": 2, "sink_tokens": 0}),  # 4-bit keys, 2-bit values
+    "oscar-int2-sinks4": ("oscar", {"bits": 2, "sink_tokens": 4}),  # with 4 exact attention-sink tokens
+    "oscar-paper-int4": ("oscar", {"bits": 4, "sink_tokens": 0, "method": "paper"}),  # the paper's method at 4 bits
+    # layer-wise widths chosen from each prompt under a budget of average stored bits per K/V element
+    "oscar-auto-3.2": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 0}),  # INT2's memory, a few 4-bit
+    "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 0}),
+    "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1, "sink_tokens": 0}),
+    "kivi-int2": ("oscar", {"bits": 2, "sink_tokens": 0, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
-    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "token_scaling": False, "method": "paper"}),
-    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "rotation": False}),
+    "oscar-int2-rotation-only": ("oscar", {"bits": 2, "sink_tokens": 0, "token_scaling": False, "method": "paper"}),
+    "oscar-int2-scaling-only": ("oscar", {"bits": 2, "sink_tokens": 0, "rotation": False}),
     "hf-quanto-int2": ("quantized", {"backend": "quanto", "nbits": 2}),
     "hf-quanto-int4": ("quantized", {"backend": "quanto", "nbits": 4}),
     "hf-hqq-int2": ("quantized", {"backend": "hqq", "nbits": 2}),

@@ -268,6 +268,7 @@ def quantize_kv(
     Token norms and value groups (along channels) are per token: padding cannot reach the real tokens there. Padding
     stores code 0, norm 1 and value groups of scale 0 and min 0, so whatever the model left in it (even inf or NaN)
     it decodes to finite numbers: zeros, but for keys in a group shared with real tokens (the group's minimums)."""
+    config.require_widths("reference.quantize_kv")
     k = keys.float() if keys.dtype != torch.float64 else keys
     v = values.float() if values.dtype != torch.float64 else values
     if not config.token_scaling:

@@ -22,7 +22,7 @@ def _cache(config=None, layers=2, heads=HKV, head_dim=D):
         head_dim=head_dim,
         hidden_size=4 * heads * head_dim,
     )
-    return OscarCache(model_config, config or OscarConfig(scale_dtype="float32"))
+    return OscarCache(model_config, config or OscarConfig(scale_dtype="float32", bits=2, sink_tokens=0))
 
 
 def _expected_history(oracle, keys, values, config, memo=None, stored=False, queries=None, prompt=None):
@@ -57,15 +57,15 @@ def _assert_history(got, want, what):
 @pytest.mark.parametrize(
     "options",
     [
-        {"method": "paper"},
-        {"rotation": False, "token_scaling": False},
+        {"bits": 2, "method": "paper"},
+        {"bits": 2, "rotation": False, "token_scaling": False},
         {"bits": 4, "residual_length": 64, "method": "paper"},
-        {"method": "oscar", "residual_length": 64},
+        {"bits": 2, "method": "oscar", "residual_length": 64},
         {"key_bits": 4, "value_bits": 2, "method": "oscar", "residual_length": 64},
     ],
 )
 def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
-    config = OscarConfig(scale_dtype="float32", **options)
+    config = OscarConfig(scale_dtype="float32", sink_tokens=0, **options)
     cache = _cache(config)
     total = prefill + 2 * config.residual_length + 40  # the decode steps cross two flushes whatever the prefill
     scale = torch.logspace(-1, 1, total, dtype=torch.float64)[:, None]  # token norms spanning 100x
@@ -100,7 +100,7 @@ def test_prefill_then_decode_matches_oracle(oracle, prefill, options):
 
 def test_chunks_arriving_with_history_match_oracle(oracle):
     """Multi-turn / chunked prefill: chunks of any size attend to the stored history plus their own exact tokens."""
-    config = OscarConfig(scale_dtype="float32", method="paper")
+    config = OscarConfig(scale_dtype="float32", method="paper", bits=2, sink_tokens=0)
     cache = _cache(config)
     chunks = [70, 200, 1, 57, 128, 3]
     keys = torch.randn(B, HKV, sum(chunks), D, dtype=torch.float64)
@@ -121,7 +121,7 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
     """method="oscar" decides each (row, head)'s key rotation from the prompt and keeps it once decoding started:
     later blocks with other statistics (a new turn's chunk) use the same choice, and batch reordering carries it with
     its row."""
-    config = OscarConfig(scale_dtype="float32", method="oscar")
+    config = OscarConfig(scale_dtype="float32", method="oscar", bits=2, sink_tokens=0)
     cache = _cache(config)
     gen = torch.Generator().manual_seed(0)
     keys = torch.randn(B, HKV, 500, D, dtype=torch.float64, generator=gen)
@@ -157,7 +157,7 @@ def test_oscar_method_keeps_each_rows_key_rotation_through_later_blocks_and_batc
 
 
 def test_bf16_prefill_returns_exact_tokens_and_stores_packed_blocks():
-    cache = _cache(OscarConfig())
+    cache = _cache(OscarConfig(bits=2, sink_tokens=0))
     keys = torch.randn(1, HKV, 300, D, dtype=torch.bfloat16)
     values = torch.randn_like(keys)
     got_k, got_v = cache.update(keys, values, layer_idx=0)
@@ -174,14 +174,14 @@ def test_bf16_prefill_returns_exact_tokens_and_stores_packed_blocks():
 
 
 def test_storage_grows_by_doubling_and_reserve_preallocates():
-    cache = _cache(OscarConfig())
+    cache = _cache(OscarConfig(bits=2, sink_tokens=0))
     layer = cache.layers[0]
     capacities = []
     for _ in range(10):
         cache.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
         capacities.append(0 if layer._storage is None else layer._storage.key_scale.shape[2] * 32)
     assert capacities == [0, 128, 256, 512, 512, 1024, 1024, 1024, 1024, 2048]
-    reserved = _cache(OscarConfig())
+    reserved = _cache(OscarConfig(bits=2, sink_tokens=0))
     reserved.reserve(1000)
     reserved.update(torch.randn(1, HKV, 129, D), torch.randn(1, HKV, 129, D), layer_idx=0)
     assert reserved.layers[0]._storage.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
@@ -190,15 +190,15 @@ def test_storage_grows_by_doubling_and_reserve_preallocates():
 @pytest.mark.parametrize(
     "options,min_ratio",
     [
-        ({"scale_dtype": "float16"}, 5.2),
-        ({"scale_dtype": "float32"}, 3.9),
+        ({"scale_dtype": "float16", "bits": 2}, 5.2),
+        ({"scale_dtype": "float32", "bits": 2}, 3.9),
         ({"scale_dtype": "float16", "key_bits": 4, "value_bits": 2}, 3.9),
         ({"scale_dtype": "float16", "key_bits": 2, "value_bits": 4}, 3.9),
     ],
 )
 def test_memory_footprint_counts_real_bytes(options, min_ratio):
     heads, dim, tokens = 8, 128, 1000
-    config = OscarConfig(**options)
+    config = OscarConfig(sink_tokens=0, **options)
     cache = _cache(config, heads=heads, head_dim=dim)
     for layer_idx in range(2):
         kv = torch.randn(1, heads, tokens, dim, dtype=torch.bfloat16)
@@ -222,18 +222,27 @@ def test_memory_footprint_counts_real_bytes(options, min_ratio):
 def test_average_bits_counts_every_stored_bit():
     """Codes, fp16 scales and minimums and a float32 token norm per token and KV head, over its 2 x 128 K/V elements:
     100 bytes at 2 bits, 164 at 4 bits, 132 with 4-bit keys and 2-bit values. A layer's KV heads share the norm."""
-    per_token_and_head = {OscarConfig(): 100, OscarConfig(bits=4): 164, OscarConfig(key_bits=4, value_bits=2): 132}
+    per_token_and_head = {
+        OscarConfig(bits=2, sink_tokens=0): 100,
+        OscarConfig(bits=4, sink_tokens=0): 164,
+        OscarConfig(key_bits=4, value_bits=2, sink_tokens=0): 132,
+    }
     for config, stored in per_token_and_head.items():
         assert average_bits(config, 128) == 8 * stored / 256
-    assert average_bits(OscarConfig(key_bits=2, value_bits=4), 128) == average_bits(OscarConfig(key_bits=4), 128)
-    assert average_bits(OscarConfig(), 128, kv_heads=4) == 8 * (96 + 4 / 4) / 256
-    assert average_bits(OscarConfig(token_scaling=False, scale_dtype="float32"), 64) == 8 * (32 + 32) / 128
+    assert average_bits(OscarConfig(key_bits=2, value_bits=4, sink_tokens=0), 128) == average_bits(
+        OscarConfig(key_bits=4, sink_tokens=0), 128
+    )
+    assert average_bits(OscarConfig(bits=2, sink_tokens=0), 128, kv_heads=4) == 8 * (96 + 4 / 4) / 256
+    assert (
+        average_bits(OscarConfig(token_scaling=False, scale_dtype="float32", bits=2, sink_tokens=0), 64)
+        == 8 * (32 + 32) / 128
+    )
 
 
 def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():
     """A float32 cache of 1000 tokens: 896 quantized, 104 exact. The whole-cache ratios count the exact residual,
     and `str()` shows them."""
-    cache = _cache(OscarConfig(), heads=2, head_dim=64)
+    cache = _cache(OscarConfig(bits=2, sink_tokens=0), heads=2, head_dim=64)
     for layer_idx in range(2):
         cache.update(*torch.randn(2, 1, 2, 1000, 64), layer_idx)
     mem = cache.memory_footprint()
@@ -252,7 +261,7 @@ def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():
 
 
 def test_memory_counts_layers_left_in_full_precision(gemma3_config):
-    cache = OscarCache(gemma3_config, OscarConfig())
+    cache = OscarCache(gemma3_config, OscarConfig(bits=2, sink_tokens=0))
     for layer_idx in range(len(cache.layers)):
         cache.update(torch.randn(1, 1, 200, 64), torch.randn(1, 1, 200, 64), layer_idx)
     mem = cache.memory_footprint()
@@ -327,7 +336,7 @@ def test_offload_and_prefetch_round_trip():
 
 
 def test_hybrid_model_quantizes_only_full_attention_layers(gemma3_config):
-    cache = OscarCache(gemma3_config, OscarConfig())
+    cache = OscarCache(gemma3_config, OscarConfig(bits=2, sink_tokens=0))
     kinds = [type(layer) for layer in cache.layers]
     assert kinds == [DynamicSlidingWindowLayer, OscarLayer, DynamicSlidingWindowLayer, OscarLayer]
 
@@ -335,7 +344,7 @@ def test_hybrid_model_quantizes_only_full_attention_layers(gemma3_config):
 def test_model_without_full_attention_is_refused():
     config = MistralConfig(num_hidden_layers=2, sliding_window=64, head_dim=64, hidden_size=128, num_attention_heads=2)
     with pytest.raises(ValueError, match="no standard full-attention layer"):
-        OscarCache(config, OscarConfig())
+        OscarCache(config, OscarConfig(bits=2, sink_tokens=0))
 
 
 def _padded_batch(paddings, tokens, gen):
@@ -357,7 +366,7 @@ def test_left_padded_row_stores_its_tokens_as_alone(method):
     """Padding of a whole block (128 tokens, a multiple of the group size): the padded row's history is exactly the
     same row's history in a cache of its own (codes, scales, norms and key-rotation choice), shifted by the padding,
     and the padding reads back as zeros."""
-    config = OscarConfig(scale_dtype="float32", method=method)
+    config = OscarConfig(scale_dtype="float32", method=method, bits=2, sink_tokens=0)
     keys, values, mask = _padded_batch([128, 0], 400, torch.Generator().manual_seed(1))
     queries = torch.randn(B, 4 * HKV, 400, D, dtype=torch.float64, generator=torch.Generator().manual_seed(3))
     queries[0, :, :128] = float("nan")  # padding queries: whatever the model computed there must not count
@@ -395,7 +404,7 @@ def test_key_rotation_is_chosen_at_the_end_of_the_prefill_from_the_prompt(prompt
     position or not, padding left out), even when no block is full (a 40-token prompt: the first flush then happens in
     a decode step, which may be compiled). Eager decoding across the next flush stores that block as the reference
     quantizes it with that choice."""
-    config = OscarConfig(scale_dtype="float32", method="oscar")
+    config = OscarConfig(scale_dtype="float32", method="oscar", bits=2, sink_tokens=0)
     gen = torch.Generator().manual_seed(2)
     keys, values, mask = _padded_batch([9, 0], prompt + 150, gen)
     queries = _spiky_and_offset_keys(keys, gen, prompt)
@@ -422,7 +431,7 @@ def test_key_rotation_is_chosen_at_the_end_of_the_prefill_from_the_prompt(prompt
 def test_a_row_whose_prompt_is_all_padding_keeps_its_keys_unrotated():
     """A row with no real prompt token has nothing to choose from: its keys stay unrotated (KIVI-style), whatever its
     padding held; the other row chooses from its prompt, and blocks that follow store finite values."""
-    config = OscarConfig(scale_dtype="float32", method="oscar")
+    config = OscarConfig(scale_dtype="float32", method="oscar", bits=2, sink_tokens=0)
     gen = torch.Generator().manual_seed(4)
     keys, values, mask = _padded_batch([20, 0], 200, gen)
     queries = _spiky_and_offset_keys(keys, gen, 20)

@@ -7,13 +7,15 @@ import torch
 from transformers import LlamaConfig
 
 from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.config import DEFAULT_AVG_BITS
+from oscar_hf.methods import DEFAULT_METHOD, METHODS
 from oscar_hf.reference import round_trip_kv
 
 
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("bits", 3, r"bits=3 is not supported; use 2 \(default\) or 4"),
+        ("bits", 3, r"bits=3 is not supported; use 'auto' \(default: layer-wise widths under avg_bits\), 2 or 4"),
         ("bits", 2.0, "bits must be an int"),
         ("key_bits", 8, r"key_bits=8 is not supported; use 2 \(default\) or 4"),
         ("value_bits", True, "value_bits must be an int"),
@@ -47,17 +49,32 @@ def test_from_dict_round_trip():
 
 def test_bits_is_the_shorthand_for_key_and_value_bits():
     """`bits` sets both widths; key_bits/value_bits set one each (the other stays 2); after construction `bits` is
-    the common width, or None where they differ."""
-    assert (OscarConfig().key_bits, OscarConfig().value_bits, OscarConfig().bits) == (2, 2, 2)
+    the common width, or None where they differ. With no width given, each layer chooses its own (bits="auto")."""
+    assert (OscarConfig(bits=2).key_bits, OscarConfig(bits=2).value_bits, OscarConfig(bits=2).bits) == (2, 2, 2)
     assert OscarConfig(bits=4) == OscarConfig(key_bits=4, value_bits=4) == OscarConfig(bits=4, key_bits=4)
     assert OscarConfig(bits=4).bits == 4
     k4v2 = OscarConfig(key_bits=4)
     assert (k4v2.key_bits, k4v2.value_bits, k4v2.bits) == (4, 2, None) and k4v2 == OscarConfig(key_bits=4, value_bits=2)
     assert OscarConfig(value_bits=4).key_bits == 2
     with pytest.raises(ValueError, match="contradicts"):  # a resolved config changed in one width names the fix
-        dataclasses.replace(OscarConfig(), key_bits=4)
-    assert dataclasses.replace(OscarConfig(), bits=None, key_bits=4) == k4v2
+        dataclasses.replace(OscarConfig(bits=2), key_bits=4)
+    assert dataclasses.replace(OscarConfig(bits=2), bits=None, key_bits=4) == k4v2
     assert dataclasses.replace(k4v2, bits=4, key_bits=None, value_bits=None) == OscarConfig(bits=4)
+    assert dataclasses.replace(OscarConfig(), bits=2) == OscarConfig(bits=2)  # the default's budget is no obstacle
+
+
+def test_the_default_is_layer_wise_widths_under_3_2_bits_with_4_sinks():
+    """`OscarConfig()` is the method the records call DEFAULT_METHOD: bits="auto" under DEFAULT_AVG_BITS (or the
+    model's all-2-bit cost where that is higher), 4 exact sinks; a budget given alone implies bits="auto"."""
+    default = OscarConfig()
+    assert default.auto_bits and (default.key_bits, default.value_bits, default.avg_bits) == (None, None, None)
+    assert default.sink_tokens == 4 and OscarConfig(bits="auto") == default
+    method = OscarConfig(**METHODS[DEFAULT_METHOD][1])
+    assert method.avg_bits == DEFAULT_AVG_BITS and dataclasses.replace(method, avg_bits=None) == default
+    assert default.budget(3.125) == DEFAULT_AVG_BITS == 3.2 and default.budget(3.5) == 3.5
+    assert OscarConfig(avg_bits=3.6).auto_bits and OscarConfig(avg_bits=3.6).budget(3.5) == 3.6
+    with pytest.raises(ValueError, match=r"reference.quantize_kv: bits='auto' \(the default\).*OscarConfig\(bits=2\)"):
+        round_trip_kv(torch.randn(1, 1, 32, 64), torch.randn(1, 1, 32, 64), default.resolve("eager"))
 
 
 @pytest.mark.parametrize(
@@ -102,7 +119,7 @@ INTERPRETER_OVERFLOW = pytest.mark.filterwarnings(
 def test_values_too_large_for_fp16_scales_are_refused(attention, one_layer_config):
     """Both quantizers (PyTorch, and the Triton kernel: on CPU through its interpreter) go through the same check."""
     config = one_layer_config
-    options = dict(rotation=False, token_scaling=False, attention=attention)
+    options = dict(rotation=False, token_scaling=False, attention=attention, bits=2, sink_tokens=0)
     huge = torch.randn(1, 1, 129, 64) * 1e6
     with pytest.raises(ValueError, match="scale_dtype='float32'"):
         OscarCache(config, OscarConfig(**options)).update(huge, huge, 0)
@@ -126,7 +143,7 @@ def test_non_finite_keys_or_values_are_named_as_such(poisoned, rotation, attenti
     config = one_layer_config
     kv = {"keys": torch.randn(1, 1, 129, 64), "values": torch.randn(1, 1, 129, 64)}
     kv[poisoned][0, 0, 5, 3] = float("nan")
-    options = OscarConfig(attention=attention, scale_dtype="float32", rotation=rotation)
+    options = OscarConfig(attention=attention, scale_dtype="float32", rotation=rotation, bits=2, sink_tokens=0)
     cache = OscarCache(config, options)
     with pytest.raises(ValueError, match="non-finite keys or values") as error:
         keys, _ = cache.update(kv["keys"], kv["values"], 0)

@@ -49,7 +49,7 @@ def _left_padded(lengths, vocab=97, pad=0):
 
 @pytest.mark.parametrize(
     "lengths, config",
-    [([150], None), ([150, 90, 20], None), ([150, 90, 20], OscarConfig(key_bits=4, value_bits=2))],
+    [([150], None), ([150, 90, 20], None), ([150, 90, 20], OscarConfig(key_bits=4, value_bits=2, sink_tokens=0))],
     ids=["single", "left-padded-batch", "left-padded-batch-K4V2"],
 )
 def test_exact_cache_generate_equals_dynamic_cache(tiny_llama, exact_oscar_cache, lengths, config):
@@ -148,7 +148,7 @@ def test_cross_attention_model_is_refused():
     model = tiny_mllama()
     message = r"cross-attention layers: this MllamaTextConfig \(cross_attention_layers=\[1\]\)"
     with pytest.raises(ValueError, match=message):
-        OscarCache(model.config, OscarConfig())
+        OscarCache(model.config, OscarConfig(bits=2, sink_tokens=0))
     ids = torch.cat([torch.tensor([[96]]), torch.randint(3, 90, (1, 9))], 1)  # the image token, then text
     inputs = dict(
         input_ids=ids,
@@ -194,11 +194,11 @@ def test_generate_accepts_an_oscar_config_object(tiny_llama):
         torch.randint(3, 97, (1, 140)),
         max_new_tokens=2,
         cache_implementation="oscar",
-        cache_config=OscarConfig(bits=4, residual_length=64),
+        cache_config=OscarConfig(bits=4, residual_length=64, sink_tokens=0),
         **GREEDY,
     )
     # method="auto" resolved for this sdpa model: the query rule
-    assert out.past_key_values.oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar")
+    assert out.past_key_values.oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar", sink_tokens=0)
     assert out.past_key_values.layers[0].quantized_length == 128
 
 
@@ -237,7 +237,7 @@ def test_generate_method_oscar_chooses_each_heads_rotation_from_the_prompts_quer
     exact, moments = DynamicCache(config=model.config), {}
     with recording_query_moments(moments):
         model(ids, **cache_kwargs(exact))
-    options = {"method": "oscar", "scale_dtype": "float32"}
+    options = {"method": "oscar", "scale_dtype": "float32", "bits": 2, "sink_tokens": 0}
     out = model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config=options, **GREEDY)
     chosen = []
     for idx, layer in enumerate(out.past_key_values.layers):
@@ -380,7 +380,7 @@ def test_latent_attention_model_is_refused():
     )
     message = r"multi-head latent attention: this DeepseekV3Config \(kv_lora_rank=64, qk_rope_head_dim=32\)"
     with pytest.raises(ValueError, match=message):
-        OscarCache(config, OscarConfig())
+        OscarCache(config, OscarConfig(bits=2, sink_tokens=0))
     model = DeepseekV3ForCausalLM(config).eval()
     with pytest.raises(ValueError, match=message):
         model.generate(torch.randint(3, 97, (1, 5)), max_new_tokens=2, cache_implementation="oscar")

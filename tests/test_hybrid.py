@@ -24,7 +24,7 @@ def _sdpa(config):
 
 
 def test_reserve_makes_sliding_layers_static_only_where_compiled_decode_may_apply(gemma3_config):
-    cache = OscarCache(_sdpa(gemma3_config), OscarConfig())
+    cache = OscarCache(_sdpa(gemma3_config), OscarConfig(bits=2, sink_tokens=0))
     cache.reserve(100)
     assert [type(layer) for layer in cache.layers] == [CompiledSlidingWindowLayer, OscarLayer] * 2
     assert [layer.max_cache_len for layer in cache.layers] == [16, 100] * 2  # the window, or the reserved length
@@ -32,11 +32,11 @@ def test_reserve_makes_sliding_layers_static_only_where_compiled_decode_may_appl
     assert cache.layers[0].max_cache_len == 10
     assert not any("layers that cannot run compiled" in reason for reason in cache.compile_blockers())
 
-    portable = OscarCache(gemma3_config, OscarConfig(attention="portable"))
+    portable = OscarCache(gemma3_config, OscarConfig(attention="portable", bits=2, sink_tokens=0))
     portable.reserve(100)  # compiled decode cannot apply: eager use stays as without a reservation
     assert [type(layer) for layer in portable.layers] == [DynamicSlidingWindowLayer, OscarLayer] * 2
     assert "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)" in portable.compile_blockers()
-    unreserved = OscarCache(gemma3_config, OscarConfig())
+    unreserved = OscarCache(gemma3_config, OscarConfig(bits=2, sink_tokens=0))
     assert type(unreserved.layers[0]) is DynamicSlidingWindowLayer
     assert "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)" in unreserved.compile_blockers()
 
@@ -45,7 +45,7 @@ def test_gemma3_shapes_compile_when_reserved():
     """Gemma 3's real head_dim (256) with sdpa: nothing blocks compiled decode once the length is reserved."""
     config = Gemma3TextConfig(num_hidden_layers=6, head_dim=256, num_attention_heads=8, num_key_value_heads=4)
     assert config.layer_types.count("full_attention") == 1
-    cache = OscarCache(_sdpa(config), OscarConfig())
+    cache = OscarCache(_sdpa(config), OscarConfig(bits=2, sink_tokens=0))
     assert cache.compile_blockers() == [
         "the model has layers that cannot run compiled (DynamicSlidingWindowLayer)",
         "no maximum length is reserved",
@@ -58,7 +58,7 @@ def test_gemma3_shapes_compile_when_reserved():
 def test_kv_sharing_models_compile_from_transformers_5_24(gemma3n_config):
     """Gemma 3n: from transformers 5.24 its sharing layers are `DummyLayer`s handed the producer's K/V as returned
     (compiled in tests/kernels/test_compiled_decode.py); before, a named blocker."""
-    cache = OscarCache(_sdpa(gemma3n_config), OscarConfig())
+    cache = OscarCache(_sdpa(gemma3n_config), OscarConfig(bits=2, sink_tokens=0))
     cache.reserve(100)
     if getattr(gemma3n_config, "kv_sharing_modes", None) is not None:
         assert cache.compile_blockers() == [] and type(cache.layers[-1]).__name__ == "DummyLayer"
@@ -113,7 +113,7 @@ def test_linear_attention_hybrid_compiles_and_its_exact_cache_equals_dynamic_cac
     cache = exact_oscar_cache(model.config)
     cache.reserve(ids.shape[1] + 40)
     assert [type(layer).__name__ for layer in cache.layers] == ["LinearAttentionLayer"] * 3 + ["ExactOscarLayer"]
-    assert OscarCache(model.config, OscarConfig(attention="fused")).compile_blockers() == [
+    assert OscarCache(model.config, OscarConfig(attention="fused", bits=2, sink_tokens=0)).compile_blockers() == [
         "no maximum length is reserved"
     ]
     got = model.generate(ids, **cache_kwargs(cache), **options)
@@ -161,9 +161,11 @@ def test_sliding_layer_eager_and_compiled_steps_equal_transformers_static_layer(
 def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
     """Reserved, on the fused path: each decode step's sliding-window calls (`sliding_window=16`) reach transformers'
     sdpa untouched with the static layer's window buffer, and only the full-attention layers' calls run the fused
-    kernel (the compiled forward traces these same calls: tests/kernels/test_compiled_decode.py)."""
-    model = Gemma3ForCausalLM(_sdpa(gemma3_config)).eval()
-    cache = OscarCache(model.config, OscarConfig(attention="fused", residual_length=32))
+    kernel (the compiled forward traces these same calls: tests/kernels/test_compiled_decode.py). On a GPU, CUDA
+    tensors (the fused path takes CPU ones only under Triton's interpreter)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = Gemma3ForCausalLM(_sdpa(gemma3_config)).eval().to(device)
+    cache = OscarCache(model.config, OscarConfig(attention="fused", residual_length=32, bits=2, sink_tokens=0))
     cache.reserve(60)
     passed, fused = [], []
     original_sdpa, original_fused = fused_attention.sdpa_attention_forward, DecodeHistory.attention
@@ -180,7 +182,7 @@ def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
 
     monkeypatch.setattr(DecodeHistory, "attention", fused_kernel)
     with torch.no_grad():
-        token = model(torch.randint(3, 97, (1, 20)), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
+        token = model(torch.randint(3, 97, (1, 20), device=device), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
         for _ in range(3):
             passed.clear()
             fused.clear()

@@ -53,7 +53,10 @@ def test_chunked_prefill_chooses_as_one_prefill(tiny_llama, monkeypatch, prompt)
     _exact_history(monkeypatch)
     model = tiny_llama(dtype=torch.float64, num_key_value_heads=4, num_attention_heads=8)
     ids = torch.randint(3, 97, (2, prompt))
-    options = dict(cache_implementation="oscar", cache_config={"method": "oscar", "scale_dtype": "float32"})
+    options = dict(
+        cache_implementation="oscar",
+        cache_config={"method": "oscar", "scale_dtype": "float32", "bits": 2, "sink_tokens": 0},
+    )
     whole = model.generate(ids, max_new_tokens=4, **options, **GREEDY)
     chunked = model.generate(ids, max_new_tokens=4, prefill_chunk_size=64, **options, **GREEDY)
     assert torch.equal(chunked.sequences, whole.sequences)
@@ -64,7 +67,9 @@ def test_chunked_prefill_chooses_as_one_prefill(tiny_llama, monkeypatch, prompt)
     for idx, (a, b) in enumerate(zip(whole.past_key_values.layers, chunked.past_key_values.layers)):
         assert torch.equal(a.key_rotated, b.key_rotated), idx
         assert a.rotation.final and b.rotation.final and not b.rotation.blocks  # decoding fixed it
-        alone = query_rotation_choice(first.layers[idx].keys, moments[idx], OscarConfig(scale_dtype="float32"))
+        alone = query_rotation_choice(
+            first.layers[idx].keys, moments[idx], OscarConfig(scale_dtype="float32", bits=2, sink_tokens=0)
+        )
         first_chunk_differs |= not torch.equal(alone, b.key_rotated)
     assert first_chunk_differs
 
@@ -74,7 +79,7 @@ def _cache(**options):
         num_hidden_layers=1, num_attention_heads=4 * HKV, num_key_value_heads=HKV, head_dim=D, hidden_size=4 * HKV * D
     )
     model_config._attn_implementation = "sdpa"  # the default method resolves to the query rule
-    return OscarCache(model_config, OscarConfig(scale_dtype="float32", **options))
+    return OscarCache(model_config, OscarConfig(scale_dtype="float32", bits=2, sink_tokens=0, **options))
 
 
 def _assert_stored_as(layer, keys, values, flags, config):
@@ -178,7 +183,7 @@ def test_a_prompts_blocks_are_quantized_once(tiny_llama, monkeypatch):
         lambda keys, *args, **kwargs: (quantized.append(keys.shape[-2]), original(keys, *args, **kwargs))[1],
     )
     model = tiny_llama(num_hidden_layers=3)
-    cache = OscarCache(model.config, OscarConfig(method="oscar"))
+    cache = OscarCache(model.config, OscarConfig(method="oscar", bits=2, sink_tokens=0))
     model(torch.randint(3, 97, (1, 1000)), **cache_kwargs(cache))
     assert quantized == [896] * 3  # (1000 - 1) // 128 * 128 tokens per layer, once each
     assert all(layer.key_rotated is not None and not layer.rotation.unwritten for layer in cache.layers)

@@ -8,6 +8,7 @@ import torch
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
+from oscar_hf.config import DEFAULT_AVG_BITS
 from oscar_hf.layer_widths import LAYER_WIDTHS, add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
 from oscar_hf.reference import (
     dequantize_kv,
@@ -22,7 +23,7 @@ GREEDY = dict(do_sample=False, pad_token_id=0)
 
 
 def _bits_table(layers: int, head_dim: int = 128, kv_heads: int = 8) -> torch.Tensor:
-    config = OscarConfig()
+    config = OscarConfig(bits=2, sink_tokens=0)
     row = [[average_bits(config.with_widths(k, v), head_dim, kv_heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
     return torch.tensor([row] * layers, dtype=torch.float64)
 
@@ -37,7 +38,7 @@ def _average(chosen, bits, weights) -> float:
 # reference: costs and greedy
 def test_query_weighted_key_error_is_the_centred_error_weighted_by_the_queries():
     keys, queries = torch.randn(2, 3, 64, 32, dtype=torch.float64), torch.randn(2, 6, 40, 32, dtype=torch.float64)
-    config = OscarConfig(key_bits=2)
+    config = OscarConfig(key_bits=2, sink_tokens=0)
     error = fake_quantize_keys(keys, True, config) - keys
     centred = error - error.mean(-2, keepdim=True)
     logits = queries.unflatten(1, (3, 2)).flatten(2, 3) @ centred.transpose(-1, -2)  # [B, Hkv, g * Tq, N]
@@ -51,7 +52,7 @@ def test_cost_sums_of_chunks_add_up_to_the_whole_prompts():
     keys, values = torch.randn(2, 2, 96, 32, dtype=torch.float64), torch.randn(2, 2, 96, 32, dtype=torch.float64)
     valid = torch.ones(2, 96, dtype=torch.bool)
     valid[1, :7] = False
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     whole = bit_cost_sums(keys, values, config, (True, False), valid)
     parts = None
     for start, end in ((0, 32), (32, 96)):
@@ -69,7 +70,7 @@ def test_layer_bit_costs_match_the_attention_error_model():
     wider width costs less; each head takes its cheaper rotation."""
     keys, values = torch.randn(1, 2, 64, 32, dtype=torch.float64), torch.randn(1, 2, 64, 32, dtype=torch.float64)
     moment = query_moment(torch.randn(1, 4, 16, 32, dtype=torch.float64), 2) / (16 * 2)
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     key_costs, value_costs, rotated = layer_bit_costs(
         bit_cost_sums(keys, values, config, (True, False)), moment, (True, False), 32**-0.5
     )
@@ -90,7 +91,7 @@ def test_layer_bit_costs_match_the_attention_error_model():
 def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
     """Three layers of random keys and values; the middle one's keys carry outlier channels that its queries read.
     With the budget of one key upgrade, it is that layer's keys that get 4 bits."""
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     key_costs, value_costs = [], []
     for layer in range(3):
         keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
@@ -134,30 +135,40 @@ def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits
 # ----------------------------------------------------------------------------------------------------------------------
 # config
 def test_auto_bits_config_is_validated():
-    config = OscarConfig(bits="auto", avg_bits=4.1)
+    config = OscarConfig(bits="auto", avg_bits=4.1, sink_tokens=0)
     assert config.auto_bits and config.key_bits is None and config.value_bits is None
     assert OscarConfig.from_dict(config.to_dict()) == config
-    assert config.with_widths(4, 2) == OscarConfig(key_bits=4, value_bits=2)
-    with pytest.raises(ValueError, match="bits='auto' needs avg_bits"):
-        OscarConfig(bits="auto")
-    with pytest.raises(ValueError, match="needs avg_bits"):
-        OscarConfig(bits="auto", avg_bits=float("nan"))
+    assert config.with_widths(4, 2) == OscarConfig(key_bits=4, value_bits=2, sink_tokens=0)
+    with pytest.raises(ValueError, match="avg_bits is the average stored bits.*got avg_bits=nan"):
+        OscarConfig(bits="auto", avg_bits=float("nan"), sink_tokens=0)
     with pytest.raises(ValueError, match="avg_bits=3.6 is the budget of bits='auto'"):
-        OscarConfig(avg_bits=3.6)
+        OscarConfig(bits=2, avg_bits=3.6, sink_tokens=0)
     with pytest.raises(ValueError, match="drop key_bits=4"):
-        OscarConfig(bits="auto", avg_bits=3.6, key_bits=4)
-    with pytest.raises(ValueError, match="bits='fast' is not supported; use 2 \\(default\\) or 4, or 'auto'"):
-        OscarConfig(bits="fast")
+        OscarConfig(bits="auto", avg_bits=3.6, key_bits=4, sink_tokens=0)
+    with pytest.raises(ValueError, match="bits='fast' is not supported; use 'auto'"):
+        OscarConfig(bits="fast", sink_tokens=0)
     with pytest.raises(ValueError, match="cache.average_bits"):
         average_bits(config, 128)
 
 
 def test_a_budget_below_the_all_2_bit_cost_is_refused_with_the_minimum(tiny_llama):
     config = tiny_llama().config
-    low = average_bits(OscarConfig(), 32, 2)
+    low = average_bits(OscarConfig(bits=2, sink_tokens=0), 32, 2)
     with pytest.raises(ValueError, match=f"pass avg_bits >= {low:.4g}"):
-        OscarCache(config, OscarConfig(bits="auto", avg_bits=low - 0.01))
-    OscarCache(config, OscarConfig(bits="auto", avg_bits=low))
+        OscarCache(config, OscarConfig(bits="auto", avg_bits=low - 0.01, sink_tokens=0))
+    OscarCache(config, OscarConfig(bits="auto", avg_bits=low, sink_tokens=0))
+
+
+def test_the_default_budget_is_the_all_2_bit_cost_where_that_exceeds_3_2_bits(tiny_llama):
+    """head_dim 32 stores more than DEFAULT_AVG_BITS at 2 bits everywhere (its scales and norms per element): the
+    default budget is then that cost, every layer 2-bit, where a given budget below it is refused (above)."""
+    model = tiny_llama()
+    low = average_bits(OscarConfig(bits=2), 32, 2)
+    assert low > DEFAULT_AVG_BITS
+    cache = _filled(model, torch.randint(3, 97, (1, 300)))
+    cache.choose_bits()
+    assert not cache.bits_open and cache.average_bits() == low
+    assert all((layer.config.key_bits, layer.config.value_bits) == (2, 2) for layer in cache.layers)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -187,7 +198,7 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
     assert len(set(widths)) > 1, widths  # the budget buys some upgrades, not all
     assert cache.average_bits() <= 4.0
-    four = OscarConfig(bits=4, method=method)
+    four = OscarConfig(bits=4, method=method, sink_tokens=0)
     for layer, (stored, rotated) in zip(cache.layers, before):
         keys, values = dequantize_kv(stored, four, torch.float32, rotated)
         want = quantize_kv(keys, values, layer.config, layer.key_rotated)
@@ -213,7 +224,7 @@ def test_the_4_bit_round_trip_adds_little_to_the_2_bit_error():
     keys, values = torch.randn(2, 4, 256, 128), torch.randn(2, 4, 256, 128)
     keys[..., 3] += 8 * torch.randn(2, 4, 256)
     keys = keys * 3 * torch.rand(1, 1, 256, 1)
-    four, two = OscarConfig(bits=4, method="paper"), OscarConfig(bits=2, method="paper")
+    four, two = OscarConfig(bits=4, method="paper", sink_tokens=0), OscarConfig(bits=2, method="paper", sink_tokens=0)
     k4, v4 = dequantize_kv(quantize_kv(keys, values, four), four)
     direct = dequantize_kv(quantize_kv(keys, values, two), two)
     converted = dequantize_kv(quantize_kv(k4, v4, two), two)
@@ -225,9 +236,12 @@ def test_generate_with_auto_bits_respects_the_budget_and_says_what_it_chose(tiny
     model = tiny_llama(num_hidden_layers=4)
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 97, (1, 150))
-    low, high = average_bits(OscarConfig(), 32, 2), average_bits(OscarConfig(bits=4), 32, 2)
+    low, high = (
+        average_bits(OscarConfig(bits=2, sink_tokens=0), 32, 2),
+        average_bits(OscarConfig(bits=4, sink_tokens=0), 32, 2),
+    )
     for budget in (low, (low + high) / 2, high):
-        options = {"bits": "auto", "avg_bits": budget, "residual_length": 32}
+        options = {"bits": "auto", "avg_bits": budget, "sink_tokens": 0, "residual_length": 32}
         with caplog.at_level(logging.INFO, logger="oscar_hf"):
             out = model.generate(
                 prompt, max_new_tokens=40, min_new_tokens=40, cache_implementation="oscar", cache_config=options,
@@ -253,12 +267,12 @@ def test_auto_bits_generates_what_a_cache_of_the_chosen_fixed_widths_generates(t
     auto cache's 2-bit halves come from the 4-bit round trip, within rounding of the direct ones."""
     model = tiny_llama(num_hidden_layers=4)
     prompt = torch.randint(3, 97, (1, 150))
-    options = {"bits": "auto", "avg_bits": 4.0, "residual_length": 32, "method": "paper"}
+    options = {"bits": "auto", "avg_bits": 4.0, "sink_tokens": 0, "residual_length": 32, "method": "paper"}
     out = model.generate(
         prompt, max_new_tokens=20, cache_implementation="oscar", cache_config=options,
         return_dict_in_generate=True, output_logits=True, **GREEDY,
     )  # fmt: skip
-    fixed = OscarCache(model.config, OscarConfig(residual_length=32, method="paper"))
+    fixed = OscarCache(model.config, OscarConfig(residual_length=32, method="paper", bits=2, sink_tokens=0))
     for i, layer in enumerate(out.past_key_values.layers):
         fixed.layers[i] = type(layer)(layer.config)
     again = model.generate(
@@ -273,7 +287,7 @@ def test_a_cache_filled_by_hand_chooses_from_the_keys_at_its_first_decode_step(t
     """No attention call hands queries over: the keys are costed against isotropic queries (said once), and the first
     single-token update chooses before it is stored."""
     config = tiny_llama(num_hidden_layers=3).config
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=3.9, residual_length=32))
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=3.9, residual_length=32, sink_tokens=0))
     for idx in range(3):
         cache.update(torch.randn(1, 2, 100, 32) * (1 + 3 * idx), torch.randn(1, 2, 100, 32), idx)
     assert all(layer.bits_open for layer in cache.layers)
@@ -298,7 +312,7 @@ def test_a_prompt_fed_in_chunks_chooses_after_the_last_chunk(tiny_llama):
     model = tiny_llama(num_hidden_layers=4)
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 97, (1, 150))
-    options = {"bits": "auto", "avg_bits": 3.9, "residual_length": 32}
+    options = {"bits": "auto", "avg_bits": 3.9, "sink_tokens": 0, "residual_length": 32}
     runs = [
         model.generate(
             prompt, max_new_tokens=3, cache_implementation="oscar", cache_config=options, prefill_chunk_size=chunk,
@@ -317,7 +331,7 @@ def test_a_long_prompt_fed_in_chunks_chooses_once_the_costs_are_complete(tiny_ll
     widths, not at 4 bits."""
     model = tiny_llama(num_hidden_layers=3)
     model.config._attn_implementation = "sdpa"
-    cache = OscarCache(model.config, OscarConfig(bits="auto", avg_bits=3.5))
+    cache = OscarCache(model.config, OscarConfig(bits="auto", avg_bits=3.5, sink_tokens=0))
     prompt = torch.randint(3, 97, (1, CHOICE_TOKENS + 1024))
     with torch.no_grad():
         for start in range(0, prompt.shape[1], 1024):

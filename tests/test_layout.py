@@ -32,11 +32,11 @@ def test_pack_bit_order_is_token_major_in_low_bits():
 @pytest.mark.parametrize(
     "config",
     [
-        OscarConfig(),
-        OscarConfig(bits=4, group_size=64, residual_length=128),
-        OscarConfig(token_scaling=False),
-        OscarConfig(key_bits=4, value_bits=2),
-        OscarConfig(key_bits=2, value_bits=4),
+        OscarConfig(bits=2, sink_tokens=0),
+        OscarConfig(bits=4, group_size=64, residual_length=128, sink_tokens=0),
+        OscarConfig(token_scaling=False, bits=2, sink_tokens=0),
+        OscarConfig(key_bits=4, value_bits=2, sink_tokens=0),
+        OscarConfig(key_bits=2, value_bits=4, sink_tokens=0),
     ],
     ids=["default", "4bit-G64", "noScale", "K4V2", "K2V4"],
 )
@@ -56,7 +56,7 @@ def test_quantize_kv_output_follows_the_layout(config):
 
 
 def test_rows_are_views_of_whole_groups():
-    config = OscarConfig()
+    config = OscarConfig(bits=2, sink_tokens=0)
     layout = StorageLayout.of(config)
     qkv = quantize_kv(torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64), config)
     part = layout.rows(qkv, 32, 96)
@@ -69,7 +69,7 @@ def test_rows_are_views_of_whole_groups():
 
 
 def test_check_names_the_wrong_field():
-    config = OscarConfig()
+    config = OscarConfig(bits=2, sink_tokens=0)
     layout = StorageLayout.of(config)
     qkv = quantize_kv(torch.randn(1, 2, 64, 64), torch.randn(1, 2, 64, 64), config)
     with pytest.raises(ValueError, match="key_min has shape"):
@@ -77,8 +77,8 @@ def test_check_names_the_wrong_field():
     with pytest.raises(ValueError, match="value_scale is torch.float32"):
         layout.check(qkv._replace(value_scale=qkv.value_scale.float()), 1, 2, 64, qkv.key_min.device, "test")
     with pytest.raises(ValueError, match="key_codes has shape"):
-        StorageLayout.of(OscarConfig(bits=4)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
+        StorageLayout.of(OscarConfig(bits=4, sink_tokens=0)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
     with pytest.raises(ValueError, match="value_codes has shape"):
-        StorageLayout.of(OscarConfig(value_bits=4)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
+        StorageLayout.of(OscarConfig(value_bits=4, sink_tokens=0)).check(qkv, 1, 2, 64, qkv.key_min.device, "test")
     with pytest.raises(ValueError, match="key_norms has shape None"):
         layout.check(qkv._replace(key_norms=None), 1, 2, 64, qkv.key_min.device, "test")

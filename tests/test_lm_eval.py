@@ -126,7 +126,7 @@ def test_shared_prefill_equals_prefill_through_the_cache(tokenizer, tiny_llama, 
     continuation = tokenizer(PAIRS[0][1]).input_ids
     got = wrapper._continuation_logprobs(context, continuation)
     with torch.no_grad():
-        cache = OscarCache(model.config, OscarConfig(bits=2))
+        cache = OscarCache(model.config, OscarConfig(bits=2, sink_tokens=0))
         first = model(torch.tensor([context]), **cache_kwargs(cache)).logits[0, -1:]
         rest = model(torch.tensor([continuation[:-1]]), **cache_kwargs(cache)).logits[0]
     expected = torch.log_softmax(torch.cat([first, rest]).float(), dim=-1)
@@ -317,15 +317,17 @@ def test_bad_method_or_option_fails_early(model, tokenizer):
 
 
 def test_an_oscar_config_is_taken_whole_where_the_method_agrees(model, tokenizer):
-    config = OscarConfig(bits=4, residual_length=64)
+    config = OscarConfig(bits=4, residual_length=64, sink_tokens=0)
     wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method="oscar-int4", cache_config=config)
     # taken whole, with method="auto" resolved for this sdpa model: the query rule
-    assert wrapper.make_cache().oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar")
+    assert wrapper.make_cache().oscar_config == OscarConfig(bits=4, residual_length=64, method="oscar", sink_tokens=0)
     assert wrapper.rolling_chunk == 64
     with pytest.raises(ValueError, match=r"'kivi-int2' sets .* but the OscarConfig has \{'rotation': True"):
-        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="kivi-int2", cache_config=OscarConfig())
+        OscarHFLM(
+            pretrained=model, tokenizer=tokenizer, method="kivi-int2", cache_config=OscarConfig(bits=2, sink_tokens=0)
+        )
     with pytest.raises(ValueError, match="does not use an OscarCache"):
-        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", cache_config=OscarConfig())
+        OscarHFLM(pretrained=model, tokenizer=tokenizer, method="bf16", cache_config=OscarConfig(bits=2, sink_tokens=0))
 
 
 def test_oscar_eval_help_is_its_own_lists_the_methods_and_imports_nothing_heavy():

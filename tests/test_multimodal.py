@@ -399,7 +399,8 @@ def test_real_codes_generate_with_exact_positions_and_memory_report(conversation
     """Real 2-bit codes: both turns run; positions (M-RoPE included) and rope deltas are those of DynamicCache, since
     they depend on where the tokens are, never on what the cache stores; the memory report matches the tensors."""
     name, model, turns = conversation
-    got = _run(name, model, turns, {"cache_implementation": "oscar"})
+    options = {"cache_implementation": "oscar", "cache_config": {"bits": 2, "sink_tokens": 0}}
+    got = _run(name, model, turns, options)
     cache = got["cache"]
     assert all(torch.isfinite(logits).all() for logits in got["logits"])
     assert not torch.equal(got["logits"][0], dynamic_run["logits"][0])  # the quantized history does change logits

@@ -125,7 +125,12 @@ def test_one_process_with_fewer_heads_than_the_config_reduces_nothing():
 # End to end: a tiny float64 Llama loaded with tp_plan="auto" in two gloo processes generates with the oscar cache
 # exactly as one process does (float64, so the only difference TP could make is in what the cache stores).
 
-GENERATE = dict(max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_logits=True)
+# 2-bit widths: bits="auto" would price each rank's storage (a token norm per rank, over half the heads) above one
+# process's, so the two may choose different widths at the budget's edge.
+GENERATE = dict(
+    max_new_tokens=20, min_new_tokens=20, do_sample=False, return_dict_in_generate=True, output_logits=True,
+    cache_config={"bits": 2},
+)  # fmt: skip
 
 
 def _tp_generate(rank, path, prompt, want_logits):

@@ -120,6 +120,7 @@ def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_
         token_scaling=token_scaling,
         scale_dtype="float32",
         method=method,
+        sink_tokens=0,
     )
     k = _keys_of_both_kinds()
     v = torch.randn(2, 3, 96, 64, dtype=torch.float64)
@@ -142,8 +143,11 @@ def test_quantize_kv_matches_independent_oracle(oracle, method, rotation, token_
 def test_keys_and_values_are_quantized_at_their_own_bits(key_bits, value_bits):
     """A mixed config stores the keys of the uniform config at `key_bits` and the values of the one at `value_bits`,
     field for field (the key-rotation choice is made at the keys' bits); dequantized likewise."""
-    config = OscarConfig(key_bits=key_bits, value_bits=value_bits, method="oscar")
-    of_keys, of_values = OscarConfig(bits=key_bits, method="oscar"), OscarConfig(bits=value_bits, method="oscar")
+    config = OscarConfig(key_bits=key_bits, value_bits=value_bits, method="oscar", sink_tokens=0)
+    of_keys, of_values = (
+        OscarConfig(bits=key_bits, method="oscar", sink_tokens=0),
+        OscarConfig(bits=value_bits, method="oscar", sink_tokens=0),
+    )
     k, v, q = _keys_of_both_kinds(tokens=128).float(), torch.randn(2, 3, 128, 64), _queries_weighing_the_offsets()
     rotated = query_rotation_choice(k, query_moment(q, 3), config)
     assert torch.equal(rotated, query_rotation_choice(k, query_moment(q, 3), of_keys))
@@ -165,7 +169,7 @@ def test_oscar_method_cuts_the_logit_error_where_the_rotation_hurts():
     q[0, 0, :, :4] *= 20  # queries weigh the offset channels, as in Qwen2.5-0.5B's layer 0
     errors = {}
     for method in ("oscar", "paper"):
-        config = OscarConfig(scale_dtype="float32", method=method)
+        config = OscarConfig(scale_dtype="float32", method=method, bits=2, sink_tokens=0)
         key_rotated = query_rotation_choice(k, query_moment(q, 3), config) if method == "oscar" else None
         k_hat, _ = dequantize_kv(quantize_kv(k, v, config, key_rotated), config, torch.float64, key_rotated)
         error = q @ (k_hat - k).transpose(-1, -2)
@@ -182,7 +186,7 @@ def test_token_scaling_removes_token_norm_imbalance():
     v = torch.randn_like(k)
     errors = {}
     for scaling in (True, False):
-        config = OscarConfig(token_scaling=scaling, scale_dtype="float32")
+        config = OscarConfig(token_scaling=scaling, scale_dtype="float32", bits=2, sink_tokens=0)
         k_hat, _ = dequantize_kv(quantize_kv(k, v, config), config, torch.float64)
         others = torch.ones(128, dtype=torch.bool)
         others[5] = False
@@ -210,7 +214,9 @@ def _left_pad(real_rows, paddings, gen):
 def test_padding_in_whole_groups_leaves_each_rows_storage_as_alone(method, rotation, token_scaling):
     """With padding in whole key groups (a multiple of group_size), a padded row stores exactly the codes, scales,
     mins and token norms of the same row quantized alone, and its key-rotation choice; the padding decodes to zeros."""
-    config = OscarConfig(rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method)
+    config = OscarConfig(
+        rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method, bits=2, sink_tokens=0
+    )
     gen = torch.Generator().manual_seed(9)
     real = _keys_of_both_kinds(tokens=160)
     real_values = torch.randn(real.shape, dtype=torch.float64, generator=gen)
@@ -255,7 +261,9 @@ def test_padding_within_a_group_matches_the_oracle(oracle, method, rotation, tok
     """Padding that shares key groups with real tokens (40 and 7 padding tokens, groups of 32): the float64 oracle's
     masked quantization, and (method="paper", no per-row choice) exactly the storage of the same batch with each
     padding key replaced by a copy of a real key of its group."""
-    config = OscarConfig(rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method)
+    config = OscarConfig(
+        rotation=rotation, token_scaling=token_scaling, scale_dtype="float32", method=method, bits=2, sink_tokens=0
+    )
     gen = torch.Generator().manual_seed(40)
     real = _keys_of_both_kinds(tokens=128)
     paddings = [40, 7]

@@ -52,7 +52,7 @@ def _assert_history(got, want, what):
     ids=["prompt-inside-the-sinks", "S4-oscar", "S16-paper", "S64-oscar"],
 )
 def test_prefill_then_decode_keeps_the_sinks_exact(oracle, sinks, prefill, method):
-    config = OscarConfig(scale_dtype="float32", method=method, residual_length=64, sink_tokens=sinks)
+    config = OscarConfig(scale_dtype="float32", method=method, residual_length=64, sink_tokens=sinks, bits=2)
     cache = _cache(config)
     total = prefill + 2 * config.residual_length + 20  # decode steps across two flushes
     scale = torch.logspace(-1, 1, total, dtype=torch.float64)[:, None]
@@ -78,7 +78,7 @@ def test_prefill_then_decode_keeps_the_sinks_exact(oracle, sinks, prefill, metho
 
 def test_chunks_crossing_the_sinks_attend_to_exact_sinks(oracle):
     """Multi-turn / chunked prefill: a chunk may end inside the sinks, fill them and spill into the window."""
-    config = OscarConfig(scale_dtype="float32", method="paper", sink_tokens=16)
+    config = OscarConfig(scale_dtype="float32", method="paper", sink_tokens=16, bits=2)
     cache = _cache(config)
     chunks = [3, 70, 200, 1, 57, 128]
     keys = torch.randn(B, HKV, sum(chunks), D, dtype=torch.float64)
@@ -109,7 +109,7 @@ def test_a_left_padded_rows_sinks_are_its_own_first_real_tokens(oracle, method):
     """Row 0 has 40 padding positions: its sinks are its first 4 real tokens (positions 40-43), kept exact in the
     same 4 slots as row 1's (positions 0-3); quantization counts neither row's padding nor its sinks, so making the
     sinks loud (as attention sinks are) changes nothing else the layer holds."""
-    config = OscarConfig(scale_dtype="float32", method=method, sink_tokens=4)
+    config = OscarConfig(scale_dtype="float32", method=method, sink_tokens=4, bits=2)
     gen = torch.Generator().manual_seed(1)
     keys = torch.randn(B, HKV, 400, D, dtype=torch.float64, generator=gen)
     values = torch.randn_like(keys)
@@ -144,7 +144,7 @@ def test_a_left_padded_rows_sinks_are_its_own_first_real_tokens(oracle, method):
 
 
 def _filled(sinks=16, tokens=300):
-    cache = _cache(OscarConfig(method="paper", sink_tokens=sinks), layers=2)
+    cache = _cache(OscarConfig(method="paper", sink_tokens=sinks, bits=2), layers=2)
     for layer_idx in range(2):
         cache.update(*torch.randn(2, 3, HKV, tokens, D, dtype=torch.float64), layer_idx=layer_idx)
     return cache
@@ -190,7 +190,7 @@ def test_memory_counts_the_sinks_as_exact_tokens():
 @pytest.mark.parametrize("value", [-1, True, 2.5, None])
 def test_sink_tokens_must_be_a_non_negative_int(value):
     with pytest.raises(ValueError, match="sink_tokens"):
-        OscarConfig(sink_tokens=value)
+        OscarConfig(sink_tokens=value, bits=2)
 
 
 def test_exact_cache_generate_with_sinks_equals_dynamic_cache(tiny_llama, exact_oscar_cache):
@@ -205,7 +205,7 @@ def test_exact_cache_generate_with_sinks_equals_dynamic_cache(tiny_llama, exact_
         mask[row, width - length :] = 1
     options = dict(max_new_tokens=150, min_new_tokens=150, do_sample=False, return_dict_in_generate=True)
     want = model.generate(ids, attention_mask=mask, **cache_kwargs(DynamicCache(config=model.config)), **options)
-    cache = exact_oscar_cache(model.config, OscarConfig(sink_tokens=4))
+    cache = exact_oscar_cache(model.config, OscarConfig(sink_tokens=4, bits=2))
     got = model.generate(ids, attention_mask=mask, **cache_kwargs(cache), **options)
     assert torch.equal(got.sequences, want.sequences)
     layer = cache.layers[0]

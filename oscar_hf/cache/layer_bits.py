@@ -162,12 +162,12 @@ def bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torc
     return torch.tensor(bits, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
 
 
-def check_budget(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Refuse a budget below the all-2-bit cost of layers of `shapes`; say when it exceeds the all-4-bit cost. Returns
-    their `bits_table`."""
+def check_budget(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[float, torch.Tensor, torch.Tensor]:
+    """The budget for layers of `shapes` (`OscarConfig.budget`), with their `bits_table`: a given budget below their
+    all-2-bit cost is refused; one above their all-4-bit cost is said."""
     bits, weights = bits_table(config, shapes)
     low, high = ((weights * bits[:, i, i]).sum().item() / weights.sum().item() for i in (0, -1))
-    budget = config.avg_bits
+    budget = config.budget(low)
     if budget < low - 1e-9:
         raise ValueError(
             f"OscarConfig(bits='auto', avg_bits={budget}): this model's layers store at least {low:.4g} bits per "
@@ -179,7 +179,7 @@ def check_budget(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[to
             f"OscarConfig(bits='auto', avg_bits={budget}): the budget exceeds this model's all-4-bit cost "
             f"({high:.4g} bits per K/V element), so every layer stores 4-bit keys and values, as with bits=4."
         )
-    return bits, weights
+    return budget, bits, weights
 
 
 def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
@@ -196,8 +196,8 @@ def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
         torch.distributed.all_reduce(totals, group=group)
     totals = totals.cpu()
     shapes = [(layer.storage.keys.shape[1], layer.storage.keys.shape[-1]) for layer in layers.values()]
-    bits, weights = check_budget(config, shapes)
-    chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, config.avg_bits)
+    budget, bits, weights = check_budget(config, shapes)
+    chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, budget)
     names = {}
     for (index, layer), (key_bits, value_bits), (_, _, rotated) in zip(layers.items(), chosen, costs):
         flags = rotated[LAYER_WIDTHS.index(key_bits)] if layer.rotation.active else None
@@ -206,6 +206,6 @@ def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
     stored = [average_bits(layer.config, dim, heads) for layer, (heads, dim) in zip(layers.values(), shapes)]
     mean = sum(w * b for w, b in zip(weights.tolist(), stored)) / weights.sum().item()
     widths = "; ".join(f"{name} for layers {indices}" for name, indices in sorted(names.items()))
-    logger.info(f"OscarCache(bits='auto', avg_bits={config.avg_bits}): {widths}; {mean:.3f} stored bits per K/V "
+    logger.info(f"OscarCache(bits='auto', avg_bits={budget:g}): {widths}; {mean:.3f} stored bits per K/V "
                 "element on average.")  # fmt: skip
     return True

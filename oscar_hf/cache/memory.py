@@ -111,7 +111,7 @@ def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float
     (bf16 is 16). The exact residual window and sinks are not counted (`KVMemory` counts what a cache holds)."""
     if config.auto_bits:
         raise ValueError(
-            "average_bits: bits='auto' chooses each layer's widths from the prompt; ask the cache "
+            "average_bits: bits='auto' (the default) chooses each layer's widths from the prompt; ask the cache "
             "(`cache.average_bits()`, after the prompt) or pass a config of fixed widths (config.with_widths(4, 2))."
         )
     layout = StorageLayout.of(config)

@@ -46,8 +46,6 @@ class KVStorage:
         self.quantize, self.dequantize = quantize, dequantize
         self.exact_keys: torch.Tensor | None = None  # [B, Hkv, sinks + R, D]: the sinks, then the window
         self.exact_values: torch.Tensor | None = None
-        self.keys: torch.Tensor | None = None  # the window: views of the last R tokens of the exact buffers
-        self.values: torch.Tensor | None = None
         self.sinks = self.sinks_held = self.held = self.length = 0  # sink slots (`allocate`), tokens held
         self.buffers: QuantizedKV | None = None  # capacity; the first `length` tokens are valid
         self.reserved = 0  # tokens reserved up front (`OscarLayer.reserve`), whole blocks
@@ -55,7 +53,7 @@ class KVStorage:
 
     def clear(self) -> None:
         """Hold nothing (the reservation stays)."""
-        self.exact_keys = self.exact_values = self.keys = self.values = self.buffers = None
+        self.exact_keys = self.exact_values = self.buffers = None
         self.held = self.length = self.sinks = self.sinks_held = 0
         self._views = (None, 0, None)
 
@@ -70,11 +68,15 @@ class KVStorage:
         tokens = sinks + self.window
         self.exact_keys = key_states.new_zeros(*key_states.shape[:2], tokens, key_states.shape[-1])
         self.exact_values = value_states.new_zeros(*value_states.shape[:2], tokens, value_states.shape[-1])
-        self._window_views()
 
-    def _window_views(self) -> None:
-        exact = (self.exact_keys, self.exact_values)  # no sinks: these very tensors, which compiled decode marks static
-        self.keys, self.values = tuple(t[:, :, self.sinks :] for t in exact) if self.sinks else exact
+    # The window: the last R slots of the exact buffers, a view made at each access. A compiled step then sees one
+    # input per buffer, the static one, and slices it in its graph; a view held as an attribute would enter the graph
+    # as a second input aliasing the first, whose mutation makes CUDA graphs skip the whole step (3.5x slower).
+    keys = property(lambda self: self._window(self.exact_keys), doc="[B, Hkv, R, D] exact window keys")
+    values = property(lambda self: self._window(self.exact_values), doc="[B, Hkv, R, D] exact window values")
+
+    def _window(self, exact: torch.Tensor | None) -> torch.Tensor | None:
+        return exact[:, :, self.sinks :] if self.sinks and exact is not None else exact
 
     def check_batch(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """Refuse K/V whose batch, heads or head_dim differ from what is held (a cache reused for another batch),
@@ -268,7 +270,6 @@ class KVStorage:
     def apply(self, fn) -> None:
         """Apply a batch-axis (or device) transform to every stored tensor."""
         self.exact_keys, self.exact_values = fn(self.exact_keys), fn(self.exact_values)
-        self._window_views()
         if self.buffers is not None:
             self.buffers = QuantizedKV(*(None if t is None else fn(t) for t in self.buffers))
         self._views = (None, 0, None)

@@ -46,7 +46,7 @@ from transformers.cache_utils import QuantizedLayer
 from ..cache import OscarCache, OscarLayer, average_bits
 from ..cache.key_rotation import choice_horizon
 from ..config import OscarConfig
-from ..methods import METHODS
+from ..methods import DEFAULT_METHOD, METHODS
 from ..offline_models import MODELS, model_path
 from .fused_attention import recording_query_moments
 from .transformers import CACHE_KWARG  # past_key_values up to transformers 5.23, cache from 5.24
@@ -119,7 +119,7 @@ def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> f
     if implementation == "oscar":
         config = OscarConfig.from_dict(cache_config)
         if config.auto_bits:  # each prompt chooses its layers' widths within the budget: the budget bounds them
-            return config.avg_bits
+            return config.budget(average_bits(config.with_widths(2, 2), head_dim, kv_heads))
         return average_bits(config, head_dim, kv_heads)
     if implementation == "quantized":
         nbits = cache_config.get("nbits", _default(QuantizedLayer.__init__, "nbits"))
@@ -160,7 +160,7 @@ class OscarHFLM(HFLM):
     Args:
         pretrained: a model object, a local path / hub id, or the name of an offline model in
             `oscar_hf.offline_models.MODELS` (e.g. "smollm2-135m"; its tokenizer comes with it).
-        method: one of `METHODS` ("oscar-int2" by default).
+        method: one of `METHODS` (`DEFAULT_METHOD` by default: the cache's own defaults).
         cache_config: options merged over the method's own (e.g. `{"residual_length": 64}` for an oscar method,
             `{"q_group_size": 32}` for hf-quanto); unknown OscarCache options are an error. An `OscarConfig` is taken
             whole, for an oscar method whose own options it agrees with.
@@ -172,7 +172,7 @@ class OscarHFLM(HFLM):
     def __init__(
         self,
         pretrained,
-        method: str = "oscar-int2",
+        method: str = DEFAULT_METHOD,
         cache_config: dict | OscarConfig | None = None,
         rolling_chunk: int | None = None,
         prefill_store: PrefillStore | None = None,

@@ -110,6 +110,7 @@ def make_inputs(case: Case, seed: int = 0):
         method=case.method,
         key_bits=case.key_bits,
         value_bits=case.value_bits,
+        sink_tokens=0,
     )
     batch, kv_heads, dim = case.batch, case.kv_heads, case.head_dim
     key_rotated = None

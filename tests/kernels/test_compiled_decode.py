@@ -69,7 +69,7 @@ def test_compiled_decode_matches_eager_across_a_flush(tiny_llama, method, key_bi
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 101, (1, 28), device=DEVICE)
     options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, method=method)
-    options["key_bits"] = key_bits
+    options.update(key_bits=key_bits, sink_tokens=0)
     eager_tokens, eager_logits, eager_cache = _decode(model.to(DEVICE), model.forward, prompt, 6, **options)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
@@ -361,13 +361,15 @@ def test_compiled_hybrid_generate_matches_eager_generate(teacher_forcing, prompt
     tokens = compiled.sequences[:, prompt_length:]
     eager = _generate(model, prompt, mask, 600, False, teacher_forcing(tokens, prompt_length))
     assert torch.equal(eager.sequences, compiled.sequences)
-    _assert_float32_logits_match(compiled, eager, prompt_length, OscarConfig().residual_length)
+    config = cache.oscar_config  # the default: bits="auto" (widths chosen after the prefill), 4 sinks
+    _assert_float32_logits_match(compiled, eager, prompt_length, config.residual_length)
     for a, b in zip(cache.layers, eager.past_key_values.layers):
         assert a.get_seq_length() == b.get_seq_length() == prompt_length + 599  # compiled lengths read back
         if a.is_sliding:  # the same window, in the same order (bf16 K/V of differently compiled layers below)
             assert ((a.keys.float() - b.keys.float()).norm() / b.keys.float().norm()).item() < 2e-2
         else:
-            assert a.quantized_length == b.quantized_length == (prompt_length + 598) // 128 * 128
+            held = prompt_length + 598 - config.sink_tokens  # tokens before the newest, less the sinks
+            assert a.quantized_length == b.quantized_length == held // config.residual_length * config.residual_length
 
 
 @pytest.mark.gpu
@@ -382,7 +384,7 @@ def test_decode_steps_never_synchronise_the_host(tiny_llama, compiled):
     ).to(DEVICE)  # fmt: skip
     model.config._attn_implementation = "sdpa"
     prompt = torch.randint(3, 1000, (2, 100), device=DEVICE)
-    cache = OscarCache(model.config, OscarConfig())
+    cache = OscarCache(model.config, OscarConfig(bits=2, sink_tokens=0))
     cache.reserve(prompt.shape[1] + 210)
     torch._dynamo.reset()
     decode_step = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True) if compiled else model.forward
@@ -415,7 +417,7 @@ def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
         return output
 
     model.model.layers[0].self_attn.k_proj.register_forward_hook(nan_key)
-    cache = OscarCache(model.config, OscarConfig(method="paper"))
+    cache = OscarCache(model.config, OscarConfig(method="paper", bits=2, sink_tokens=0))
     refused_at = None
     with torch.no_grad():
         token = model(torch.randint(3, 97, (2, 120), device=DEVICE), **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
@@ -444,7 +446,7 @@ def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
     prompt = torch.randint(3, 101, (2, 5), device=DEVICE)
     mask = torch.ones_like(prompt)
     prompt[1, :2], mask[1, :2] = 0, 0
-    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, sink_tokens=4)
+    options = dict(attention="auto" if DEVICE.type == "cuda" else "fused", residual_length=32, sink_tokens=4, bits=2)
 
     def decode(forward, steps=36):
         cache = OscarCache(model.config, OscarConfig(**options))
@@ -476,7 +478,7 @@ def _auto_bits_llama(tiny_llama):
         torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=2
     )
     model.config._attn_implementation = "sdpa"
-    low, one = (average_bits(OscarConfig(key_bits=k), 64, 2) for k in (2, 4))
+    low, one = (average_bits(OscarConfig(key_bits=k, sink_tokens=0), 64, 2) for k in (2, 4))
     return model.to(DEVICE), (low + one) / 2
 
 

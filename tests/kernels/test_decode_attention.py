@@ -147,6 +147,7 @@ def make_inputs(case: Case, seed: int = 0):
         group_size=case.group_size,
         scale_dtype=case.scale_dtype,
         method=case.method,
+        sink_tokens=0,
     )
     # method="oscar": a random per-(row, head) choice, both kinds present whenever there are two heads
     key_rotated = None

@@ -56,6 +56,7 @@ def test_dequantize_matches_the_float64_reference(
         token_scaling=token_scaling,
         scale_dtype=scale_dtype,
         group_size=group_size,
+        sink_tokens=0,
     )
     tokens = 3 * group_size
     stored = _random_storage(config, head_dim, tokens)
@@ -81,7 +82,7 @@ def test_dequantize_writes_the_model_dtype_within_one_rounding(dtype):
     """bf16/fp16 outputs are the float32 results converted once: within an ulp of the float64 reference (2^-7
     relative for bf16, 2^-10 for fp16: a GPU rounds to nearest, half an ulp; Triton's interpreter truncates, under an
     ulp), plus the float32 error (atol, as above)."""
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     stored = _random_storage(config, 128, 64)
     flags = _flags(config).to(DEVICE)  # the reference takes them where the storage is
     want = dequantize_kv(stored, config, torch.float64, flags)
@@ -94,7 +95,7 @@ def test_dequantize_writes_the_model_dtype_within_one_rounding(dtype):
 
 def test_dequantize_padded_storage_matches_the_reference():
     """Storage of a left-padded batch (`quantize_kv` with `valid`): padding groups of scale 0 and min 0, norm 1."""
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     keys, values = torch.randn(2, B, H, 128, 128, dtype=torch.float64).unbind(0)
     valid = torch.ones(B, 128, dtype=torch.bool)
     valid[1, :45] = False
@@ -108,7 +109,7 @@ def test_dequantize_padded_storage_matches_the_reference():
 
 
 def test_dequantize_refuses_a_missing_rotation_flag():
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     with pytest.raises(ValueError, match="needs key_rotated"):
         dequantize_kv_triton(_random_storage(config, 64, 32), config)
 
@@ -123,7 +124,7 @@ def test_a_chunk_with_history_has_the_kernels_dense_history(method):
         num_hidden_layers=1, num_attention_heads=2 * H, num_key_value_heads=H, head_dim=64, hidden_size=2 * H * 64
     )
     model_config._attn_implementation = "sdpa"
-    config = OscarConfig(method=method, attention="auto" if DEVICE.type == "cuda" else "fused")
+    config = OscarConfig(method=method, attention="auto" if DEVICE.type == "cuda" else "fused", bits=2, sink_tokens=0)
     cache = OscarCache(model_config, config)
     layer = cache.layers[0]
     for step, size in enumerate([70, 200, 57, 128]):

@@ -20,7 +20,7 @@ DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 def _chunked_prefill(model, ids, mask, attention, chunk, method, sinks=0, set_padding=True):
     """The logits of a left-padded prompt fed to a cache the caller owns in chunks of `chunk` tokens."""
-    config = OscarConfig(attention=attention, residual_length=32, method=method, sink_tokens=sinks)
+    config = OscarConfig(attention=attention, residual_length=32, method=method, sink_tokens=sinks, bits=2)
     cache = OscarCache(model.config, config)
     if set_padding:
         cache.set_padding(mask)
@@ -134,7 +134,9 @@ def test_a_chunk_s_buffers_do_not_outlive_its_attention(tiny_llama, monkeypatch)
         made.append(weakref.ref(history.keys))
 
     monkeypatch.setattr(fused_attention.FusedStep, "start", classmethod(recording))
-    cache = OscarCache(model.config, OscarConfig(attention=FUSED, residual_length=32, method="paper"))
+    cache = OscarCache(
+        model.config, OscarConfig(attention=FUSED, residual_length=32, method="paper", bits=2, sink_tokens=0)
+    )
     cache.set_padding(mask)
     for end in (24, 48, 72):
         model(ids[:, end - 24 : end], attention_mask=mask[:, :end], **cache_kwargs(cache), use_cache=True)

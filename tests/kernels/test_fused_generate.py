@@ -107,18 +107,20 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
         ),
     )
     ids = torch.randint(3, 101, (2, 150), device=DEVICE)
-    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 4, teacher_forcing, method="oscar")
+    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 4, teacher_forcing, method="oscar", bits=2)
     assert all(layer.use_kernels for layer in cache.layers)
     assert all(
         torch.equal(layer.key_rotated.cpu(), torch.tensor([[True, False], [False, True]])) for layer in cache.layers
     )
 
 
-@pytest.mark.parametrize("bits", [{}, {"key_bits": 4, "value_bits": 2}], ids=["K2V2", "K4V2"])
+@pytest.mark.parametrize("bits", [{"bits": 2}, {"key_bits": 4, "value_bits": 2}], ids=["K2V2", "K4V2"])
 def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing, bits):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)
-    cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 10, teacher_forcing, **bits)  # flush: 257
+    cache = _assert_fused_matches_portable(
+        model, ids, torch.ones_like(ids), 10, teacher_forcing, sink_tokens=0, **bits
+    )  # flush: 257
     assert cache.layers[0].quantized_length == 256
 
 
@@ -149,14 +151,14 @@ def test_unconsumed_fused_step_is_an_error():
     )
     config._attn_implementation = "sdpa"
     # filled by hand, without the queries the query rule chooses from: the paper's method
-    cache = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))
+    cache = OscarCache(config, OscarConfig(attention=FUSED, method="paper", bits=2, sink_tokens=0))
     kv = torch.randn(2, 1, 2, 140, 64, device=DEVICE, dtype=torch.bfloat16)
     cache.update(kv[0], kv[1], 0)
     cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)  # a fused decode step whose attention never runs
     with pytest.raises(RuntimeError, match="did not run through the fused sdpa path"):
         cache.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
     # A new cache starts clean: the aborted step of the old one does not fail it.
-    fresh = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))
+    fresh = OscarCache(config, OscarConfig(attention=FUSED, method="paper", bits=2, sink_tokens=0))
     fresh.update(kv[0], kv[1], 0)
     fresh.update(kv[0][:, :, :1], kv[1][:, :, :1], 0)
     assert fresh.layers[0].fused_step is not None and not fresh.layers[0].fused_step.attended
@@ -170,7 +172,9 @@ def test_steps_beyond_the_decode_kernel_query_limit_take_the_chunk_kernel():
         num_hidden_layers=1, num_attention_heads=16, num_key_value_heads=2, head_dim=64, hidden_size=1024
     )
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(attention=FUSED, method="paper"))  # filled by hand, without queries
+    cache = OscarCache(
+        config, OscarConfig(attention=FUSED, method="paper", bits=2, sink_tokens=0)
+    )  # filled by hand, without queries
     kv = torch.randn(2, 1, 2, 160, 64, device=DEVICE, dtype=torch.bfloat16)
     cache.update(kv[0][:, :, :140], kv[1][:, :, :140], 0)
     assert cache.layers[0].fused_query_tokens == 8

@@ -32,7 +32,9 @@ def _storage(config, batch=1, tokens=64):
     [(True, "paper", 2), (False, "paper", 2), (True, "oscar", 2), (True, "oscar", 4)],
 )
 def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method, key_bits):
-    config = OscarConfig(residual_length=32, token_scaling=token_scaling, method=method, key_bits=key_bits)
+    config = OscarConfig(
+        residual_length=32, token_scaling=token_scaling, method=method, key_bits=key_bits, sink_tokens=0
+    )
     key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
     keys, values = torch.randn(2, 1, 2, 32, 64, device=DEVICE, dtype=torch.bfloat16)
     held = torch.tensor(64, device=DEVICE)
@@ -57,7 +59,7 @@ def test_flush_op_matches_the_launcher_and_passes_opcheck(token_scaling, method,
     [(True, "paper", 2), (False, "paper", 2), (True, "oscar", 2), (True, "oscar", 4)],
 )
 def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_history, method, key_bits):
-    config = OscarConfig(residual_length=32, method=method, key_bits=key_bits)
+    config = OscarConfig(residual_length=32, method=method, key_bits=key_bits, sink_tokens=0)
     key_rotated = torch.tensor([[True, False]], device=DEVICE) if method == "oscar" else None
     query, stored, residual_keys, residual_values, mask = _inputs(dataclasses.replace(config, method="paper"))
     if not with_history:
@@ -73,7 +75,7 @@ def test_decode_attention_op_matches_the_launcher_and_passes_opcheck(with_histor
 def test_decode_attention_op_with_a_device_length():
     """Compiled decode's call: the whole storage and window, the tokens held on the device (8 of the 32 + 8 slots
     past the 32 quantized tokens are the window's; `length` says 40)."""
-    config = OscarConfig(residual_length=32)
+    config = OscarConfig(residual_length=32, bits=2, sink_tokens=0)
     query, stored, keys, values, _ = _inputs(config, quantized_tokens=64, residual=32)
     length = torch.tensor(40, device=DEVICE)
     mask = torch.rand(1, 96, device=DEVICE) > 0.2
@@ -85,7 +87,7 @@ def test_decode_attention_op_with_a_device_length():
 
 
 def test_ops_compile_without_graph_breaks():
-    config = OscarConfig(residual_length=32)
+    config = OscarConfig(residual_length=32, bits=2, sink_tokens=0)
     query, _, residual_keys, residual_values, mask = _inputs(config)
     key = ops.config_key(config)
 

@@ -56,7 +56,7 @@ def test_a_long_prompt_is_checked_finite_once(monkeypatch, attention, rotation, 
     reads = []
     read = finite.raise_unless_finite
     monkeypatch.setattr(finite, "raise_unless_finite", lambda flags, config: reads.append(flags) or read(flags, config))
-    options = OscarConfig(attention=attention, rotation=rotation, method="oscar")
+    options = OscarConfig(attention=attention, rotation=rotation, method="oscar", bits=2, sink_tokens=0)
     torch.manual_seed(0)
 
     def prefill_and_step(keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -97,7 +97,10 @@ def test_the_fused_key_round_trip_is_the_references(head_dim, rotated):
     valid[1, :45] = False
     keys[1, :, :45] = float("nan")
     moment = query_moment(torch.randn(batch, 2 * heads, 64, head_dim, device=DEVICE), heads)
-    for config in (OscarConfig(method="oscar"), OscarConfig(method="oscar", key_bits=4, value_bits=2, bits=None)):
+    for config in (
+        OscarConfig(method="oscar", bits=2, sink_tokens=0),
+        OscarConfig(method="oscar", key_bits=4, value_bits=2, bits=None, sink_tokens=0),
+    ):
         k, mask = whole_key_groups(keys, valid, config.group_size)
         got = fake_quantize_keys_triton(k, rotated, config, mask).double()
         key_rotated = torch.full((batch, heads), rotated, device=DEVICE)

@@ -91,6 +91,7 @@ def make_inputs(case: Case, seed: int = 0):
         token_scaling=case.token_scaling,
         group_size=case.group_size,
         scale_dtype=case.scale_dtype,
+        sink_tokens=0,
     )
     return keys.to(DEVICE, case.dtype), values.to(DEVICE, case.dtype), config
 
@@ -139,7 +140,7 @@ def test_rejects_bad_inputs():
 def test_per_head_key_rotation_matches_reference(case: Case):
     """method="oscar": each (row, KV head) rotates its keys or not, as its flag says; values always rotate."""
     keys, values, _ = make_inputs(case)
-    config = OscarConfig(method="oscar")
+    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     key_rotated = torch.arange(case.batch * case.heads, device=DEVICE).view(case.batch, case.heads) % 2 == 1
     out = quantize_kv_triton(keys, values, config, key_rotated)
     assert_matches_reference(out, quantize_kv(keys, values, config, key_rotated), config, case.id)
@@ -159,7 +160,7 @@ def test_given_norms_replace_the_norms_over_the_heads_seen():
     with pytest.raises(ValueError, match="norms must be float32"):
         quantize_kv_triton(keys, values, config, norms=norms.double())
     with pytest.raises(ValueError, match="token scaling is off"):
-        quantize_kv_triton(keys, values, OscarConfig(token_scaling=False), norms=norms)
+        quantize_kv_triton(keys, values, OscarConfig(token_scaling=False, bits=2, sink_tokens=0), norms=norms)
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered:RuntimeWarning")  # the interpreter meets the NaN
@@ -204,7 +205,7 @@ def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, pa
     the storage become exactly `quantize_kv_triton` of the residual (with the padding mask's columns for those
     positions, if any, and method="oscar"'s per-(row, head) key rotation); every other bit is unchanged. `bits`:
     (key_bits, value_bits), whose packed rows of keys and values lie at different offsets where they differ."""
-    config = OscarConfig(residual_length=32, method=method, key_bits=bits[0], value_bits=bits[1])
+    config = OscarConfig(residual_length=32, method=method, key_bits=bits[0], value_bits=bits[1], sink_tokens=0)
     # method="oscar": a mixed choice, so that a flag the flush ignored would show
     key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
     keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
@@ -231,7 +232,7 @@ def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, pa
 def test_quantize_into_storage_writes_its_rows_and_nothing_else(method, bits, padded):
     """`out`/`start`: the block goes straight to rows [start, start + N) of a storage, bit for bit the new block
     `quantize_kv_triton` returns (padding columns are the block's tokens), and every other bit stays as it was."""
-    config = OscarConfig(method=method, key_bits=bits[0], value_bits=bits[1])
+    config = OscarConfig(method=method, key_bits=bits[0], value_bits=bits[1], sink_tokens=0)
     key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
     keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=64, head_dim=64), seed=3)
     valid = torch.arange(64, device=DEVICE)[None] >= torch.tensor([[0], [40]], device=DEVICE) if padded else None
@@ -260,7 +261,7 @@ def test_finite_flags_from_the_kernel_match_the_reference(seed):
     NaN or an inf at a random real token (cleared), at a padding token (kept: padding may hold anything), or values
     so large that a float16 scale overflows (the parameters' flag); one flag pair gathers several blocks."""
     gen = torch.Generator().manual_seed(seed)
-    config = OscarConfig()
+    config = OscarConfig(bits=2, sink_tokens=0)
 
     def randint(high):
         return int(torch.randint(high, (), generator=gen))
@@ -301,7 +302,7 @@ def test_finite_flags_from_the_kernel_match_the_reference(seed):
 
 
 def test_flush_rejects_bad_inputs():
-    config = OscarConfig(residual_length=32)
+    config = OscarConfig(residual_length=32, bits=2, sink_tokens=0)
     keys, values, _ = make_inputs(Case(tokens=32))
     storage = _random_storage(StorageLayout.of(config), 1, 2, 64, 64)
     held = torch.tensor(32, device=DEVICE)
