@@ -51,8 +51,9 @@ class OscarConfig:
             tokens in `sink_tokens` slots, whatever its left padding, once the cache knows the padding
             (`OscarCache.set_padding`; generate tells it); without it, a padded row's first positions are its sinks.
             Default 4 (0 keeps none): on three of the four models measured they cut the 2-bit cache's perplexity
-            change by about 70 %, on Qwen2.5-0.5B they cost 0.7 point (docs/accuracy.md). Like the residual window, they are exact tokens: `KVMemory` counts them as
-            exact bytes, `average_bits` (the quantized region's bits per element) leaves them out.
+            change by about 70 %, on Qwen2.5-0.5B they cost 0.7 point (docs/accuracy.md). Like the residual window,
+            they are exact tokens: `KVMemory` counts them as exact bytes, `average_bits` (the quantized region's bits
+            per element) leaves them out.
         rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values (see `method` for keys).
         token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).
             With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
