@@ -13,9 +13,15 @@ float32 on CPU (one thread unless `--threads`), through a cache this script owns
 * oscar-int2 one-prefill-choice, chunk = 64: the same feeding with every layer's flags pinned to the one-prefill
   choice (`reference.query_rotation_choice` on the whole text's keys and queries): the target, "as one prefill";
 * oscar-int2 first-chunk-choice, chunk = 64: pinned to the choice of the first chunk alone (what a choice locked in
-  by the first call gives).
+  by the first call gives);
+* oscar-default, chunk = 64 (`--caches default`): the default cache (`OscarConfig()`: layer-wise widths under 3.2
+  bits, 4 sinks) fed in chunks: it holds the prompt at 4 bits until the widths are chosen, at the first update that
+  finds 4096 tokens held (a shorter text is never chosen for: no decode step follows);
+* oscar-default one-prefill-choice, chunk = 64: the same feeding with the widths and the key rotation the text chooses
+  when it arrives in one prefill (that prefill, then `choose_bits`), in force from the first chunk on.
 
     python benchmarks/chunked_prefill_consistency.py --models smollm2-135m qwen2.5-0.5b --tokens 2048 --offset 0
+    python benchmarks/chunked_prefill_consistency.py --models smollm2-135m --tokens 8192 --caches default
     python benchmarks/chunked_prefill_consistency.py --summary
 
 Rows go to benchmarks/results/chunked_prefill_<model>.json: model, tokens, offset, chunk, method, ppl,
@@ -46,6 +52,7 @@ from tqdm import tqdm
 from transformers import DynamicCache
 
 from oscar_hf import OscarCache, OscarLayer, cache_kwargs
+from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS, choice_horizon
 from oscar_hf.integrations.fused_attention import recording_query_moments
 from oscar_hf.offline_models import cache_dir, load_model
@@ -72,15 +79,19 @@ def hamlet() -> str:
 
 
 @torch.no_grad()
-def perplexity(model, ids: torch.Tensor, cache, chunk: int, reference: dict[int, torch.Tensor]) -> tuple[float, dict]:
+def perplexity(
+    model, ids: torch.Tensor, cache, chunk: int, reference: dict[int, torch.Tensor], first=None, whole=None
+) -> tuple[float, dict]:
     """exp(mean NLL) of ids[1:] given what precedes, the text fed to `cache` `chunk` tokens at a time; and per chunk,
     the mean NLL of the tokens it predicts and how many heads of the history it attends were quantized with a choice
-    other than `reference` (the flags as the chunk arrives: the cache revises them after each chunk's queries)."""
-    logits, differing = [], []
+    other than `reference` (the flags as the chunk arrives: the cache revises them after each chunk's queries).
+    `first`: the logits of a first chunk already fed, `whole` the text it and `ids` (the rest) make up."""
+    logits, differing = ([] if first is None else [first]), ([] if first is None else [0])
     for start in tqdm(range(0, ids.shape[1], chunk), desc=f"chunks of {chunk}", leave=False):
         flags = _flags(cache)
         differing.append(sum(int((f != reference[i]).sum()) for i, f in flags.items() if f is not None))
         logits.append(model(ids[:, start : start + chunk], **cache_kwargs(cache)).logits[0].float())
+    ids = ids if whole is None else whole
     nll = torch.nn.functional.cross_entropy(torch.cat(logits)[:-1], ids[0, 1:], reduction="none")
     per_chunk = [round(part.mean().item(), 6) for part in nll.split(chunk)]
     return math.exp(nll.mean().item()), {"chunk_nll": per_chunk, "chunk_heads_differing": differing}
@@ -113,6 +124,36 @@ def pinned(model, flags: dict[int, torch.Tensor]) -> OscarCache:
     return cache
 
 
+@torch.no_grad()
+def default_choice_of(model, ids: torch.Tensor) -> OscarCache:
+    """The default cache after `ids` arrived in one prefill and its widths were chosen (as generate does)."""
+    cache = OscarCache(model.config)
+    model(ids, **cache_kwargs(cache))
+    cache.choose_bits()
+    return cache
+
+
+@torch.no_grad()
+def pinned_default(model, ids: torch.Tensor, chosen: OscarCache, chunk: int) -> tuple[float, dict]:
+    """The default cache fed `ids` in chunks with `chosen`'s widths and key rotation from the first chunk on: the first
+    chunk (shorter than a block: nothing is quantized yet) is followed by the choice, its widths those of `chosen`
+    (this script's own cache: it sets the choice's outcome directly), then the flags are made `chosen`'s."""
+    widths = [(layer.config.key_bits, layer.config.value_bits) for layer in _oscar_layers(chosen)]
+    assert chunk + chosen.oscar_config.sink_tokens <= chosen.oscar_config.residual_length, "the first chunk must fit"
+    cache = OscarCache(model.config)
+    first = model(ids[:, :chunk], **cache_kwargs(cache)).logits[0].float()
+    original = layer_bits.choose_layer_bits
+    layer_bits.choose_layer_bits = lambda *args: widths
+    try:
+        cache.choose_bits()
+    finally:
+        layer_bits.choose_layer_bits = original
+    for layer, source in zip(cache.layers, chosen.layers):
+        if isinstance(layer, OscarLayer) and layer.rotation.flags is not None:
+            layer.rotation.flags.copy_(source.key_rotated)
+    return perplexity(model, ids[:, chunk:], cache, chunk, _flags(chosen), first=first, whole=ids)
+
+
 def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tensor]) -> dict:
     return {
         "rotated_heads": int(sum(f.sum() for f in flags.values())),
@@ -121,7 +162,9 @@ def head_counts(flags: dict[int, torch.Tensor], reference: dict[int, torch.Tenso
     }
 
 
-def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dict, path: Path) -> None:
+def measure(
+    name: str, tokens: int, offset: int, chunk: int, run: str, meta: dict, path: Path, caches: list[str]
+) -> None:
     """Each row, written to `path` as soon as it is measured (a model's passes take minutes each on a CPU)."""
     model, tokenizer = load_model(name)
     ids = tokenizer(hamlet(), return_tensors="pt").input_ids[:, offset : offset + tokens]
@@ -142,6 +185,19 @@ def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dic
     # The one-prefill pass attends to its own exact K/V: its perplexity is the exact cache's whatever the cache.
     reference_ppl, one_prefill = choice_of(model, ids)
     row("bf16", tokens, reference_ppl, **head_counts(one_prefill, one_prefill))
+    if "default" in caches:
+        chosen = default_choice_of(model, ids)
+        widths = [f"K{layer.config.key_bits}V{layer.config.value_bits}" for layer in _oscar_layers(chosen)]
+        cache = OscarCache(model.config)
+        ppl, chunks = perplexity(model, ids, cache, chunk, _flags(chosen))
+        stored = round(cache.average_bits(), 4)  # 4 bits everywhere while the widths are not chosen
+        row("oscar-default", chunk, ppl, **head_counts(_flags(cache), _flags(chosen)), average_bits=stored,
+            widths_chosen=not cache.bits_open, **chunks)  # fmt: skip
+        ppl, chunks = pinned_default(model, ids, chosen, chunk)
+        row("oscar-default one-prefill-choice", chunk, ppl, **head_counts(_flags(chosen), _flags(chosen)),
+            average_bits=round(chosen.average_bits(), 4), widths=widths, **chunks)  # fmt: skip
+    if "int2" not in caches:
+        return
     cache = OscarCache(model.config, {"bits": 2, "sink_tokens": 0})
     ppl, chunks = perplexity(model, ids, cache, chunk, one_prefill)
     row("oscar-int2", chunk, ppl, **head_counts(_flags(cache), one_prefill), **chunks)
@@ -150,6 +206,10 @@ def measure(name: str, tokens: int, offset: int, chunk: int, run: str, meta: dic
     _, first_chunk = choice_of(model, ids[:, :chunk])
     ppl, chunks = perplexity(model, ids, pinned(model, first_chunk), chunk, one_prefill)
     row("oscar-int2 first-chunk-choice", chunk, ppl, **head_counts(first_chunk, one_prefill), **chunks)
+
+
+def _oscar_layers(cache: OscarCache) -> list[OscarLayer]:
+    return [layer for layer in cache.layers if isinstance(layer, OscarLayer)]
 
 
 def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
@@ -205,6 +265,7 @@ def main() -> None:
     parser.add_argument("--offset", type=int, default=0, help="the window's first token in the text")
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (the machine may be shared)")
+    parser.add_argument("--caches", nargs="+", default=["int2"], choices=["int2", "default"])
     parser.add_argument("--summary", action="store_true", help="print the recorded gaps and measure nothing")
     args = parser.parse_args()
     if args.summary:
@@ -214,7 +275,8 @@ def main() -> None:
     run, meta = run_record()
     RESULTS.mkdir(parents=True, exist_ok=True)
     for name in args.models:  # one after another: each is CPU-bound
-        measure(name, args.tokens, args.offset, args.chunk, run, meta, RESULTS / f"chunked_prefill_{name}.json")
+        path = RESULTS / f"chunked_prefill_{name}.json"
+        measure(name, args.tokens, args.offset, args.chunk, run, meta, path, args.caches)
 
 
 if __name__ == "__main__":
