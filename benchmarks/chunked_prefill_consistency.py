@@ -218,33 +218,38 @@ def _flags(cache: OscarCache) -> dict[int, torch.Tensor | None]:
 
 
 def summary() -> None:
-    """The gap of each window's chunked default to its one-prefill choice, and the mean over windows (`--summary`)."""
+    """The gap of each window's chunked cache to its one-prefill choice, and the mean over windows (`--summary`), for
+    the INT2 cache and the default."""
     for path in sorted(RESULTS.glob("chunked_prefill_*.json")):
         runs = {}  # (tokens, offset, run) -> rows by method
         for record in json.loads(path.read_text()):
             runs.setdefault((record["tokens"], record.get("offset", 0), record["run"]), {})[record["method"]] = record
-        windows = {}  # (tokens, offset) -> the latest run with both chunked rows (run ids start with the time)
-        for (tokens, offset, run), rows in sorted(runs.items()):
-            if "oscar-int2 one-prefill-choice" in rows:
-                windows[tokens, offset] = dict(rows, run=run)
-        gaps = {}
-        for (tokens, offset), rows in sorted(windows.items()):
-            bf16, chunked, pinned_row = rows["bf16"]["ppl"], rows["oscar-int2"], rows["oscar-int2 one-prefill-choice"]
-            gap = 100 * (chunked["ppl"] - pinned_row["ppl"]) / bf16
-            gaps.setdefault(tokens, []).append(gap)
-            line = f"{path.stem[16:]} {tokens} tokens from {offset}: chunked {100 * (chunked['ppl'] / bf16 - 1):+.2f} %"
-            line += f", one-prefill choice {100 * (pinned_row['ppl'] / bf16 - 1):+.2f} %, gap {gap:+.2f} points"
-            if "chunk_nll" in chunked:
-                # NLL differences per chunk: mean NLL gap d gives ppl_pinned (e^d - 1), about ppl_pinned d
-                diffs = torch.tensor(chunked["chunk_nll"]) - torch.tensor(pinned_row["chunk_nll"])
-                se = diffs.std() / math.sqrt(len(diffs)) * 100 * pinned_row["ppl"] / bf16
-                line += f" ± {se:.2f}"
-            print(f"{line} ({rows['run']})")
-        for tokens, values in gaps.items():
-            if len(values) > 1:
-                mean, se = sum(values) / len(values), torch.tensor(values).std().item() / math.sqrt(len(values))
-                name = path.stem[16:]
-                print(f"{name} {tokens} tokens, {len(values)} windows: mean gap {mean:+.2f} ± {se:.2f} points")
+        for cache in ("oscar-int2", "oscar-default"):
+            _summarize(path.stem[16:], cache, runs)
+
+
+def _summarize(name: str, cache: str, runs: dict) -> None:
+    windows = {}  # (tokens, offset) -> the latest run with both chunked rows (run ids start with the time)
+    for (tokens, offset, run), rows in sorted(runs.items()):
+        if f"{cache} one-prefill-choice" in rows:
+            windows[tokens, offset] = dict(rows, run=run)
+    gaps = {}
+    for (tokens, offset), rows in sorted(windows.items()):
+        bf16, chunked, pinned_row = rows["bf16"]["ppl"], rows[cache], rows[f"{cache} one-prefill-choice"]
+        gap = 100 * (chunked["ppl"] - pinned_row["ppl"]) / bf16
+        gaps.setdefault(tokens, []).append(gap)
+        line = f"{name} {cache} {tokens} tokens from {offset}: chunked {100 * (chunked['ppl'] / bf16 - 1):+.2f} %"
+        line += f", one-prefill choice {100 * (pinned_row['ppl'] / bf16 - 1):+.2f} %, gap {gap:+.2f} points"
+        if "chunk_nll" in chunked:
+            # NLL differences per chunk: mean NLL gap d gives ppl_pinned (e^d - 1), about ppl_pinned d
+            diffs = torch.tensor(chunked["chunk_nll"]) - torch.tensor(pinned_row["chunk_nll"])
+            se = diffs.std() / math.sqrt(len(diffs)) * 100 * pinned_row["ppl"] / bf16
+            line += f" ± {se:.2f}"
+        print(f"{line} ({rows['run']})")
+    for tokens, values in gaps.items():
+        if len(values) > 1:
+            mean, se = sum(values) / len(values), torch.tensor(values).std().item() / math.sqrt(len(values))
+            print(f"{name} {cache} {tokens} tokens, {len(values)} windows: mean gap {mean:+.2f} ± {se:.2f} points")
 
 
 def run_record() -> tuple[str, dict]:
