@@ -24,7 +24,7 @@ NOT_APPLICABLE = "Custom kwargs can be passed to `--metadata`"
 EXAMPLE = """\
 example (offline, from the repository root; SmolLM2-135M, 4 documents, about 3 CPU-minutes):
   python eval_configs/build_data.py --lengths 1k
-  oscar-eval --model_args pretrained=smollm2-135m --method oscar-int2 \\
+  oscar-eval --model_args pretrained=smollm2-135m --method oscar-auto-3.2-sinks4 \\
       --include_path eval_configs --tasks oscar_passkey_1k --limit 4
 
 pretrained= takes a local model folder, a hub id, or an offline model of oscar_hf.offline_models
