@@ -33,7 +33,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
 
 import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
-from oscar_hf.cache import history, key_rotation, layer, storage
+from oscar_hf.cache import cache as oscar_cache
+from oscar_hf.cache import history, key_rotation, layer, layer_bits, storage
 from oscar_hf.integrations import fused_attention
 
 # The cache's own jobs, timed as labelled ranges (`oscar::<name>`: host time and the GPU time of the kernels they
@@ -47,7 +48,18 @@ REGIONS = (
     ("decode_attention", history.DecodeHistory, "attention"),
     ("chunk_attention", history.ChunkHistory, "attention"),
     ("model_sdpa", fused_attention, "sdpa_attention_forward"),  # transformers' sdpa, called by the sdpa entry
+    ("bits_observe", layer_bits.LayerBits, "observe"),  # bits="auto": the prompt's cost sums
+    ("bits_choice", oscar_cache.OscarCache, "choose_bits"),  # bits="auto": the widths chosen, every layer converted
+    ("bits_costs", layer_bits.LayerBits, "costs"),
+    ("bits_convert", layer_bits.LayerBits, "convert"),
 )
+# --cache: the cache_implementation and cache_config of each choice ("oscar": the default config).
+CACHES = {
+    "oscar": ("oscar", {"attention": "auto"}),
+    "oscar-int2": ("oscar", {"attention": "auto", "bits": 2, "sink_tokens": 0}),  # 2 bits everywhere, no sinks
+    "static": ("static", None),
+    "dynamic": ("dynamic", None),
+}
 
 
 def _label_regions() -> None:
@@ -115,7 +127,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=["oscar", "static", "dynamic"])
+    parser.add_argument("--cache", nargs="+", default=["oscar", "static"], choices=list(CACHES))
     parser.add_argument("--eager", action="store_true", help="disable_compile=True: where an eager step's time goes")
     parser.add_argument("--prefill", action="store_true", help="profile the prefill (time to the first token) instead")
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="generate's chunked prefill")
@@ -140,14 +152,15 @@ def main() -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters.clear()
         window = _ProfileWindow(start, stop)
+        implementation, cache_config = CACHES[cache]
         options = dict(max_new_tokens=stop + 2, min_new_tokens=stop + 2, do_sample=False, streamer=window,
-                       cache_implementation=cache)  # fmt: skip
+                       cache_implementation=implementation)  # fmt: skip
         if args.eager:
             options["disable_compile"] = True
         else:
             options["compile_config"] = CompileConfig(fullgraph=True)
-        if cache == "oscar":
-            options["cache_config"] = {"attention": "auto"}
+        if cache_config is not None:
+            options["cache_config"] = cache_config
         if args.prefill_chunk_size:
             options["prefill_chunk_size"] = args.prefill_chunk_size
         if args.prefill:  # a warm process: Triton's kernels compiled, as for bench_generate's time to first token

@@ -5,19 +5,13 @@ builds: the key error is the query rule's (`reference.key_error_sums`, `referenc
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 
 from .config import OscarConfig
-from .reference import (
-    dequantize_groups,
-    hadamard_transform,
-    key_error_sums,
-    quantize_groups,
-    query_weighted_key_error,
-    whole_key_groups,
-)
+from .reference import error_sums, fake_quantize_kv, query_weighted_key_error, whole_key_groups
 
 # bits="auto": the widths a layer's keys and values may each end with, narrowest first.
 LAYER_WIDTHS = (2, 4)
@@ -41,22 +35,24 @@ def bit_cost_sums(
     config: OscarConfig,
     rotations: tuple[bool, ...],
     valid: torch.Tensor | None = None,
+    round_trip: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> BitCostSums:
     """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `LAYER_WIDTHS`, keys
     with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation: (False,)),
-    in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere."""
+    in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere.
+    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (the fused path's Triton kernels)."""
     v, _ = whole_key_groups(values, valid, config.group_size)
     k, valid = whole_key_groups(keys, valid, config.group_size)
-    v_rotated = hadamard_transform(v) if config.rotation else v  # H is orthogonal: the error's norm is the same
-    mask = None if valid is None else valid[:, None, :, None]  # as K/V broadcast it
     key_sums, value_error = [], []
     for bits in LAYER_WIDTHS:
         width = config.with_widths(bits, bits)
-        key_sums.append([key_error_sums(k, rotated, width, valid) for rotated in rotations])
-        codes, scale, mn = quantize_groups(v_rotated, bits, config.group_size, -1, config.scale_torch_dtype, mask)
-        error = dequantize_groups(codes, scale, mn, config.group_size, -1, v.dtype) - v_rotated
-        if mask is not None:
-            error = error.masked_fill(~mask, 0)
+        key_sums.append([])
+        for rotated in rotations:
+            k_hat, v_hat = (round_trip or fake_quantize_kv)(k, v, rotated, width, valid)
+            key_sums[-1].append(error_sums(k_hat - k, valid))
+        error = v_hat - v  # the values' round trip does not depend on the keys' rotation: the last one's
+        if valid is not None:
+            error = error.masked_fill(~valid[:, None, :, None], 0)
         value_error.append(error.square().sum((-2, -1)))
     return BitCostSums(
         torch.stack([torch.stack([gram for gram, _, _ in sums]) for sums in key_sums]),
@@ -95,7 +91,7 @@ def layer_bit_costs(
     spread = (sums.value_square - sums.value_total.square().sum(-1) / tokens[..., 0]) / tokens[..., 0]
     key_costs = scaling**2 * logit_error / tokens[..., 0] * spread.clamp_min(0)  # [W, R, B, Hkv]
     best, index = key_costs.min(dim=1)
-    key_rotated = torch.tensor(rotations, device=index.device)[index]
+    key_rotated = index == rotations.index(True) if True in rotations else torch.zeros_like(index, dtype=torch.bool)
     value_costs = sums.value_error / tokens[..., 0]
     return best.sum((-2, -1)), value_costs.sum((-2, -1)), key_rotated
 

@@ -134,6 +134,25 @@ def fake_quantize_keys(
     return hadamard_transform(u_hat) if rotated else u_hat
 
 
+def fake_quantize_values(values: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """The values' round trip (rotated where `config.rotation` is on, groups of `config.group_size` channels per token,
+    at `config.value_bits`), back in the model's domain, unpacked. `valid`: as in `quantize_kv`."""
+    v = hadamard_transform(values) if config.rotation else values
+    codes, scale, mn = quantize_groups(
+        v, config.value_bits, config.group_size, -1, config.scale_torch_dtype, _key_valid(valid)
+    )
+    v_hat = dequantize_groups(codes, scale, mn, config.group_size, -1, values.dtype)
+    return hadamard_transform(v_hat) if config.rotation else v_hat
+
+
+def fake_quantize_kv(
+    keys: torch.Tensor, values: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`fake_quantize_keys` and `fake_quantize_values` of one block: what bits="auto" costs at each width
+    (`layer_widths.bit_cost_sums`; `kernels.fake_quantize_kv_triton` is its fused path's)."""
+    return fake_quantize_keys(keys, rotated, config, valid), fake_quantize_values(values, config, valid)
+
+
 def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
     """A `[B, N]` token mask as K/V tensors `[B, Hkv, N, D]` broadcast it."""
     return None if valid is None else valid[:, None, :, None]
@@ -224,11 +243,17 @@ def key_error_sums(
     """Sums over the valid tokens of the error e_t of the keys' round trip (`round_trip`, None: `fake_quantize_keys`,
     at `config.key_bits`): `(sum_t e_t e_t^T [B, Hkv, D, D], sum_t e_t [B, Hkv, D], tokens [B, 1, 1])`. Additive over
     chunks of a prompt. `keys`: whole key groups (`whole_key_groups`)."""
-    error = (round_trip or fake_quantize_keys)(keys, rotated, config, valid) - keys
+    return error_sums((round_trip or fake_quantize_keys)(keys, rotated, config, valid) - keys, valid)
+
+
+def error_sums(
+    error: torch.Tensor, valid: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`key_error_sums` of a round trip's error `[B, Hkv, N, D]` (invalid tokens left out, whatever they hold)."""
     if valid is not None:
         error = error.masked_fill(~_key_valid(valid), 0)
-    count = keys.new_full((keys.shape[0], 1, 1), keys.shape[-2]) if valid is None else valid.sum(-1)[:, None, None]
-    return error.transpose(-1, -2) @ error, error.sum(-2), count.to(keys.dtype)
+    count = error.new_full((error.shape[0], 1, 1), error.shape[-2]) if valid is None else valid.sum(-1)[:, None, None]
+    return error.transpose(-1, -2) @ error, error.sum(-2), count.to(error.dtype)
 
 
 def query_weighted_key_error(

@@ -5,6 +5,7 @@ import logging
 
 import pytest
 import torch
+from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
@@ -180,15 +181,25 @@ def _filled(model, prompt, **options):
     return cache
 
 
+@pytest.mark.parametrize("attention", ["portable", "fused"])
 @pytest.mark.parametrize("method", ["oscar", "paper"])
-def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method):
-    """The stored region after the choice is the reference's dequantize(4-bit) -> quantize(width), with the key rotation
-    the choice made at that width; a half whose width and rotation stay keeps its 4-bit codes."""
-    model = tiny_llama(num_hidden_layers=4)
-    model.config._attn_implementation = "sdpa"
-    prompt = torch.randint(3, 97, (2, 150))
-    options = dict(bits="auto", avg_bits=4.0, residual_length=32, method=method)
-    cache = _filled(model, prompt, **options)
+def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention):
+    """The stored region after the choice is dequantize(4-bit) -> quantize(width) (the reference's on the portable
+    path, the Triton kernels' on the fused one), with the key rotation the choice made at that width; a half whose
+    width and rotation stay keeps its 4-bit codes. Filled by hand, with the queries handed over: layers whose outlier
+    key channels differ, the first with quiet keys, so that the budget buys 4-bit values there (its keys converted),
+    4-bit keys elsewhere (its values converted)."""
+    config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
+    config._attn_implementation = "sdpa"
+    options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
+    cache = OscarCache(config, OscarConfig(**options))
+    torch.manual_seed(0)
+    for index in range(4):
+        keys, values = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64)
+        keys[..., :2] *= 4 * index + 1
+        keys *= 0.05 if index == 0 else 1
+        returned, _ = cache.update(keys, values, index)
+        cache.layers[index].observe_queries(torch.randn(1, 4, 100, 64), returned)
     before = [
         (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
     ]
@@ -196,12 +207,16 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     assert all(layer.config.key_bits == layer.config.value_bits == 4 for layer in cache.layers)
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
-    assert len(set(widths)) > 1, widths  # the budget buys some upgrades, not all
-    assert cache.average_bits() <= 4.0
+    assert {(2, 4), (4, 2)} <= set(widths), widths  # each half converted while the other stays
+    assert cache.average_bits() <= 4.4
     four = OscarConfig(bits=4, method=method, sink_tokens=0)
     for layer, (stored, rotated) in zip(cache.layers, before):
-        keys, values = dequantize_kv(stored, four, torch.float32, rotated)
-        want = quantize_kv(keys, values, layer.config, layer.key_rotated)
+        if attention == "fused":
+            keys, values = dequantize_kv_triton(stored, four, rotated, dtype=torch.float32)
+            want = quantize_kv_triton(keys, values, layer.config, layer.key_rotated)
+        else:
+            keys, values = dequantize_kv(stored, four, torch.float32, rotated)
+            want = quantize_kv(keys, values, layer.config, layer.key_rotated)
         same_rotation = rotated is None or torch.equal(rotated, layer.key_rotated)
         got = layer.quantized()
         for name in got._fields:

@@ -211,7 +211,7 @@ class KeyRotation:
         with layer.codec.finite.gathered():
             for start, keys, values in redo:
                 if values is None:  # written before: a flip rewrites its key fields (the keys stand in for values)
-                    storage.write(start, layer._quantize_at(keys, keys, start), keys_only=True)
+                    storage.write(start, layer._quantize_at(keys, keys, start), halves=("key",))
                 else:
                     layer._quantize_at(keys, values, start, write=True)
         self.blocks = [(start, keys, None) for start, keys, _ in self.blocks]  # a flip needs the exact keys only

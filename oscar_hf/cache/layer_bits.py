@@ -4,9 +4,9 @@
 While the choice is open, every layer stores its blocks at the widest widths (4-bit keys and values: the prefill's
 peak is the 4-bit cache) and sums, over the first `CHOICE_TOKENS` tokens of each sequence, what each width would cost
 its attention (`layer_widths.bit_cost_sums`: the key round trip's error Gram matrices at each width, with and without
-the key rotation where method="oscar" chooses it, and the value round trip's errors). The queries come from the query
-rule (`KeyRotation`'s running moment; a layer that never saw them costs its keys against isotropic queries, with a
-warning).
+the key rotation where method="oscar" chooses it, and the value round trip's errors; on the fused path the round trips
+are the Triton quantizer's and dequantizer's). The queries come from the query rule (`KeyRotation`'s running moment;
+a layer that never saw them costs its keys against isotropic queries, with a warning).
 
 The choice is made once, for every layer together, at the end of the prompt (`OscarCache.choose_bits`): `generate`
 calls it after its prefill, before the first decode step, compiled or not; by hand the first single-token update that
@@ -37,7 +37,6 @@ from ..layer_widths import (
     choose_layer_bits,
     layer_bit_costs,
 )
-from ..layout import QuantizedKV
 from .compiled import CompiledDecode
 from .key_rotation import CHOICE_TOKENS
 from .memory import average_bits
@@ -94,7 +93,11 @@ class LayerBits:
             return
         keys, values = key_states[:, :, :take], value_states[:, :, :take]
         mask = valid(layer._padding, layer.get_seq_length(), keys)
-        self.sums = add_bit_cost_sums(self.sums, bit_cost_sums(keys, values, self.config, self.rotations, mask))
+        round_trip = None  # the reference's, in PyTorch
+        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per width and key rotation
+            from ..kernels import fake_quantize_kv_triton as round_trip
+        sums = bit_cost_sums(keys, values, self.config, self.rotations, mask, round_trip)
+        self.sums = add_bit_cost_sums(self.sums, sums)
         self.positions += take
 
     def apply(self, fn) -> None:
@@ -124,9 +127,10 @@ class LayerBits:
         layer.rotation.write_waiting(layer)
         layer.codec.finite.read(wait=True)
         storage, old_codec, old_layout, old_rotated = layer.storage, layer.codec, layer.layout, layer.key_rotated
-        same_rotation = key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
-        keep_keys = key_bits == old_layout.key_bits and same_rotation
         keep_values = value_bits == old_layout.value_bits
+        keep_keys = key_bits == old_layout.key_bits and (
+            key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
+        )
         old_rotated = None if old_rotated is None else old_rotated.clone()
         if key_rotated is not None and layer.rotation.flags is not None:
             layer.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
@@ -139,14 +143,14 @@ class LayerBits:
         if not (keep_keys and keep_values):
             old, length = storage.buffers, storage.length
             storage.empty_quantized(layer.layout)
-            for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
-                end = min(start + QUANTIZE_CHUNK_TOKENS, length)
-                rows = old_layout.rows(old, start, end)
-                keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
-                block = layer._quantize_at(keys, values, start)
-                kept = (keep_keys,) * 4 + (keep_values,) * 3  # QuantizedKV: four key fields, then three value fields
-                block = QuantizedKV(*(old if keep else new for old, new, keep in zip(rows, block, kept)))
-                storage.store(block)
+            storage.extend(length)
+            with layer.codec.finite.gathered():  # one check for the layer's blocks (on CUDA, deferred: no wait)
+                for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
+                    rows = old_layout.rows(old, start, min(start + QUANTIZE_CHUNK_TOKENS, length))
+                    keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
+                    layer._quantize_at(keys, values, start, write=True)
+            if keep_keys or keep_values:  # that half's codes stay (quantizing them again would only add error)
+                storage.write(0, old_layout.rows(old, 0, length), halves=("key",) if keep_keys else ("value",))
         if layer._compiled is not None:
             layer._compiled = CompiledDecode(layer)
 
@@ -189,12 +193,11 @@ def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
     if not all(layer.is_initialized and layer.bits.sums is not None for layer in layers.values()):
         return False
     costs = [layer.bits.costs(layer, query_group) for layer in layers.values()]
-    totals = torch.stack([torch.stack((key.cpu(), value.cpu())) for key, value, _ in costs])  # [L, 2, W]
     first = next(iter(layers.values()))
+    totals = torch.stack([torch.stack((key, value)).to(first.device) for key, value, _ in costs])  # [L, 2, W]
     for group in {layer.head_group for layer in layers.values()} - {None}:
-        totals = totals.to(first.device)
         torch.distributed.all_reduce(totals, group=group)
-    totals = totals.cpu()
+    totals = totals.cpu()  # the costs' one trip to the host
     shapes = [(layer.storage.keys.shape[1], layer.storage.keys.shape[-1]) for layer in layers.values()]
     budget, bits, weights = check_budget(config, shapes)
     chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, budget)

@@ -134,7 +134,7 @@ class KVStorage:
             value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
         for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
             end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
-            self.quantize(key_states[:, :, start:end], value_states[:, :, start:end], self._extend(end - start))
+            self.quantize(key_states[:, :, start:end], value_states[:, :, start:end], self.extend(end - start))
         self.held = key_states.shape[-2] - to_quantize
         self.keys[:, :, : self.held] = key_states[:, :, to_quantize:]
         self.values[:, :, : self.held] = value_states[:, :, to_quantize:]
@@ -142,26 +142,26 @@ class KVStorage:
     def flush(self) -> None:
         """Quantize a complete window before it is read (a decode step's flush)."""
         if self.held == self.window:
-            self.quantize(self.keys, self.values, self._extend(self.window))
+            self.quantize(self.keys, self.values, self.extend(self.window))
             self.held = 0
 
     def store(self, block: QuantizedKV) -> None:
         """Append a quantized block to the quantized region."""
-        self.write(self._extend(self.layout.num_tokens(block)), block)
+        self.write(self.extend(self.layout.num_tokens(block)), block)
 
-    def _extend(self, tokens: int) -> int:
+    def extend(self, tokens: int) -> int:
         """The quantized region's next `tokens` rows, for the caller to write: the position of the first."""
         start = self.length
         self.grow(start + tokens)
         self.length = start + tokens
         return start
 
-    def write(self, start: int, block: QuantizedKV, keys_only: bool = False) -> None:
-        """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region); with
-        `keys_only`, its key fields alone."""
+    def write(self, start: int, block: QuantizedKV, halves: tuple[str, ...] = ("key", "value")) -> None:
+        """Write a quantized block at quantized token `start` (block-aligned, inside the quantized region): the fields
+        of its `halves` ("key": codes, scales, minimums and token norms; "value")."""
         rows = self.rows(start, start + self.layout.num_tokens(block))
         for name, buf, part in zip(QuantizedKV._fields, rows, block, strict=True):
-            if buf is not None and (name.startswith("key_") or not keys_only):
+            if buf is not None and name.split("_")[0] in halves:
                 buf.copy_(part)
 
     def crop(self, keep: int) -> None:

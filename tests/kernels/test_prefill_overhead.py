@@ -1,14 +1,15 @@
 """What a prefill adds to the model's forward, kept cheap without changing a result: the query moment on the tensor
-cores (CUDA), the finite check of a long prompt's blocks once per update (on CUDA without waiting), the key rotation
-choice's round trips through the Triton kernels. Runs on CUDA when there is a GPU, on CPU tensors (Triton's
-interpreter for the kernels) otherwise."""
+cores (CUDA), the finite check of a long prompt's blocks once per update (on CUDA without waiting), the round trips of
+the key rotation choice and of bits="auto" through the Triton kernels. Runs on CUDA when there is a GPU, on CPU
+tensors (Triton's interpreter for the kernels) otherwise."""
 
 import pytest
 import torch
-from oscar_hf.kernels import fake_quantize_keys_triton, quantize_kv_triton
+from oscar_hf.kernels import fake_quantize_keys_triton, fake_quantize_kv_triton, quantize_kv_triton
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.cache import finite, storage
+from oscar_hf.layer_widths import bit_cost_sums, layer_bit_costs
 from oscar_hf.reference import (
     QUERY_MOMENT_CHUNK,
     dequantize_kv,
@@ -121,3 +122,41 @@ def test_the_fused_key_round_trip_is_the_references(head_dim, rotated):
             query_rotation_choice(keys, moment, config, valid, fake_quantize_keys_triton),
             query_rotation_choice(keys.double(), moment.double(), config, valid),
         )
+
+
+@pytest.mark.parametrize("rotation", [True, False], ids=["query-rule", "unrotated"])
+def test_the_fused_width_costs_are_the_references(rotation):
+    """bits="auto"'s cost sums through `fake_quantize_kv_triton` (the fused path's) on float32 K/V with outlier key
+    channels and left padding holding NaN, a prompt of 2.5 key groups:
+
+    * its values are the dequantization of the codes the quantizer stores, up to float32 rounding;
+    * what the choice reads, each width's key and value cost (`layer_bit_costs`), is the float64 reference's within
+      5e-3 (codes equal up to rounding ties, as for the keys' round trip above), and each head's rotation agrees."""
+    torch.manual_seed(1)
+    batch, heads, tokens, head_dim = 2, 3, 80, 64
+    keys, values = (torch.randn(batch, heads, tokens, head_dim, device=DEVICE) for _ in range(2))
+    keys[..., :4] = keys[..., :4] * 20 + 3
+    valid = torch.ones(batch, tokens, dtype=torch.bool, device=DEVICE)
+    valid[1, :45] = False
+    keys[1, :, :45] = values[1, :, :45] = float("nan")
+    moment = query_moment(torch.randn(batch, 2 * heads, 64, head_dim, device=DEVICE), heads) / 128
+    config = OscarConfig(method="oscar", rotation=rotation, bits=2, sink_tokens=0)
+    rotations = (True, False) if rotation else (False,)
+
+    k, mask = whole_key_groups(keys, valid, config.group_size)
+    v, _ = whole_key_groups(values, valid, config.group_size)
+    for bits in (2, 4):
+        width = config.with_widths(bits, bits)
+        key_rotated = torch.full((batch, heads), rotation, device=DEVICE) if rotation else None
+        got = fake_quantize_kv_triton(k, v, rotation, width, mask)[1].double()
+        want = dequantize_kv(quantize_kv_triton(k, v, width, key_rotated, valid=mask), width, torch.float64,
+                             key_rotated)[1]  # fmt: skip
+        real = mask[:, None, :, None].expand_as(want)
+        torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6 * want[real].abs().max().item())
+
+    fused = bit_cost_sums(keys, values, config, rotations, valid, fake_quantize_kv_triton)
+    reference = bit_cost_sums(keys.double(), values.double(), config, rotations, valid)
+    costs = [layer_bit_costs(sums, moment.double(), rotations, head_dim**-0.5) for sums in (fused, reference)]
+    for got, want in zip(costs[0][:2], costs[1][:2]):
+        torch.testing.assert_close(got.double(), want, rtol=5e-3, atol=0)
+    assert torch.equal(costs[0][2], costs[1][2])
