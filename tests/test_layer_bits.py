@@ -193,13 +193,14 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     config._attn_implementation = "sdpa"
     options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
-    torch.manual_seed(0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
+    torch.manual_seed(0)  # drawn on the CPU: the same inputs, and widths, on either device
     for index in range(4):
-        keys, values = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64)
+        keys, values, queries = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64), torch.randn(1, 4, 100, 64)
         keys[..., :2] *= 4 * index + 1
         keys *= 0.05 if index == 0 else 1
-        returned, _ = cache.update(keys, values, index)
-        cache.layers[index].observe_queries(torch.randn(1, 4, 100, 64), returned)
+        returned, _ = cache.update(keys.to(device), values.to(device), index)
+        cache.layers[index].observe_queries(queries.to(device), returned)
     before = [
         (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
     ]
