@@ -175,20 +175,21 @@ def dequantize_kv_triton(
 
 
 def fake_quantize_kv_triton(
-    keys: torch.Tensor, values: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_rotated: torch.Tensor,
+    config: OscarConfig,
+    valid: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`reference.fake_quantize_kv`, the round trip that bits="auto" costs at each width and the query rule costs
-    the keys of (`fake_quantize_keys_triton`), through the quantizer and this kernel: two launches where the reference
-    runs a hundred-odd small operations over the prompt's K/V, the same codes up to rounding ties
-    (`quantize_kv_triton`) and results up to float32 rounding. `keys`, `values`: whole key groups `[B, Hkv, N, D]` in a
-    model dtype; `rotated`: whether the keys rotate (they may only where `config.rotation` is on, as the values do);
-    `valid` as for `quantize_kv_triton`."""
-    key_rotated = None
-    if config.rotation:  # `rotated` decides the keys' rotation, as in the reference
+    """`reference.fake_quantize_kv` (bits="auto"'s round trip at each width) and, of the keys,
+    `reference.fake_quantize_keys` (`fake_quantize_keys_triton`: the query rule's), through the quantizer and this
+    kernel: two launches where the reference runs a hundred-odd small operations over the prompt's K/V, the same codes
+    up to rounding ties (`quantize_kv_triton`) and results up to float32 rounding. `keys`, `values`: whole key groups
+    `[B, Hkv, N, D]` in a model dtype; `key_rotated`, `valid` as for the reference."""
+    if config.rotation:
         config = dataclasses.replace(config, method="oscar")
-        key_rotated = torch.full(keys.shape[:2], rotated, dtype=torch.bool, device=keys.device)
-    elif rotated:
-        raise ValueError("fake_quantize_kv_triton: rotated keys need rotation=True (the values rotate with them).")
+    else:
+        key_rotated = None
     stored = quantize_kv_triton(keys, values, config, key_rotated, valid=valid)
     return dequantize_kv_triton(stored, config, key_rotated, dtype=keys.dtype)
 
@@ -196,6 +197,7 @@ def fake_quantize_kv_triton(
 def fake_quantize_keys_triton(
     keys: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """`reference.fake_quantize_keys` (`fake_quantize_kv_triton` of the keys, handling a copy of them as values,
-    which nothing reads)."""
-    return fake_quantize_kv_triton(keys, keys, rotated, dataclasses.replace(config, rotation=True), valid)[0]
+    """`reference.fake_quantize_keys`: `fake_quantize_kv_triton` of the keys, every head rotated or none as `rotated`
+    says (the config's rotation aside, as in the reference), handling a copy of them as values, which nothing reads."""
+    key_rotated = torch.full(keys.shape[:2], rotated, dtype=torch.bool, device=keys.device)
+    return fake_quantize_kv_triton(keys, keys, key_rotated, dataclasses.replace(config, rotation=True), valid)[0]

@@ -40,28 +40,29 @@ def bit_cost_sums(
     """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `LAYER_WIDTHS`, keys
     with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation: (False,)),
     in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere.
-    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (the fused path's Triton kernels)."""
+    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (the fused path's Triton kernels),
+    called once per width on the K/V repeated along the batch axis, once per rotation."""
     v, _ = whole_key_groups(values, valid, config.group_size)
     k, valid = whole_key_groups(keys, valid, config.group_size)
-    key_sums, value_error = [], []
+    rows, heads = k.shape[:2]
+    repeat = len(rotations)
+    flags = torch.cat([torch.full((rows, heads), rotated, dtype=torch.bool, device=k.device) for rotated in rotations])
+    k_all, v_all = k.repeat(repeat, 1, 1, 1), v.repeat(repeat, 1, 1, 1)
+    valid_all = None if valid is None else valid.repeat(repeat, 1)
+    key_gram, key_total, value_error = [], [], []
     for bits in LAYER_WIDTHS:
-        width = config.with_widths(bits, bits)
-        key_sums.append([])
-        for rotated in rotations:
-            k_hat, v_hat = (round_trip or fake_quantize_kv)(k, v, rotated, width, valid)
-            key_sums[-1].append(error_sums(k_hat - k, valid))
-        error = v_hat - v  # the values' round trip does not depend on the keys' rotation: the last one's
+        k_hat, v_hat = (round_trip or fake_quantize_kv)(k_all, v_all, flags, config.with_widths(bits, bits), valid_all)
+        gram, total, tokens = error_sums(k_hat - k_all, valid_all)
+        key_gram.append(gram.unflatten(0, (repeat, rows)))
+        key_total.append(total.unflatten(0, (repeat, rows)))
+        error = v_hat[:rows] - v  # the values' round trip does not depend on the keys' rotation: the first one's
         if valid is not None:
             error = error.masked_fill(~valid[:, None, :, None], 0)
         value_error.append(error.square().sum((-2, -1)))
     return BitCostSums(
-        torch.stack([torch.stack([gram for gram, _, _ in sums]) for sums in key_sums]),
-        torch.stack([torch.stack([total for _, total, _ in sums]) for sums in key_sums]),
-        torch.stack(value_error),
-        v.square().sum((-2, -1)),
-        v.sum(-2),
-        key_sums[0][0][2],
-    )
+        torch.stack(key_gram), torch.stack(key_total), torch.stack(value_error), v.square().sum((-2, -1)), v.sum(-2),
+        tokens[:rows],
+    )  # fmt: skip
 
 
 def add_bit_cost_sums(a: BitCostSums | None, b: BitCostSums) -> BitCostSums:

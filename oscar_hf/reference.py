@@ -9,6 +9,7 @@ layout `StorageLayout` defines.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import torch
@@ -132,25 +133,6 @@ def fake_quantize_keys(
     )
     u_hat = dequantize_groups(codes, scale, mn, config.group_size, -2, keys.dtype) * norms
     return hadamard_transform(u_hat) if rotated else u_hat
-
-
-def fake_quantize_values(values: torch.Tensor, config: OscarConfig, valid: torch.Tensor | None = None) -> torch.Tensor:
-    """The values' round trip (rotated where `config.rotation` is on, groups of `config.group_size` channels per token,
-    at `config.value_bits`), back in the model's domain, unpacked. `valid`: as in `quantize_kv`."""
-    v = hadamard_transform(values) if config.rotation else values
-    codes, scale, mn = quantize_groups(
-        v, config.value_bits, config.group_size, -1, config.scale_torch_dtype, _key_valid(valid)
-    )
-    v_hat = dequantize_groups(codes, scale, mn, config.group_size, -1, values.dtype)
-    return hadamard_transform(v_hat) if config.rotation else v_hat
-
-
-def fake_quantize_kv(
-    keys: torch.Tensor, values: torch.Tensor, rotated: bool, config: OscarConfig, valid: torch.Tensor | None = None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`fake_quantize_keys` and `fake_quantize_values` of one block: what bits="auto" costs at each width
-    (`layer_widths.bit_cost_sums`; `kernels.fake_quantize_kv_triton` is its fused path's)."""
-    return fake_quantize_keys(keys, rotated, config, valid), fake_quantize_values(values, config, valid)
 
 
 def _key_valid(valid: torch.Tensor | None) -> torch.Tensor | None:
@@ -367,6 +349,24 @@ def dequantize_kv(
     if config.rotation:
         k, v = rotate_keys(k, key_rotated), hadamard_transform(v)
     return k, v
+
+
+def fake_quantize_kv(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    key_rotated: torch.Tensor,
+    config: OscarConfig,
+    valid: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the storage of these K/V represents (`quantize_kv`, then `dequantize_kv` in their dtype), with the keys of
+    each (row, KV head) rotated as `key_rotated` (`[B, Hkv]` bool, read where `config.rotation` is on) says: what
+    bits="auto" costs each width with (`layer_widths.bit_cost_sums`; `kernels.fake_quantize_kv_triton` is its fused
+    path's). `keys`, `values`: whole key groups; `valid` as in `quantize_kv`."""
+    if config.rotation:
+        config = dataclasses.replace(config, method="oscar")
+    else:
+        key_rotated = None
+    return dequantize_kv(quantize_kv(keys, values, config, key_rotated, valid=valid), config, keys.dtype, key_rotated)
 
 
 def round_trip_kv(

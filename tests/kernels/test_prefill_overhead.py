@@ -129,7 +129,8 @@ def test_the_fused_width_costs_are_the_references(rotation):
     """bits="auto"'s cost sums through `fake_quantize_kv_triton` (the fused path's) on float32 K/V with outlier key
     channels and left padding holding NaN, a prompt of 2.5 key groups:
 
-    * its values are the dequantization of the codes the quantizer stores, up to float32 rounding;
+    * its K/V are the dequantization of the codes the quantizer stores, up to float32 rounding (heads of both
+      rotations in one call);
     * what the choice reads, each width's key and value cost (`layer_bit_costs`), is the float64 reference's within
       5e-3 (codes equal up to rounding ties, as for the keys' round trip above), and each head's rotation agrees."""
     torch.manual_seed(1)
@@ -145,14 +146,16 @@ def test_the_fused_width_costs_are_the_references(rotation):
 
     k, mask = whole_key_groups(keys, valid, config.group_size)
     v, _ = whole_key_groups(values, valid, config.group_size)
+    key_rotated = torch.rand(batch, heads, device=DEVICE) < 0.5  # heads of both kinds
     for bits in (2, 4):
         width = config.with_widths(bits, bits)
-        key_rotated = torch.full((batch, heads), rotation, device=DEVICE) if rotation else None
-        got = fake_quantize_kv_triton(k, v, rotation, width, mask)[1].double()
-        want = dequantize_kv(quantize_kv_triton(k, v, width, key_rotated, valid=mask), width, torch.float64,
-                             key_rotated)[1]  # fmt: skip
-        real = mask[:, None, :, None].expand_as(want)
-        torch.testing.assert_close(got[real], want[real], rtol=1e-6, atol=1e-6 * want[real].abs().max().item())
+        flags = key_rotated if rotation else None
+        got = fake_quantize_kv_triton(k, v, key_rotated, width, mask)
+        want = dequantize_kv(quantize_kv_triton(k, v, width, flags, valid=mask), width, torch.float64, flags)
+        real = mask[:, None, :, None].expand_as(want[0])
+        for got_half, want_half in zip(got, want):
+            scale = want_half[real].abs().max().item()
+            torch.testing.assert_close(got_half.double()[real], want_half[real], rtol=1e-6, atol=1e-6 * scale)
 
     fused = bit_cost_sums(keys, values, config, rotations, valid, fake_quantize_kv_triton)
     reference = bit_cost_sums(keys.double(), values.double(), config, rotations, valid)
