@@ -5,9 +5,9 @@ Launchers only, imported lazily so that `import oscar_hf.kernels` works where Tr
 - `quantize_kv_triton(keys, values, config) -> QuantizedKV` and `flush_residual_triton(residual_keys,
   residual_values, storage, length, config)` (kernels/quantize_pack.py)
 - `dequantize_kv_triton(quantized, config, key_rotated, out) -> (keys, values)` (kernels/dequantize.py): the dense
-  history a prefill chunk attends to through the model's sdpa; `fake_quantize_kv_triton(keys, values, rotated, config,
-  valid)` and `fake_quantize_keys_triton(keys, rotated, config, valid)` (same file): the round trips that bits="auto"
-  costs each width with, and method="oscar"'s key rotation choice its keys
+  history a prefill chunk attends to through the model's sdpa; `fake_quantize_kv_triton(keys, values, key_rotated,
+  config, valid)` and `fake_quantize_keys_triton(keys, rotated, config, valid)` (same file): the round trips that
+  bits="auto" costs each width with, and method="oscar"'s key rotation choice its keys
 - `decode_attention_triton(query, quantized, residual_keys, residual_values, key_padding_mask, scaling, config)`
   (kernels/decode_attention.py, the launcher: the Triton split kernel of kernels/decode_triton.py, on CUDA GPUs the
   usual decode step's full blocks through the Gluon kernel of kernels/decode_gluon.py, the merge of

@@ -94,7 +94,7 @@ class LayerBits:
         keys, values = key_states[:, :, :take], value_states[:, :, :take]
         mask = valid(layer._padding, layer.get_seq_length(), keys)
         round_trip = None  # the reference's, in PyTorch
-        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per width and key rotation
+        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per width
             from ..kernels import fake_quantize_kv_triton as round_trip
         sums = bit_cost_sums(keys, values, self.config, self.rotations, mask, round_trip)
         self.sums = add_bit_cost_sums(self.sums, sums)

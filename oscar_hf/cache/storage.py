@@ -145,10 +145,6 @@ class KVStorage:
             self.quantize(self.keys, self.values, self.extend(self.window))
             self.held = 0
 
-    def store(self, block: QuantizedKV) -> None:
-        """Append a quantized block to the quantized region."""
-        self.write(self.extend(self.layout.num_tokens(block)), block)
-
     def extend(self, tokens: int) -> int:
         """The quantized region's next `tokens` rows, for the caller to write: the position of the first."""
         start = self.length
