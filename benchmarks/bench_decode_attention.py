@@ -417,7 +417,10 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
         for sinks in times:
             tokens = held + sinks
             sets = [{**d, "rk": d["rk"][:, :, :tokens], "rv": d["rv"][:, :, :tokens]} for d in data]
-            run = lambda sets=sets: [fused(one, config, scale) for one in sets]  # noqa: E731
+
+            def run(sets=sets):
+                return [fused(one, config, scale) for one in sets]
+
             times[sinks].append(do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(sets))
     del data
     torch.cuda.empty_cache()

@@ -25,7 +25,7 @@ import triton.language as tl
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
-from oscar_hf.reference import check_head_dim
+from oscar_hf.reference import check_head_dim, per_head_rotation
 
 from . import DECODE_HEAD_DIMS
 from .common import MODEL_DTYPES, fwht_rows
@@ -186,10 +186,7 @@ def fake_quantize_kv_triton(
     kernel: two launches where the reference runs a hundred-odd small operations over the prompt's K/V, the same codes
     up to rounding ties (`quantize_kv_triton`) and results up to float32 rounding. `keys`, `values`: whole key groups
     `[B, Hkv, N, D]` in a model dtype; `key_rotated`, `valid` as for the reference."""
-    if config.rotation:
-        config = dataclasses.replace(config, method="oscar")
-    else:
-        key_rotated = None
+    config, key_rotated = per_head_rotation(config, key_rotated)
     stored = quantize_kv_triton(keys, values, config, key_rotated, valid=valid)
     return dequantize_kv_triton(stored, config, key_rotated, dtype=keys.dtype)
 

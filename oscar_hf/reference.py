@@ -362,11 +362,16 @@ def fake_quantize_kv(
     each (row, KV head) rotated as `key_rotated` (`[B, Hkv]` bool, read where `config.rotation` is on) says: what
     bits="auto" costs each width with (`layer_widths.bit_cost_sums`; `kernels.fake_quantize_kv_triton` is its fused
     path's). `keys`, `values`: whole key groups; `valid` as in `quantize_kv`."""
-    if config.rotation:
-        config = dataclasses.replace(config, method="oscar")
-    else:
-        key_rotated = None
+    config, key_rotated = per_head_rotation(config, key_rotated)
     return dequantize_kv(quantize_kv(keys, values, config, key_rotated, valid=valid), config, keys.dtype, key_rotated)
+
+
+def per_head_rotation(config: OscarConfig, key_rotated: torch.Tensor) -> tuple[OscarConfig, torch.Tensor | None]:
+    """The config and flags that store keys rotated per (row, KV head) as `key_rotated` says: method="oscar" where the
+    rotation is on; no flags where it is off (nothing rotates)."""
+    if config.rotation:
+        return dataclasses.replace(config, method="oscar"), key_rotated
+    return config, None
 
 
 def round_trip_kv(
