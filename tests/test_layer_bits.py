@@ -8,6 +8,7 @@ import torch
 from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
+from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.config import DEFAULT_AVG_BITS
 from oscar_hf.layer_widths import LAYER_WIDTHS, add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
@@ -183,12 +184,14 @@ def _filled(model, prompt, **options):
 
 @pytest.mark.parametrize("attention", ["portable", "fused"])
 @pytest.mark.parametrize("method", ["oscar", "paper"])
-def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention):
+def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention, monkeypatch):
     """The stored region after the choice is dequantize(4-bit) -> quantize(width) (the reference's on the portable
     path, the Triton kernels' on the fused one), with the key rotation the choice made at that width; a half whose
     width and rotation stay keeps its 4-bit codes. Filled by hand, with the queries handed over: layers whose outlier
     key channels differ, the first with quiet keys, so that the budget buys 4-bit values there (its keys converted),
-    4-bit keys elsewhere (its values converted)."""
+    4-bit keys elsewhere (its values converted). Converted one block per slice (the float32 K/V of 32 tokens here), so
+    that the slices' seams are checked too."""
+    monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
     options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)

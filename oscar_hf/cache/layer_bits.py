@@ -20,7 +20,8 @@ blocks dequantized and quantized again; the 4-bit round trip adds little next to
 measures it). From then on the layer's storage layout, codec, kernel config and compiled buffers are those widths.
 
 Memory beyond the 4-bit cache while the choice is open: per layer, 2 (widths) x 2 (rotations, method="oscar") float32
-D x D matrices per row and KV head (2 MiB per layer at 8 KV heads, head_dim 128, batch 1).
+D x D matrices per row and KV head (2 MiB per layer at 8 KV heads, head_dim 128, batch 1); during the
+conversion, one slice of float32 K/V (`CONVERT_SLICE_BYTES`).
 """
 
 from __future__ import annotations
@@ -41,7 +42,6 @@ from .compiled import CompiledDecode
 from .key_rotation import CHOICE_TOKENS
 from .memory import average_bits
 from .padding import valid
-from .storage import QUANTIZE_CHUNK_TOKENS
 
 logger = logging.get_logger(__name__)
 
@@ -53,6 +53,12 @@ KEYS_ONLY_MESSAGE = (
 )
 
 _BATCH_DIMS = BitCostSums(2, 2, 1, 0, 0, 0)  # where each of the sums has its batch axis
+
+# `LayerBits.convert` dequantizes a layer's blocks in slices of at most this many bytes of float32 K/V: a 32K-token
+# prompt of 8 KV heads at head_dim 128 and batch 1 in one slice. The choice runs on the host's time after the prefill,
+# whose transients are larger (one layer's bf16 K/V of the whole prompt, its MLP's activations), and each slice costs
+# two launches and their Python (~0.5 ms): 4096-token slices made the choice 4 ms per layer.
+CONVERT_SLICE_BYTES = 256 << 20
 
 
 class LayerBits:
@@ -120,10 +126,11 @@ class LayerBits:
 
     def convert(self, layer, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
         """`OscarCache.choose_bits`: `layer` stores keys of `key_bits` and values of `value_bits` from now on, and
-        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32)
-        and quantized again, with `key_rotated` the heads' key rotation at `key_bits` (method="oscar"); a half whose
-        width and rotation stay keeps its codes (quantizing them again would only add error). A layer that may decode
-        compiled gets its reserved storage at the new widths (`CompiledDecode`) before any step."""
+        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32,
+        in slices of `CONVERT_SLICE_BYTES`) and quantized again, with `key_rotated` the heads' key rotation at
+        `key_bits` (method="oscar"); a half whose width and rotation stay keeps its codes (quantizing them again would
+        only add error). A layer that may decode compiled gets its reserved storage at the new widths
+        (`CompiledDecode`) before any step."""
         layer.rotation.write_waiting(layer)
         layer.codec.finite.read(wait=True)
         storage, old_codec, old_layout, old_rotated = layer.storage, layer.codec, layer.layout, layer.key_rotated
@@ -144,9 +151,11 @@ class LayerBits:
             old, length = storage.buffers, storage.length
             storage.empty_quantized(layer.layout)
             storage.extend(length)
+            batch, heads, _, dim = storage.exact_keys.shape
+            tokens = max(1, CONVERT_SLICE_BYTES // (batch * heads * dim * 2 * 4 * storage.window)) * storage.window
             with layer.codec.finite.gathered():  # one check for the layer's blocks (on CUDA, deferred: no wait)
-                for start in range(0, length, QUANTIZE_CHUNK_TOKENS):
-                    rows = old_layout.rows(old, start, min(start + QUANTIZE_CHUNK_TOKENS, length))
+                for start in range(0, length, tokens):
+                    rows = old_layout.rows(old, start, min(start + tokens, length))
                     keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
                     layer._quantize_at(keys, values, start, write=True)
             if keep_keys or keep_values:  # that half's codes stay (quantizing them again would only add error)
