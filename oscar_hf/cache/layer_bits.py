@@ -55,8 +55,8 @@ KEYS_ONLY_MESSAGE = (
 _BATCH_DIMS = BitCostSums(2, 2, 1, 0, 0, 0)  # where each of the sums has its batch axis
 
 # `LayerBits.convert` dequantizes a layer's blocks in slices of at most this many bytes of float32 K/V: a 32K-token
-# prompt of 8 KV heads at head_dim 128 and batch 1 in one slice. The choice runs on the host's time after the prefill,
-# whose transients are larger (one layer's bf16 K/V of the whole prompt, its MLP's activations), and each slice costs
+# prompt of 8 KV heads at head_dim 128 and batch 1 in one slice. The choice runs after the prefill, whose transients
+# are as large (one layer's K/V of the whole prompt, its MLP's activations: 3.5x that at 8B), and each slice costs
 # two launches and their Python (~0.5 ms): 4096-token slices made the choice 4 ms per layer.
 CONVERT_SLICE_BYTES = 256 << 20
 
