@@ -111,17 +111,18 @@ def choose_layer_bits(
     layers, widths = key_costs.shape
     costs = key_costs.double().cpu()[:, :, None] + value_costs.double().cpu()[:, None, :]  # [L, key width, value width]
     bits, weights = bits.double().cpu(), weights.double().cpu()
-    chosen = [[0, 0] for _ in range(layers)]
     limit = avg_bits * float(weights.sum()) * (1 + 1e-12)  # rounding must not refuse a budget met exactly
     spent = float((weights * bits[:, 0, 0]).sum())
+    costs, bits, weights = costs.tolist(), bits.tolist(), weights.tolist()  # Python floats: no op per comparison
+    chosen = [[0, 0] for _ in range(layers)]
     while True:
         best = None
         for layer, (k, v) in enumerate(chosen):
             for nk, nv in ((k + 1, v), (k, v + 1)):
                 if nk >= widths or nv >= widths:
                     continue
-                added = float(weights[layer] * (bits[layer, nk, nv] - bits[layer, k, v]))
-                gain = float(costs[layer, k, v] - costs[layer, nk, nv])
+                added = weights[layer] * (bits[layer][nk][nv] - bits[layer][k][v])
+                gain = costs[layer][k][v] - costs[layer][nk][nv]
                 if gain <= 0 or spent + added > limit:
                     continue
                 if best is None or gain / added > best[0]:
