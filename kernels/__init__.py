@@ -24,6 +24,13 @@ from __future__ import annotations
 
 import importlib
 
+if __name__ == "kernels":  # this folder found as a top-level package: the checkout's root is on sys.path
+    raise ImportError(
+        "Python found the oscar-hf checkout's kernels/ folder as the package `kernels`, which is HuggingFace's "
+        "(transformers >= 5.25 imports it): the checkout's root is on sys.path, as the current directory of `python "
+        "-c`, `python -m` or a REPL started there. Run from another directory, or with `python -P`."
+    )
+
 __all__ = [
     "chunk_attention_flash",
     "chunk_attention_triton",

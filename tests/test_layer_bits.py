@@ -325,6 +325,30 @@ def test_a_cache_filled_by_hand_chooses_from_the_keys_at_its_first_decode_step(t
     assert cache.layers[0].quantized().key_codes.shape[2] == 96 // 8  # 4-bit codes: 8 tokens per word
 
 
+def test_a_reserved_length_is_allocated_once_the_widths_are_chosen(tiny_llama):
+    """`reserve` (generate's maximum length) under bits="auto": while the choice is open each layer's 4-bit blocks grow
+    with the prompt (reserved at 4 bits, the whole length would be the prefill's peak); the choice allocates the
+    reserved length at each layer's widths, and after a reset the next prompt again grows until its choice."""
+    config = tiny_llama(num_hidden_layers=3).config
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=3.9, residual_length=32, sink_tokens=0))
+    cache.reserve(1000)
+    for _ in range(2):
+        for idx in range(3):
+            cache.update(torch.randn(1, 2, 100, 32) * (1 + 3 * idx), torch.randn(1, 2, 100, 32), idx)
+        assert [layer.storage.capacity for layer in cache.layers] == [96] * 3  # the prompt's 3 complete blocks
+        before = [layer.dense_history()[0] for layer in cache.layers]
+        cache.choose_bits()
+        assert [layer.storage.capacity for layer in cache.layers] == [992] * 3  # 1000 tokens in whole blocks
+        widths = {(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers}
+        assert len(widths) > 1, widths  # converted layers and a kept one both reserve
+        for layer, keys in zip(cache.layers, before):
+            after = layer.dense_history()[0]
+            assert after.shape == keys.shape
+            if layer.config.key_bits == 4:
+                torch.testing.assert_close(after, keys, rtol=0, atol=0)  # kept codes
+        cache.reset()
+
+
 def test_a_prompt_fed_in_chunks_chooses_after_the_last_chunk(tiny_llama):
     """generate's chunked prefill: the widths are chosen once, after the last chunk, within the budget, as for the
     prompt fed whole."""

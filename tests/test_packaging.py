@@ -52,4 +52,5 @@ def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
     assert result.returncode == 0, f"the probe failed:\n{result.stderr}"
     lines = result.stdout.splitlines()
     assert all(line.startswith(str(target)) for line in lines[:3]), lines
-    assert lines[3] == "None" or not lines[3].startswith(str(ROOT)) and "oscar_hf" not in lines[3]
+    # a `kernels` found (HuggingFace's, which transformers >= 5.25 installs) is neither the wheel's nor the checkout's
+    assert lines[3] == "None" or not lines[3].startswith((str(target), str(ROOT / "kernels"))), lines

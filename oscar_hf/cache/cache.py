@@ -232,17 +232,18 @@ class OscarCache(DynamicCache):
             reserved=all(layer.max_cache_len is not None for layer in layers),
         )
 
-    def activate_past_recording(self) -> None:
+    def activate_past_recording(self, **kwargs) -> None:
         """Assisted decoding rolls rejected tokens back (`crop`), which a static sliding-window layer past its window
         cannot: the ones `reserve` made static that hold nothing yet go back to transformers' dynamic layers, which
-        record their past (decoding eagerly, as without a reservation)."""
+        record their past (decoding eagerly, as without a reservation). `kwargs` (transformers >= 5.25:
+        `recurrent_states_to_keep`) go to transformers' own."""
         self.layers = [
             DynamicSlidingWindowLayer(sliding_window=layer.sliding_window)
             if type(layer) is CompiledSlidingWindowLayer and not layer.is_initialized
             else layer
             for layer in self.layers
         ]
-        super().activate_past_recording()
+        super().activate_past_recording(**kwargs)
 
     def memory_footprint(self) -> KVMemory:
         """Bytes this cache holds now, and the ratio to a bf16 cache of the same tokens."""

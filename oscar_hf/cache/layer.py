@@ -106,7 +106,7 @@ class OscarLayer(CacheLayerMixin):
         self.dtype, self.device = key_states.dtype, key_states.device
         self.storage.allocate(key_states, value_states, self.config.sink_tokens)
         self.is_initialized = True
-        if self.compiled_decode:
+        if self.compiled_decode and not self.bits_open:
             self._compiled = CompiledDecode(self)
 
     # transformers' layer API
@@ -242,9 +242,17 @@ class OscarLayer(CacheLayerMixin):
             self._padding = self._padding.apply(fn)
 
     def reserve(self, tokens: int) -> None:
-        """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length)."""
+        """Size the quantized storage for `tokens` tokens up front (generate knows its maximum length). bits="auto"
+        reserves once the widths are chosen (`LayerBits.convert`): reserved while the choice is open, the whole
+        length would be 4-bit, the prefill's peak 1.6x the 2-bit cache's even when only the choice's first tokens
+        are stored before it."""
         self.max_cache_len = tokens
-        self.storage.reserved = tokens - tokens % self.config.residual_length
+        if not self.bits_open:
+            self.reserve_storage()
+
+    def reserve_storage(self) -> None:
+        """Allocate the reserved length (`max_cache_len`) at the stored widths, and compiled decode's counter."""
+        self.storage.reserve(self.max_cache_len)
         if self.is_initialized and self.compiled_decode:
             self._compiled = CompiledDecode(self)
         elif self.is_initialized and self.storage.buffers is not None:

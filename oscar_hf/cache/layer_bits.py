@@ -1,12 +1,13 @@
 """bits="auto": each full-attention layer's key and value widths, chosen from the prompt under an average-bits budget
 (`OscarConfig.avg_bits`), with no calibration data.
 
-While the choice is open, every layer stores its blocks at the widest widths (4-bit keys and values: the prefill's
-peak is the 4-bit cache) and sums, over the first `CHOICE_TOKENS` tokens of each sequence, what each width would cost
-its attention (`layer_widths.bit_cost_sums`: the key round trip's error Gram matrices at each width, with and without
-the key rotation where method="oscar" chooses it, and the value round trip's errors; on the fused path the round trips
-are the Triton quantizer's and dequantizer's). The queries come from the query rule (`KeyRotation`'s running moment;
-a layer that never saw them costs its keys against isotropic queries, with a warning).
+While the choice is open, every layer stores its blocks at the widest widths (4-bit keys and values, growing with the
+prompt: a maximum length given to `reserve` is allocated only once the widths are chosen) and sums, over the first
+`CHOICE_TOKENS` tokens of each sequence, what each width would cost its attention (`layer_widths.bit_cost_sums`: the key
+round trip's error Gram matrices at each width, with and without the key rotation where method="oscar" chooses it, and
+the value round trip's errors; on the fused path the round trips are the Triton quantizer's and dequantizer's). The
+queries come from the query rule (`KeyRotation`'s running moment; a layer that never saw them costs its keys against
+isotropic queries, with a warning).
 
 The choice is made once, for every layer together, at the end of the prompt (`OscarCache.choose_bits`): `generate`
 calls it after its prefill, before the first decode step, compiled or not; by hand the first single-token update that
@@ -38,7 +39,6 @@ from ..layer_widths import (
     choose_layer_bits,
     layer_bit_costs,
 )
-from .compiled import CompiledDecode
 from .key_rotation import CHOICE_TOKENS
 from .memory import average_bits
 from .padding import valid
@@ -83,10 +83,12 @@ class LayerBits:
         return config.with_widths(*self.widest)
 
     def restart(self, layer) -> None:
-        """`layer` was reset: choose again for the next prompt, storing the widest widths until then."""
+        """`layer` was reset: choose again for the next prompt, storing the widest widths until then (and reserving
+        its maximum length only once chosen again)."""
         self.reset()
         layer._set_config(self.stored_config(layer.config))
         layer.storage.empty_quantized(layer.layout)
+        layer.storage.reserve(0)
 
     def close(self) -> None:
         """The widths are chosen: the sums are no longer needed."""
@@ -129,8 +131,8 @@ class LayerBits:
         the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32,
         in slices of `CONVERT_SLICE_BYTES`) and quantized again, with `key_rotated` the heads' key rotation at
         `key_bits` (method="oscar"); a half whose width and rotation stay keeps its codes (quantizing them again would
-        only add error). A layer that may decode compiled gets its reserved storage at the new widths
-        (`CompiledDecode`) before any step."""
+        only add error). A layer given a maximum length (`OscarLayer.reserve`) reserves it now, at the new widths,
+        with compiled decode's counter where compiled steps may run."""
         layer.rotation.write_waiting(layer)
         layer.codec.finite.read(wait=True)
         storage, old_codec, old_layout, old_rotated = layer.storage, layer.codec, layer.layout, layer.key_rotated
@@ -150,6 +152,8 @@ class LayerBits:
         if not (keep_keys and keep_values):
             old, length = storage.buffers, storage.length
             storage.empty_quantized(layer.layout)
+            if layer.max_cache_len is not None:
+                storage.reserve(layer.max_cache_len)  # allocated once, at the new widths
             storage.extend(length)
             batch, heads, _, dim = storage.exact_keys.shape
             tokens = max(1, CONVERT_SLICE_BYTES // (batch * heads * dim * 2 * 4 * storage.window)) * storage.window
@@ -160,8 +164,8 @@ class LayerBits:
                     layer._quantize_at(keys, values, start, write=True)
             if keep_keys or keep_values:  # that half's codes stay (quantizing them again would only add error)
                 storage.write(0, old_layout.rows(old, 0, length), halves=("key",) if keep_keys else ("value",))
-        if layer._compiled is not None:
-            layer._compiled = CompiledDecode(layer)
+        if layer.max_cache_len is not None:
+            layer.reserve_storage()
 
 
 def bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -132,6 +132,7 @@ class KVStorage:
         if held:
             key_states = torch.cat([self.keys[:, :, :held], key_states], dim=-2)
             value_states = torch.cat([self.values[:, :, :held], value_states], dim=-2)
+        self.grow(self.length + to_quantize)  # once for a long update (a prompt), not a doubling per chunk of it
         for start in range(0, to_quantize, QUANTIZE_CHUNK_TOKENS):
             end = min(start + QUANTIZE_CHUNK_TOKENS, to_quantize)
             self.quantize(key_states[:, :, start:end], value_states[:, :, start:end], self.extend(end - start))
@@ -255,6 +256,10 @@ class KVStorage:
                 if buf is not None:
                     buf.copy_(old)
         self.buffers, self._views = new, (None, 0, None)  # views of the old buffers would keep them alive
+
+    def reserve(self, tokens: int) -> None:
+        """Allocate capacity for `tokens` quantized tokens (whole blocks) at the next growth, not by doubling."""
+        self.reserved = tokens - tokens % self.window
 
     def allocate_reserved(self) -> None:
         """Storage for the reserved tokens, zero beyond those stored (compiled steps read it, masked)."""
