@@ -23,8 +23,12 @@ and the decode kernel's limits, which callers check before choosing it (importin
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 
-if __name__ == "kernels":  # this folder found as a top-level package: the checkout's root is on sys.path
+# This folder found as the top-level package `kernels` (the checkout's root on sys.path) while HuggingFace's `kernels`
+# is installed: transformers would import this one in its place. Without HuggingFace's, transformers finds no version
+# here and takes `kernels` as absent, as it is.
+if __name__ == "kernels" and any(importlib.metadata.distributions(name="kernels")):
     raise ImportError(
         "Python found the oscar-hf checkout's kernels/ folder as the package `kernels`, which is HuggingFace's "
         "(transformers >= 5.25 imports it): the checkout's root is on sys.path, as the current directory of `python "

@@ -54,3 +54,16 @@ def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
     assert all(line.startswith(str(target)) for line in lines[:3]), lines
     # a `kernels` found (HuggingFace's, which transformers >= 5.25 installs) is neither the wheel's nor the checkout's
     assert lines[3] == "None" or not lines[3].startswith((str(target), str(ROOT / "kernels"))), lines
+
+
+def test_the_checkout_kernels_folder_found_as_huggingface_kernels_says_so():
+    """From the checkout's root (`python -c` there puts it on sys.path) `import kernels` finds this kernels/ folder:
+    where HuggingFace's `kernels` is installed (transformers >= 5.25 requires it) that is an error naming the fix,
+    not transformers failing inside it; without it, transformers takes the folder for an absent `kernels`."""
+    import importlib.metadata
+
+    result = subprocess.run([sys.executable, "-c", "import kernels"], cwd=ROOT, capture_output=True, text=True)
+    if any(importlib.metadata.distributions(name="kernels")):
+        assert result.returncode != 0 and "Run from another directory, or with `python -P`" in result.stderr
+    else:
+        assert result.returncode == 0, result.stderr
