@@ -8,35 +8,25 @@ import sys
 import zipfile
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module")
-def wheel(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheel")
+def test_the_wheel_ships_kernels_inside_oscar_hf_and_imports_outside_the_checkout(tmp_path):
+    """The wheel's files, then the wheel installed into a folder of its own, imported by the interpreter running the
+    tests (whose packages, torch and transformers, it needs) from outside the checkout: PYTHONPATH puts the folder
+    before site-packages, so the wheel's copy wins over any editable install of the checkout. One test: the build
+    writes the checkout's build/ folder, which two test workers building at once would race for."""
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", out, ROOT],
+        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", tmp_path, ROOT],
         check=True,
     )
-    (path,) = out.glob("oscar_hf-*.whl")
-    return path
-
-
-def test_wheel_ships_kernels_inside_oscar_hf(wheel):
+    (wheel,) = tmp_path.glob("oscar_hf-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
-    assert "oscar_hf/kernels/__init__.py" in names
+    assert "oscar_hf/kernels/__init__.py" in names and "oscar_eval.py" in names
     assert not [n for n in names if n.startswith("kernels/")]
     top_level = [n for n in names if n.endswith("top_level.txt")]
     assert top_level and zipfile.ZipFile(wheel).read(top_level[0]).decode().split() == ["oscar_eval", "oscar_hf"]
-    assert "oscar_eval.py" in names
 
-
-def test_installed_wheel_imports_outside_the_checkout(wheel, tmp_path):
-    """The wheel installed into a folder of its own, imported by the interpreter running the tests (whose packages,
-    torch and transformers, it needs) from outside the checkout: PYTHONPATH puts the folder before site-packages, so
-    the wheel's copy wins over any editable install of the checkout."""
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", target, wheel], check=True
