@@ -34,7 +34,7 @@ from transformers import AutoConfig
 
 from oscar_hf import OscarConfig, cache_kwargs
 from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, kv_heads_and_dim
-from oscar_hf.methods import METHODS
+from oscar_hf.methods import DEFAULT_METHOD, METHODS
 from oscar_hf.offline_models import load_model, model_path
 
 matplotlib.use("Agg")
@@ -585,6 +585,22 @@ def markdown_table(model_name: str) -> str:
     return "\n".join(lines)
 
 
+def retrieval_cells_table(model_name: str) -> str:
+    """Accuracy in every retrieval cell of a model's record: a row per task and length, a column per method that ran
+    any (docs/accuracy.md, "Every retrieval cell"); empty: not run."""
+    entries = current_entries(model_name)
+    ran = {key.split("|")[1] for key in entries}
+    lengths = sorted({t.rsplit("_", 1)[1] for t in ran if t.split("_")[1] in RETRIEVAL}, key=lambda n: int(n[:-1]))
+    tasks = [t for t in retrieval(*lengths) if t in ran]
+    methods = [m for m in ALL_METHODS if any(f"{m}|{t}" in entries for t in tasks)]
+    names = [f"{m} (default)" if m == DEFAULT_METHOD else m for m in methods]
+    lines = ["| cell | " + " | ".join(names) + " |", "|---" * (len(methods) + 1) + "|"]
+    for t in tasks:
+        cells = [f"{entries[f'{m}|{t}']['acc']:.2f}" if f"{m}|{t}" in entries else "" for m in methods]
+        lines.append(f"| {t.removeprefix('oscar_')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def binomial_se(acc: float, n: int) -> float:
     """Standard error of an accuracy over n independent documents."""
     return math.sqrt(acc * (1 - acc) / n)
@@ -726,7 +742,7 @@ def main() -> None:
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
     print(f"plot: {plot(done)}\nsummary: {summarize(done)}\nquality vs stored bits: {plot_bits(done)}")
     for name in done:
-        print(f"\n### {name}\n\n{markdown_table(name)}")
+        print(f"\n### {name}\n\n{markdown_table(name)}\n\nEvery retrieval cell:\n\n{retrieval_cells_table(name)}")
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""benchmarks/run_accuracy.py: its record is shared by processes that run plans for one model side by side."""
+"""benchmarks/run_accuracy.py: its record is shared by processes that run plans for one model side by side, and the
+tables docs/accuracy.md prints from it."""
 
 import importlib.util
 import json
@@ -7,13 +8,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_two_processes_adding_entries_keep_both(tmp_path, monkeypatch):
-    """Each process loads the record when it starts and saves after every entry: a save merges into what is on disk,
-    so neither loses the other's entries (each saved whole: no half-written file left behind)."""
+def _run_accuracy(results: Path, monkeypatch):
     spec = importlib.util.spec_from_file_location("run_accuracy", ROOT / "benchmarks" / "run_accuracy.py")
     run_accuracy = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(run_accuracy)
-    monkeypatch.setattr(run_accuracy, "RESULTS", tmp_path)
+    monkeypatch.setattr(run_accuracy, "RESULTS", results)
+    return run_accuracy
+
+
+def test_two_processes_adding_entries_keep_both(tmp_path, monkeypatch):
+    """Each process loads the record when it starts and saves after every entry: a save merges into what is on disk,
+    so neither loses the other's entries (each saved whole: no half-written file left behind)."""
+    run_accuracy = _run_accuracy(tmp_path, monkeypatch)
     first, second = run_accuracy.load_results("tiny"), run_accuracy.load_results("tiny")
     first["entries"]["oscar-k4v2|oscar_niah_2k"] = {"acc": 0.9, "n": 30}
     run_accuracy.save_results(first)
@@ -28,3 +34,23 @@ def test_two_processes_adding_entries_keep_both(tmp_path, monkeypatch):
     ]  # fmt: skip
     assert record["kv_decomposition"] == {"oscar_niah_2k": {"key": 0.1}}
     assert [p.name for p in tmp_path.iterdir()] == ["accuracy_tiny.json"]
+
+
+def test_the_retrieval_cells_table_has_a_row_per_cell_and_leaves_cells_not_run_empty(tmp_path, monkeypatch):
+    run_accuracy = _run_accuracy(tmp_path, monkeypatch)
+    record = run_accuracy.load_results("tiny")
+    record["entries"] = {
+        "bf16|oscar_niah_2k": {"acc": 0.9, "n": 30},
+        "bf16|oscar_passkey_4k": {"acc": 0.5, "n": 30},
+        "oscar-auto-3.2-sinks4|oscar_niah_2k": {"acc": 0.8666, "n": 30},
+        "kivi-int2|oscar_pg_ppl_1k": {"word_perplexity": 30.0, "n": 20},
+    }
+    for key, entry in record["entries"].items():  # what each method measures now (else refused as stale)
+        entry["key_rotation"] = run_accuracy.key_rotation(key.split("|")[0])
+    run_accuracy.save_results(record)
+    assert run_accuracy.retrieval_cells_table("tiny").splitlines() == [
+        "| cell | bf16 | oscar-auto-3.2-sinks4 (default) |",
+        "|---|---|---|",
+        "| niah_2k | 0.90 | 0.87 |",
+        "| passkey_4k | 0.50 |  |",
+    ]
