@@ -30,12 +30,11 @@ import transformers
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
-from transformers import AutoConfig
 
 from oscar_hf import OscarConfig, cache_kwargs
 from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, kv_heads_and_dim
 from oscar_hf.methods import DEFAULT_METHOD, METHODS
-from oscar_hf.offline_models import load_model, model_path
+from oscar_hf.offline_models import load_model
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402  (after the backend is chosen)
@@ -652,7 +651,9 @@ def summarize(model_names: list[str]) -> Path:
     summary = {}
     for name in model_names:
         entries = current_entries(name)
-        kv_heads, head_dim = kv_heads_and_dim(AutoConfig.from_pretrained(model_path(name)))
+        # the record's own (`run_model` writes them): a summary never fetches or converts a model
+        record = load_results(name)
+        kv_heads, head_dim = record["kv_heads"], record["head_dim"]
         methods = sorted({k.split("|")[0] for k in entries}, key=ALL_METHODS.index)
         ppl_tasks = sorted({k.split("|")[1] for k in entries if "_ppl_" in k and k.startswith("bf16|")})
         compared = [m for m in COMPARED_METHODS if m in methods]

@@ -54,3 +54,30 @@ def test_the_retrieval_cells_table_has_a_row_per_cell_and_leaves_cells_not_run_e
         "| niah_2k | 0.90 | 0.87 |",
         "| passkey_4k | 0.50 |  |",
     ]
+
+
+def test_the_summary_takes_the_head_shape_from_the_record_and_loads_no_model(tmp_path, monkeypatch):
+    """`--plot-only` and the end of every run summarise all four records: the stored bits need each model's KV heads
+    and head_dim, which the record holds; reading them from the model's config made a summary fetch and convert every
+    model it had not loaded (Qwen2.5-1.5B: a 1.1 GB download and a 6 GB float32 conversion)."""
+    run_accuracy = _run_accuracy(tmp_path, monkeypatch)
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the summary loaded a model")
+
+    monkeypatch.setattr(run_accuracy, "load_model", no_model)
+    monkeypatch.setattr("oscar_hf.offline_models.model_path", no_model)
+    record = run_accuracy.load_results("tiny")
+    record.update(kv_heads=2, head_dim=128)
+    record["entries"] = {
+        "bf16|oscar_niah_2k": {"acc": 0.9, "n": 30},
+        "oscar-int2|oscar_niah_2k": {"acc": 0.8, "n": 30},
+    }
+    for key, entry in record["entries"].items():
+        entry["key_rotation"] = run_accuracy.key_rotation(key.split("|")[0])
+    run_accuracy.save_results(record)
+    summary = json.loads(run_accuracy.summarize(["tiny"]).read_text())["tiny"]
+    int2 = run_accuracy.METHODS["oscar-int2"][1]
+    assert summary["oscar-int2"]["avg_bits"] == round(run_accuracy.avg_bits("oscar-int2", int2, 128, 2), 4)
+    assert summary["oscar-int2"]["avg_bits"] != round(run_accuracy.avg_bits("oscar-int2", int2, 64, 3), 4)
+    assert summary["oscar-int2"]["retrieval_cells"]["niah_2k"] == {"acc": 0.8, "se": 0.073, "n": 30}
