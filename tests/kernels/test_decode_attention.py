@@ -244,6 +244,9 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=128, residual=36, left_pad=9), 4, 64, 4 + 12),  # 4 sinks, a 32-token window
         (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 3),  # the sinks still filling: 3 held
         (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 4 + 32),  # a full window, nothing quantized
+        # sinks without rotation, and with speculative queries (causal over the window only: the sinks precede them)
+        (replace(BASE, quantized=128, residual=36, rotation=False, token_scaling=False, left_pad=9), 4, 64, 4 + 20),
+        (replace(BASE, quantized=128, residual=36, q_len=3, gqa=2, method="oscar"), 4, 64, 4 + 7),
         # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
         (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17),
         (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
