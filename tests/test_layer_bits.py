@@ -236,6 +236,43 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     assert widths == [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
 
 
+def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama):
+    """A prompt no longer than the sinks and the window (a short perplexity window, a short first turn) quantizes
+    nothing: choosing then has no block to convert, also in a layer that keeps one half's width and changes the other
+    (which read the quantized region that did not exist), and the first blocks quantized afterwards are stored at the
+    widths chosen, with the key rotation chosen (the reference's quantization, on the portable path)."""
+    config = tiny_llama(num_hidden_layers=4, head_dim=64).config
+    config._attn_implementation = "sdpa"
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.4, residual_length=32, attention="portable"))
+    torch.manual_seed(0)
+    prompts = []
+    for index in range(4):  # as in the test above: layers whose outlier key channels differ, the first one quiet
+        keys, values, queries = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 4, 20, 64)
+        keys[..., :2] *= 4 * index + 1
+        keys *= 0.05 if index == 0 else 1
+        returned, _ = cache.update(keys, values, index)
+        cache.layers[index].observe_queries(queries, returned)
+        prompts.append((keys, values))
+    assert all(layer.quantized_length == 0 for layer in cache.layers)
+    cache.choose_bits()
+    widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
+    assert (4, 2) in widths and (2, 2) in widths, widths  # keys kept and values changed; both changed
+    for index, (layer, (keys, values)) in enumerate(zip(cache.layers, prompts)):
+        more_keys, more_values = torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64)
+        cache.update(more_keys, more_values, index)
+        sinks = layer.storage.sinks
+        assert layer.quantized_length == 64 and (layer.layout.key_bits, layer.layout.value_bits) == widths[index]
+        span = slice(sinks, sinks + 64)
+        want = quantize_kv(
+            torch.cat([keys, more_keys], 2)[:, :, span], torch.cat([values, more_values], 2)[:, :, span],
+            layer.config, layer.key_rotated,
+        )  # fmt: skip
+        got = layer.quantized()
+        for name in got._fields:
+            expected = getattr(want, name)
+            assert (getattr(got, name) is None) if expected is None else torch.equal(getattr(got, name), expected)
+
+
 def test_the_4_bit_round_trip_adds_little_to_the_2_bit_error():
     """What converting costs: keys and values quantized at 2 bits from their 4-bit round trip are within 0.2 % of the
     error of quantizing the exact ones (measured: +0.06 % for keys, +0.00 % for values); 4-bit keys quantized again
@@ -251,10 +288,11 @@ def test_the_4_bit_round_trip_adds_little_to_the_2_bit_error():
         assert (b - exact).norm() <= 1.002 * (a - exact).norm()
 
 
-def test_generate_with_auto_bits_respects_the_budget_and_says_what_it_chose(tiny_llama, caplog):
+@pytest.mark.parametrize("prompt_tokens", [150, 10])  # 10: the prompt is held exact when the widths are chosen
+def test_generate_with_auto_bits_respects_the_budget_and_says_what_it_chose(tiny_llama, caplog, prompt_tokens):
     model = tiny_llama(num_hidden_layers=4)
     model.config._attn_implementation = "sdpa"
-    prompt = torch.randint(3, 97, (1, 150))
+    prompt = torch.randint(3, 97, (1, prompt_tokens))
     low, high = (
         average_bits(OscarConfig(bits=2, sink_tokens=0), 32, 2),
         average_bits(OscarConfig(bits=4, sink_tokens=0), 32, 2),
@@ -267,7 +305,7 @@ def test_generate_with_auto_bits_respects_the_budget_and_says_what_it_chose(tiny
                 return_dict_in_generate=True, **GREEDY,
             )  # fmt: skip
         cache = out.past_key_values
-        assert out.sequences.shape[1] == 190 and cache.get_seq_length() == 189
+        assert out.sequences.shape[1] == prompt_tokens + 40 and cache.get_seq_length() == prompt_tokens + 39
         assert cache.average_bits() <= budget + 1e-9
         assert f"OscarCache(bits='auto', avg_bits={budget})" in caplog.text
         memory = cache.memory_footprint()

@@ -162,7 +162,7 @@ class LayerBits:
                     rows = old_layout.rows(old, start, min(start + tokens, length))
                     keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
                     layer._quantize_at(keys, values, start, write=True)
-            if keep_keys or keep_values:  # that half's codes stay (quantizing them again would only add error)
+            if length and (keep_keys or keep_values):  # that half's codes stay (quantizing again only adds error)
                 storage.write(0, old_layout.rows(old, 0, length), halves=("key",) if keep_keys else ("value",))
         if layer.max_cache_len is not None:
             layer.reserve_storage()
