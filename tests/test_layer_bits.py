@@ -182,6 +182,23 @@ def _filled(model, prompt, **options):
     return cache
 
 
+def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Four layers' K/V (head_dim 64) put in by hand, with the queries handed over: layers whose outlier key channels
+    differ, the first with quiet keys, so that a budget between 2 and 4 bits mixes the widths. Drawn on the CPU (the
+    same inputs, and widths, on either device); returns each layer's keys and values."""
+    torch.manual_seed(0)
+    prompts = []
+    for index in range(4):
+        keys, values = torch.randn(1, 2, tokens, 64), torch.randn(1, 2, tokens, 64)
+        queries = torch.randn(1, 4, tokens, 64)
+        keys[..., :2] *= 4 * index + 1
+        keys *= 0.05 if index == 0 else 1
+        returned, _ = cache.update(keys.to(device), values.to(device), index)
+        cache.layers[index].observe_queries(queries.to(device), returned)
+        prompts.append((keys, values))
+    return prompts
+
+
 @pytest.mark.parametrize("attention", ["portable", "fused"])
 @pytest.mark.parametrize("method", ["oscar", "paper"])
 def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention, monkeypatch):
@@ -197,13 +214,7 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
-    torch.manual_seed(0)  # drawn on the CPU: the same inputs, and widths, on either device
-    for index in range(4):
-        keys, values, queries = torch.randn(1, 2, 100, 64), torch.randn(1, 2, 100, 64), torch.randn(1, 4, 100, 64)
-        keys[..., :2] *= 4 * index + 1
-        keys *= 0.05 if index == 0 else 1
-        returned, _ = cache.update(keys.to(device), values.to(device), index)
-        cache.layers[index].observe_queries(queries.to(device), returned)
+    _fill_by_hand(cache, 100, device)
     before = [
         (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
     ]
@@ -244,15 +255,7 @@ def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config
     config._attn_implementation = "sdpa"
     cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.4, residual_length=32, attention="portable"))
-    torch.manual_seed(0)
-    prompts = []
-    for index in range(4):  # as in the test above: layers whose outlier key channels differ, the first one quiet
-        keys, values, queries = torch.randn(1, 2, 20, 64), torch.randn(1, 2, 20, 64), torch.randn(1, 4, 20, 64)
-        keys[..., :2] *= 4 * index + 1
-        keys *= 0.05 if index == 0 else 1
-        returned, _ = cache.update(keys, values, index)
-        cache.layers[index].observe_queries(queries, returned)
-        prompts.append((keys, values))
+    prompts = _fill_by_hand(cache, 20)
     assert all(layer.quantized_length == 0 for layer in cache.layers)
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
