@@ -61,6 +61,7 @@ BITS_METHODS = [
     "oscar-auto-3.2-sinks4",
     "oscar-auto-3.6",
     "oscar-auto-4.1",
+    "oscar-auto-4.1-sinks4",
     "hf-quanto-int2",
     "hf-quanto-int4",
     "tiny-turboquant-k3v2",

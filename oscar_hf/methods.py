@@ -29,6 +29,7 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-auto-3.2": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 0}),  # INT2's memory, a few 4-bit
     "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 0}),
     "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1, "sink_tokens": 0}),
+    "oscar-auto-4.1-sinks4": ("oscar", {"bits": "auto", "avg_bits": 4.1, "sink_tokens": 4}),  # `avg_bits=4.1` alone
     "kivi-int2": ("oscar", {"bits": 2, "sink_tokens": 0, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
     "oscar-int2-rotation-only": ("oscar", {"bits": 2, "sink_tokens": 0, "token_scaling": False, "method": "paper"}),
