@@ -437,7 +437,7 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
     times = {(path, sinks): [] for path in ("eager", "compiled") for sinks in (0, count)}
     for held in fills:
         for (path, sinks), series in times.items():
-            length = torch.tensor(context + sinks + held, device="cuda")
+            length = torch.tensor(context + sinks + held, device="cuda") if path == "compiled" else None
 
             def run(data=data, path=path, sinks=sinks, held=held, length=length):
                 if path == "eager":
