@@ -41,7 +41,9 @@ from oscar_hf.layout import StorageLayout
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
-def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, gluon: bool = False) -> dict:
+def _launch_arguments(
+    tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, gluon: bool = False, key_bits: int = 2
+) -> dict:
     """The arguments `decode_attention_triton` passes a kernel for a bf16 model's decode step (B=8, Hkv=8, 32K
     quantized tokens, residual window 64), by name: the Triton split kernel's, or with `gluon` the Gluon kernel's (its
     launch forced, as on a GPU). Built on CPU tensors of the storage layout: the same strides and alignments the GPU
@@ -49,7 +51,7 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
     loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
     context = 32768
     batch, kv_heads, residual = 8, 8, 64
-    config = OscarConfig(method="oscar" if per_head else "paper", bits=2)
+    config = OscarConfig(method="oscar" if per_head else "paper", key_bits=key_bits, value_bits=2)
     query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
     quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, context, "cpu")
     keys, values = (torch.randn(batch, kv_heads, residual, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -79,10 +81,12 @@ def _launch_arguments(tuning, gqa: int, head_dim: int, per_head: bool, masked: b
     return kernel, recorded[kernel]
 
 
-def compile_kernel(tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False):
+def compile_kernel(
+    tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False, key_bits: int = 2
+):
     """The split kernel (or with `gluon` the Gluon kernel) compiled for sm_`arch` with the launch's arguments,
     specialized as Triton's launcher does."""
-    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon)
+    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon, key_bits)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -135,6 +139,7 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
+    parser.add_argument("--key-bits", type=int, default=2, choices=[2, 4], help="K2V2 (default) or K4V2")
     args = parser.parse_args()
     launch = default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(
@@ -144,7 +149,9 @@ def main() -> None:
     if args.gluon:
         args.block_n, args.warps = decode_gluon.BLOCK.value, decode_gluon.WARPS
 
-    kernel = compile_kernel(launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon)
+    kernel = compile_kernel(
+        launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon, args.key_bits
+    )
     body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)
     print(f"triton {triton.__version__}, sm_{args.arch}, {usage}, dynamic shared {kernel.metadata.shared} B")

@@ -57,6 +57,8 @@ from .decode_gluon_layouts import (
     BIAS_BY_GROUP,
     BLOCK,
     HALF,
+    K4_CODES,
+    K4_WORDS,
     K_CODES,
     K_GROUP_PAIRS,
     K_PAIRS,
@@ -91,22 +93,31 @@ WARPS = 2  # per program: one partial each
 
 
 @gluon.jit
-def _code_pairs(w, CODES: gl.constexpr, M_LAYOUT: gl.constexpr):
+def _code_pairs(w, CODES: gl.constexpr, M_LAYOUT: gl.constexpr, BITS: gl.constexpr):
     """Value words, or the words that a `prmt` made of a key channel pair's halves, w [...] -> p [..., 2 s, 1] int32
-    in CODES, and `_code_bits`' mask and E for m = 0..3 ([1, ..., 1, 4]; M_LAYOUT: CODES sliced down to its last dim):
-    p holds w and w >> 8, so that the code of token 4 s + m of each 8-token 16-bit half lies at bits 2 m of that half
-    (the mask drops the bits above)."""
+    in CODES, and `_code_bits`' mask and E for m < 8 / BITS ([1, ..., 1, 8 / BITS]; M_LAYOUT: CODES sliced down to its
+    last dim): p holds w and w >> 8, so that the code of token (8 / BITS) s + m of each 16-bit half lies at bits
+    BITS m of that half (the mask drops the bits above)."""
     n: gl.constexpr = w.type.shape.__len__() + 1  # the new dim s; m follows it
     p = gl.convert_layout(gl.join(w, w >> 8), gl.SliceLayout(n, CODES), assert_trivial=True)
-    mask, base = _code_bits(expand(gl.arange(0, 4, layout=M_LAYOUT), n, True))
+    mask, base = _code_bits(expand(gl.arange(0, 8 // BITS, layout=M_LAYOUT), n, True), BITS)
     return gl.expand_dims(p, n), mask, base
 
 
 @gluon.jit
-def _code_bits(m2):
-    """The mask of the codes at bits 2 m2 of both halves, and E = 2^(8 - 2 m2) as an fp16 pair: with the code there,
-    E's mantissa bits read E + c / 4 (exact), so that less E is c / 4."""
-    return 0x00030003 << (2 * m2), 0x5C005C00 - m2 * 0x08000800
+def _code_bits(m, BITS: gl.constexpr):
+    """The mask of the BITS-bit codes at bits BITS m of both halves, and E = 2^(8 - BITS m) as an fp16 pair: with the
+    code there, E's mantissa bits read E + c / 4 (exact: the code ends at bit 7 of the 10), so that less E is c / 4."""
+    return ((1 << BITS) - 1) * 0x00010001 << (BITS * m), 0x5C005C00 - BITS * m * 0x04000400
+
+
+@gluon.jit
+def _halves(w_even, w_odd, half):
+    """One `prmt`: 16-bit half `half` (0 or 1) of both words, w_even's in the low half, w_odd's in the high one."""
+    return gl.inline_asm_elementwise(
+        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [w_even, w_odd, 0x5410 + 0x2222 * half], dtype=gl.int32,
+        is_pure=True, pack=1,
+    )  # fmt: skip
 
 
 @gluon.jit
@@ -116,15 +127,16 @@ def _grid_dependency(instruction: gl.constexpr):
 
 
 @gluon.jit
-def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
+def _copy_block(smem, src, block, KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr):
     """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
     no registers held while they travel: the step that reads them waits for them)."""
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
     stage = block % 2
     o_r = block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, WORDS_COPY))
+    o_rk = block * (4 * KEY_BITS) + gl.arange(0, 4 * KEY_BITS, layout=gl.SliceLayout(1, WORDS_COPY))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, WORDS_COPY))
-    _async_load(kw_s.index(stage), kc_ptr + o_r[:, None] * stride_kcr + o_d[None, :])
+    _async_load(kw_s.index(stage), kc_ptr + o_rk[:, None] * stride_kcr + o_d[None, :])
     _async_load(vw_s.index(stage), vc_ptr + o_r[:, None] * stride_vcr + o_d[None, :])
     o_grp = block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
@@ -140,28 +152,42 @@ def _copy_block(smem, src, block, TOKEN_SCALING: gl.constexpr):
 
 
 @gluon.jit
-def _key_operand(words, scale, minimum):
+def _key_operand(words, scale, minimum, KEY_BITS: gl.constexpr):
     """The warp's K tile [2 h, 64 logical tokens, D] as the first MMA operand, dequantized (fp16), from the step's
-    words [8 word rows, D] (K_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32): c / 4 (`_code_bits`)
-    times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
-    rcg: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, K_CODES))  # [R, c, g0]
-    w_even, w_odd = gl.split(gl.reshape(words, [8, 64, 2]))  # channels 2 c, 2 c + 1 of word row R
-    w_even = gl.convert_layout(w_even, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
-    w_odd = gl.convert_layout(w_odd, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
-    o_g0 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, rcg)))
-    w = gl.inline_asm_elementwise(  # half g0 of both words: channel 2 c in the low half, 2 c + 1 in the high half
-        "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [w_even, w_odd, 0x5410 + 0x2222 * o_g0[None, None, :]],
-        dtype=gl.int32, is_pure=True, pack=1,
-    )  # fmt: skip
-    m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES))))
-    p, mask, base = _code_pairs(w, K_CODES, m_layout)  # [R, c, g0, r1, 1]
+    words [4 KEY_BITS word rows, D] (K_WORDS, K4_WORDS) and scale/min pairs [4 groups, 64 channel pairs] (int32): c / 4
+    (`_code_bits`) times 4 s plus m, one `fma.f16x2` rounded once, as the Triton kernel's c s + m."""
+    w_even, w_odd = gl.split(gl.reshape(words, [4 * KEY_BITS, 64, 2]))  # channels 2 c, 2 c + 1 of each word row
     s4 = gl.inline_asm_elementwise(  # 4 s (exact)
         "{ .reg .b32 c4; mov.b32 c4, 0x44004400; mul.rn.f16x2 $0, $1, c4; }", "=r,r", [scale], dtype=gl.int32,
         is_pure=True, pack=1,
     )  # fmt: skip
-    pair_layout: gl.constexpr = gl.SliceLayout(2, gl.SliceLayout(3, gl.SliceLayout(4, K_CODES)))
-    s4 = expand(gl.convert_layout(_by_word_row(s4), pair_layout, assert_trivial=True), 3, False)
-    minimum = expand(gl.convert_layout(_by_word_row(minimum), pair_layout, assert_trivial=True), 3, False)
+    s4 = _by_word_row(s4)  # [8 R, 64 c]
+    minimum = _by_word_row(minimum)
+    if KEY_BITS == 2:  # lanes g and g + 1 read the same words of row R and keep half g0 of each
+        rcg: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, K_CODES))  # [R, c, g0]
+        w_even = gl.convert_layout(w_even, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
+        w_odd = gl.convert_layout(w_odd, gl.SliceLayout(2, rcg), assert_trivial=True)[:, :, None]
+        o_g0 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, rcg)))
+        w = _halves(w_even, w_odd, o_g0[None, None, :])
+        m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K_CODES))))
+        p, mask, base = _code_pairs(w, K_CODES, m_layout, 2)  # [R, c, g0, r1, 1]
+        s4 = expand(gl.convert_layout(s4, gl.SliceLayout(2, rcg), assert_trivial=True), 3, False)
+        minimum = expand(gl.convert_layout(minimum, gl.SliceLayout(2, rcg), assert_trivial=True), 3, False)
+    else:  # 8 tokens a word: each lane reads its own word row 2 R + g0 and takes half r1 of each
+        rcgr: gl.constexpr = gl.SliceLayout(4, gl.SliceLayout(5, K4_CODES))  # [R, c, g0, r1]
+        rcg: gl.constexpr = gl.SliceLayout(3, rcgr)
+        w_even = gl.permute(gl.reshape(w_even, [8, 2, 64]), [0, 2, 1])  # word row 2 R + g0 -> [R, c, g0]
+        w_odd = gl.permute(gl.reshape(w_odd, [8, 2, 64]), [0, 2, 1])
+        w_even = gl.convert_layout(w_even, rcg, assert_trivial=True)[:, :, :, None]
+        w_odd = gl.convert_layout(w_odd, rcg, assert_trivial=True)[:, :, :, None]
+        o_r1 = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, rcgr))))
+        w = _halves(w_even, w_odd, o_r1[None, None, None, :])
+        m_layout: gl.constexpr = gl.SliceLayout(
+            0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, K4_CODES))))
+        )
+        p, mask, base = _code_pairs(w, K4_CODES, m_layout, 4)  # [R, c, g0, r1, s, 1]: mt = 2 s + m
+        s4 = expand(gl.convert_layout(s4, gl.SliceLayout(2, rcg), assert_trivial=True), 4, False)
+        minimum = expand(gl.convert_layout(minimum, gl.SliceLayout(2, rcg), assert_trivial=True), 4, False)
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; fma.rn.f16x2 t, t, $5, $6;"
         " mov.b32 {$0, $1}, t; }",
@@ -185,7 +211,7 @@ def _value_operand(words):
     """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
     first MMA operand: fp16 c / 4 (`_code_bits`)."""
     m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))
-    p, mask, base = _code_pairs(words, V_CODES, m_layout)  # [R, ch, s, 1]
+    p, mask, base = _code_pairs(words, V_CODES, m_layout, 2)  # [R, ch, s, 1]
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
@@ -198,7 +224,7 @@ def _value_operand(words):
 @gluon.jit
 def _step(
     acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-    TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
+    KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
     """One 128-token step of both warps' online softmax: scores, softmax update, P^T V with the value parameters
     folded. Its data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy
@@ -208,12 +234,13 @@ def _step(
     async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
     _barrier()  # ... for every thread, and every thread is done reading the other stage
     if block + 1 < block_hi:
-        _copy_block(smem, src, block + 1, TOKEN_SCALING)
+        _copy_block(smem, src, block + 1, KEY_BITS, TOKEN_SCALING)
     async_copy.commit_group()
 
     k_op = _key_operand(
-        kw_s.index(stage).load(K_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS), km_s.index(stage).load(K_GROUP_PAIRS)
-    )
+        kw_s.index(stage).load(K_WORDS if KEY_BITS == 2 else K4_WORDS), ks_s.index(stage).load(K_GROUP_PAIRS),
+        km_s.index(stage).load(K_GROUP_PAIRS), KEY_BITS,
+    )  # fmt: skip
     s = mma_v2(k_op, q, gl.zeros([2, HALF, ROWS], gl.float32, layout=MMA))  # S^T [h, logical tokens, rows]
     scale = gl.full([2, HALF], 1.0, gl.float32, layout=gl.SliceLayout(2, MMA)) * q_scale
     if TOKEN_SCALING:
@@ -277,8 +304,8 @@ def _gluon_split_kernel(
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
     stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
     stride_mt,
-    ROWS_USED: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr,
-    PDL: gl.constexpr,
+    ROWS_USED: gl.constexpr, KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr,
+    DEVICE_LENGTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
     over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
@@ -317,7 +344,7 @@ def _gluon_split_kernel(
     block_lo = split * blocks_per_split
     block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
     smem = (
-        gl.allocate_shared_memory(gl.int32, [2, 8, D], K_WORDS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 4 * KEY_BITS, D], K_WORDS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 8, D], V_WORDS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
@@ -327,7 +354,7 @@ def _gluon_split_kernel(
     )
     src = (kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr)
     if block_lo < block_hi:
-        _copy_block(smem, src, block_lo, TOKEN_SCALING)
+        _copy_block(smem, src, block_lo, KEY_BITS, TOKEN_SCALING)
     async_copy.commit_group()
     if PDL:
         _grid_dependency("griddepcontrol.wait;")
@@ -343,13 +370,13 @@ def _gluon_split_kernel(
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
                 acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                TOKEN_SCALING, True,
+                KEY_BITS, TOKEN_SCALING, True,
             )  # fmt: skip
     else:
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
                 acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                TOKEN_SCALING, False,
+                KEY_BITS, TOKEN_SCALING, False,
             )  # fmt: skip
 
     # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32; warp h
@@ -374,18 +401,18 @@ def _gluon_split_kernel(
 
 def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
-    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2-bit keys and values in groups
-    of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous. Other widths (4 bits, or
-    keys and values at different widths) decode with the Triton kernel alone."""
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2- or 4-bit keys and 2-bit
+    values in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous. 4-bit
+    values (K4V4, K2V4) decode with the Triton kernel alone."""
     if query.device.type != "cuda" or interpreting():
         return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
         return False, f"{torch.cuda.get_device_name(query.device)} predates compute capability 8.0 (mma.sync)"
-    got = (query.shape[3], config.key_bits, config.value_bits, config.group_size, config.scale_torch_dtype)
-    if got != (D.value, 2, 2, 32, torch.float16):
+    got = (query.shape[3], config.value_bits, config.group_size, config.scale_torch_dtype)
+    if got != (D.value, 2, 32, torch.float16) or config.key_bits not in (2, 4):
         return False, (
-            "compiled for head_dim 128, 2-bit keys and values, groups of 32, fp16 scales; got (head_dim, key_bits, "
-            f"value_bits, group_size, scale dtype) = {got}"
+            "compiled for head_dim 128, 2- or 4-bit keys, 2-bit values, groups of 32, fp16 scales; got (head_dim, "
+            f"key_bits, value_bits, group_size, scale dtype) = {got[:1] + (config.key_bits,) + got[1:]}"
         )
     if block_m != ROWS.value:
         return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
@@ -404,8 +431,8 @@ _PER_CALL = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", 
 
 
 def bind(
-    grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, token_scaling,
-    has_mask, max_registers, ptxas_options, pdl, num_sinks=0,
+    grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, key_bits,
+    token_scaling, has_mask, max_registers, ptxas_options, pdl, num_sinks=0,
 ) -> BoundKernel:  # fmt: skip
     """`_gluon_split_kernel` over `grid` = (B * Hkv, splits) with these inputs' strides and the launch's sizes (`mask`
     and `key_norms` may be empty placeholders; `length` None or the device count), compiled with `ptxas_options` (a
@@ -426,7 +453,8 @@ def bind(
     constants = dict(
         num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks,
         blocks_per_split=blocks_per_split, num_parts=num_parts, **strides,
-        ROWS_USED=rows, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask, DEVICE_LENGTH=length is not None, PDL=pdl,
+        ROWS_USED=rows, KEY_BITS=key_bits, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask,
+        DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
         **({"ptx_options": ptxas_options} if ptxas_options else {}),

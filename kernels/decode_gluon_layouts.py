@@ -37,6 +37,22 @@ K_CODES = gl.constexpr(  # [R, c, g0, r1, mt]: stored token 16 R + 8 g0 + mt + 4
         [8, 64, 2, 2, 4],
     )
 )  # fmt: skip
+# 4-bit keys: a word row holds 8 tokens (16 word rows a step), so logical row R's two 8-token halves g0 are word rows
+# 2 R + g0: lane (g, i) of warp h holds word row 8 h + g (its own words), channels as K_WORDS
+K4_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 1], [0, 8], [0, 16], [0, 32], [0, 64]], [[0, 2], [0, 4], [1, 0], [2, 0], [4, 0]], [[8, 0]], [], [16, 128]
+    )
+)
+# [R, c, g0, r1, s, m]: K_CODES with mt = 2 s + m (token 4 r1 + 2 s + m of word row 2 R + g0)
+K4_CODES = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[0, 0, 0, 0, 1, 0], [0, 0, 0, 1, 0, 0], [0, 4, 0, 0, 0, 0], [0, 8, 0, 0, 0, 0], [0, 16, 0, 0, 0, 0],
+         [0, 32, 0, 0, 0, 0], [0, 0, 0, 0, 0, 1]],
+        [[0, 1, 0, 0, 0, 0], [0, 2, 0, 0, 0, 0], [0, 0, 1, 0, 0, 0], [1, 0, 0, 0, 0, 0], [2, 0, 0, 0, 0, 0]],
+        [[4, 0, 0, 0, 0, 0]], [], [8, 64, 2, 2, 2, 2],
+    )
+)  # fmt: skip
 # value words of one 32-channel group [8 word rows R, 32 channels]: lane (g, i) of warp h holds row 4 h + i, channel
 # g + 8 r1 + 16 mt
 V_WORDS = gl.constexpr(

@@ -247,10 +247,11 @@ def test_merge_over_several_steps():
         # sinks without rotation, and with speculative queries (causal over the window only: the sinks precede them)
         (replace(BASE, quantized=128, residual=36, rotation=False, token_scaling=False, left_pad=9), 4, 64, 4 + 20),
         (replace(BASE, quantized=128, residual=36, q_len=3, gqa=2, method="oscar"), 4, 64, 4 + 7),
-        # the Gluon kernel's full blocks on a GPU (D=128, 2 bits, fp16 scales): held 384 of 640, a partial block
+        # the Gluon kernel's full blocks on a GPU (D=128, 2-bit values, fp16 scales): held 384 of 640, a partial block
         (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17),
         (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
         (replace(BASE, quantized=640, residual=80, head_dim=128, dtype=torch.float16, row_major=True), 16, 384, 33),
+        (replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),  # K4V2
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
@@ -360,6 +361,11 @@ GLUON_CASES = [
     replace(GLUON, rotation=False, token_scaling=False),
     replace(GLUON, views=True, q_len=2, residual=4),
     replace(GLUON, extreme_norms=True),
+    # 4-bit keys (16 word rows a block): a partial block, padding, the method switches, no token scaling, GQA 8
+    replace(GLUON, key_bits=4, quantized=512 + 96),
+    replace(GLUON, key_bits=4, method="oscar", kv_heads=3, left_pad=70, quantized=640),
+    replace(GLUON, key_bits=4, token_scaling=False, gqa=8, dtype=torch.bfloat16),
+    replace(GLUON, key_bits=4, views=True, q_len=2, residual=4, extreme_norms=True),
 ]
 
 
@@ -378,15 +384,15 @@ def test_gluon_full_blocks(case: Case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_bits, value_bits", [(4, 2), (2, 4)], ids=["K4V2", "K2V4"])
-def test_keys_and_values_of_different_widths_decode_with_the_triton_kernel(key_bits, value_bits):
-    """The Gluon kernel is compiled for 2-bit keys and values: it declines other widths, naming why, and the Triton
-    kernel reads every quantized token instead."""
+@pytest.mark.parametrize("key_bits, value_bits", [(4, 4), (2, 4)], ids=["K4V4", "K2V4"])
+def test_four_bit_values_decode_with_the_triton_kernel(key_bits, value_bits):
+    """The Gluon kernel is compiled for 2-bit values: it declines 4-bit ones, naming why, and the Triton kernel reads
+    every quantized token instead."""
     case = replace(GLUON, key_bits=key_bits, value_bits=value_bits)
     inputs = make_inputs(case, seed=2)
     tuning = _gluon_tuning(case)
     plan = decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=tuning)
-    assert plan.gluon is None and "2-bit keys and values" in plan.why_not_gluon, plan.why_not_gluon
+    assert plan.gluon is None and "2-bit values" in plan.why_not_gluon, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
 
@@ -404,15 +410,16 @@ def _gluon_partials_in_torch(
     `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
     warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
     2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
-    score scale that the Triton kernel wrote)."""
+    score scale that the Triton kernel wrote). Keys of `KEY_BITS` bits, values of 2, groups of 32."""
     grid, sizes = bound.grid, bound.constants
     num_quantized, blocks_per_split = sizes["num_quantized"], sizes["blocks_per_split"]
     rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
+    key_bits = sizes["KEY_BITS"]
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
-    unpack, f64 = StorageLayout.unpack_codes, torch.float64  # the Gluon kernel's storage: 2 bits, groups of 32
-    keys = dequantize_groups(unpack(quantized.key_codes, 2), quantized.key_scale, quantized.key_min, 32, -2, f64)
+    unpack, f64 = StorageLayout.unpack_codes, torch.float64
+    keys = dequantize_groups(unpack(quantized.key_codes, key_bits), quantized.key_scale, quantized.key_min, 32, -2, f64)
     if token_scaling:
         keys = keys * key_norms.to(f64).unsqueeze(-1)
     values = dequantize_groups(
@@ -444,6 +451,7 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=256 + 32, batch=1), None),
         (replace(GLUON, quantized=384, method="oscar", left_pad=150, q_len=2, residual=5), None),
         (replace(GLUON, quantized=512, residual=64, left_pad=20), (256, 9)),
+        (replace(GLUON, quantized=384 + 32, key_bits=4, left_pad=50), None),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
