@@ -21,13 +21,14 @@ carries `host_overhead_us` (eager `us` minus `us_graph`, issue 35's measure) and
 call, from a wall clock around enqueueing one round: what the launcher costs even where the GPU hides it). Small
 shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
 copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
-prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8
-and B=1 at 32K). `--widths` times the fused kernel with keys and values at each of 2/4 bits (K2V2, K4V4, K4V2, K2V4)
-on the same shapes, each checked against the reference first, with its time per byte read relative to K4V4's (issue
-39: K4V2 within 1.2x of INT4's). `--sinks 4 16 64` times the INT2 kernel with that many exact sink tokens read with
-the window, relative to none (issue 39: within 3 %), at one window fill and, for the first count, averaged over a
-decode's cycle through the window (`window_cycle`), launched both as an eager step launches it (the sinks as residual
-tokens) and as compiled decode does (a device `length`, the sinks in their own slots).
+prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8 and
+B=1 at 32K). `--widths` times the fused kernel with keys and values at each of 2/4 bits (K2V2, K4V4, K4V2, K2V4) on the
+same shapes, each checked against the reference first, with its time per byte read relative to K4V4's (issue 39: K4V2
+within 1.2x of INT4's), and again with the Triton kernel reading every block (`triton_only`). `--sinks 4 16 64` times
+the INT2 kernel with that many exact sink tokens read with the window, relative to none (issue 39: within 3 %), at one
+window fill and, for the first count, averaged over a decode's cycle through the window (`window_cycle`), launched both
+as an eager step launches it (the sinks as residual tokens) and as compiled decode does (a device `length`, the sinks in
+their own slots).
 
 Correctness is checked in the same run: fused vs the float32 reference where it fits in memory, else vs portable.
 Writes `decode_attention_<gpu>.json` under --out and prints a table last.
@@ -339,9 +340,13 @@ MIXED_WIDTH_TARGET = 1.2  # issue 39: time per byte read of K4V2 (and K2V4) at m
 
 def widths(gen, l2_bytes, shapes) -> dict:
     """The fused kernel at each of WIDTHS on `shapes`, in one run: graph medians, the bytes each call reads, and its
-    time per byte relative to K4V4's on the same shape (the mixed widths decode with the Triton kernel alone, as 4
-    bits do). A kernel that fails the reference check is not timed."""
+    time per byte relative to K4V4's on the same shape; `triton_only`: the same call with the Triton kernel reading
+    every block (no Gluon kernel), and `gluon_speedup`, its time over the default's. A kernel that fails the reference
+    check is not timed."""
     scale = 1 / math.sqrt(HEAD_DIM)
+    triton_only = dataclasses.replace(
+        default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, torch.float16), gluon_programs_per_sm=0
+    )
     rows = []
     for batch, context in shapes:
         per_byte = {}
@@ -349,9 +354,15 @@ def widths(gen, l2_bytes, shapes) -> dict:
             config = OscarConfig(key_bits=key_bits, value_bits=value_bits)
             data, fused_bytes, _ = timed_sets(batch, context, config, l2_bytes, gen)
             row = {"batch": batch, "context": context, "widths": name, "bytes": fused_bytes}
+            alone = {}
             if batch * context <= REFERENCE_TOKENS:
                 row["rel_err_vs_fp32_reference"] = checked_error(fused(data[0], config, scale), data[0], config, scale)
+                out = fused(data[0], config, scale, triton_only)
+                alone["rel_err_vs_fp32_reference"] = checked_error(out, data[0], config, scale)
             row.update(timed(lambda d=data, c=config: [fused(s, c, scale) for s in d], len(data)))
+            alone.update(timed(lambda d=data, c=config: [fused(s, c, scale, triton_only) for s in d], len(data)))
+            row["triton_only"] = alone
+            row["gluon_speedup"] = (alone["us_graph"] or alone["us"]) / (row["us_graph"] or row["us"])
             per_byte[name] = (row["us_graph"] or row["us"]) / fused_bytes
             rows.append(row)
             print("widths", row, flush=True)

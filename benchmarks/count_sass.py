@@ -42,7 +42,7 @@ _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
 
 
 def _launch_arguments(
-    tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, gluon: bool = False, key_bits: int = 2
+    tuning, gqa: int, head_dim: int, per_head: bool, masked: bool, gluon=False, key_bits=2, value_bits=2
 ) -> dict:
     """The arguments `decode_attention_triton` passes a kernel for a bf16 model's decode step (B=8, Hkv=8, 32K
     quantized tokens, residual window 64), by name: the Triton split kernel's, or with `gluon` the Gluon kernel's (its
@@ -51,7 +51,7 @@ def _launch_arguments(
     loop is the launched one. The kernels are swapped for a recorder, the CPU tensors let through."""
     context = 32768
     batch, kv_heads, residual = 8, 8, 64
-    config = OscarConfig(method="oscar" if per_head else "paper", key_bits=key_bits, value_bits=2)
+    config = OscarConfig(method="oscar" if per_head else "paper", key_bits=key_bits, value_bits=value_bits)
     query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
     quantized = StorageLayout.of(config).empty(batch, kv_heads, head_dim, kv_heads, head_dim, context, "cpu")
     keys, values = (torch.randn(batch, kv_heads, residual, head_dim, dtype=torch.bfloat16) for _ in range(2))
@@ -82,11 +82,11 @@ def _launch_arguments(
 
 
 def compile_kernel(
-    tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False, key_bits: int = 2
+    tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False, key_bits=2, value_bits=2
 ):
     """The split kernel (or with `gluon` the Gluon kernel) compiled for sm_`arch` with the launch's arguments,
     specialized as Triton's launcher does."""
-    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon, key_bits)
+    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon, key_bits, value_bits)
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -139,7 +139,8 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
-    parser.add_argument("--key-bits", type=int, default=2, choices=[2, 4], help="K2V2 (default) or K4V2")
+    parser.add_argument("--key-bits", type=int, default=2, choices=[2, 4])
+    parser.add_argument("--value-bits", type=int, default=2, choices=[2, 4])
     args = parser.parse_args()
     launch = default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(
@@ -150,7 +151,15 @@ def main() -> None:
         args.block_n, args.warps = decode_gluon.BLOCK.value, decode_gluon.WARPS
 
     kernel = compile_kernel(
-        launch, args.gqa, args.head_dim, args.arch, args.per_head, args.masked, args.gluon, args.key_bits
+        launch,
+        args.gqa,
+        args.head_dim,
+        args.arch,
+        args.per_head,
+        args.masked,
+        args.gluon,
+        args.key_bits,
+        args.value_bits,
     )
     body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)

@@ -323,7 +323,7 @@ def _make_plan(
     if gluon_splits:
         gluon = _gluon.bind(
             (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized,
-            gluon_blocks_per_split, num_parts, rows, config.key_bits, config.token_scaling,
+            gluon_blocks_per_split, num_parts, rows, config.key_bits, config.value_bits, config.token_scaling,
             key_padding_mask is not None, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl, sinks,
         )  # fmt: skip
     merge_slots = min(triton.next_power_of_2(max(num_parts - 1, 1)), max(1, tuning.merge_tile // head_dim))

@@ -1,7 +1,8 @@
-"""The quantized tokens of a 2-bit decode step in Gluon: codes unpacked straight into tensor-core fragments.
+"""The quantized tokens of a decode step in Gluon: codes unpacked straight into tensor-core fragments.
 
 `decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `supports` allows it
-(CUDA, D = 128, 2 bits, groups of 32, fp16 scales, at most 8 query rows per KV head): it reads every full 128-token
+(CUDA, D = 128, keys and values of 2 or 4 bits each, groups of 32, fp16 scales, at most 8 query rows per KV head):
+it reads every full 128-token
 block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
 the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
 residual window (and write the query operand this kernel reads), and whose merge kernel combines them all.
@@ -14,6 +15,8 @@ and an `fma.f16x2`), about 2.4 instructions per code in all (`benchmarks/count_s
 
 The storage is the cache's (`oscar_hf.layout`): word [row, d] holds the codes of tokens 16 row + j at bits 2j.
 Programs of two warps step over 128-token blocks (8 word rows); up to 8 query rows per KV head are the MMA's N.
+4-bit keys or values (word [row, d]: tokens 8 row + j at bits 4 j, 16 word rows a block) keep every lane's logical
+tokens, so that only the unpacking differs (last item below).
 
 - Loads: each block's words and parameters are copied into shared memory one step ahead (cp.async, two stages,
   25 KB per program; no registers held while they travel), in swizzles that make the fragment loads conflict-free.
@@ -35,6 +38,10 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
   token and 32-channel group: P^T is scaled per group (s), the codes are c / 4 (the sums are multiplied by 4 once, at
   the end), and the minima go in through a fifth MMA whose A rows are the groups' minima.
 - Online softmax (base 2) over the query rows, the key padding mask per step where a program's range has padding.
+- 4 bits: logical row R's 8-token halves are word rows 2 R and 2 R + 1, and a 16-bit half holds 4 tokens, so one
+  `prmt` takes the same 16-bit half of two words (keys: of one word row's two channels, the lane reading its own
+  row 2 R + g % 2; values: of rows 2 R and 2 R + 1, the two halves of a k-pair) and the shift by 8 leaves token
+  2 s + m at bits 4 m, m < 2; with E = 2^(8 - 4 m) the codes read c / 4 as at 2 bits, so the rest is shared.
 - Hopper: launched as a programmatic dependent of the Triton split kernel (PDL): the programs start and copy their
   first block while that kernel runs, then wait for the query operand it writes.
 
@@ -71,6 +78,9 @@ from .decode_gluon_layouts import (
     NORMS_COPY,
     NORMS_SMEM,
     ROWS,
+    V4_CODES,
+    V4_WORDS,
+    V4_WORDS_SMEM,
     V_CODES,
     V_PARAMS,
     V_PARAMS_COPY,
@@ -127,17 +137,17 @@ def _grid_dependency(instruction: gl.constexpr):
 
 
 @gluon.jit
-def _copy_block(smem, src, block, KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr):
+def _copy_block(smem, src, block, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr):
     """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
     no registers held while they travel: the step that reads them waits for them)."""
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
     stage = block % 2
-    o_r = block * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, WORDS_COPY))
-    o_rk = block * (4 * KEY_BITS) + gl.arange(0, 4 * KEY_BITS, layout=gl.SliceLayout(1, WORDS_COPY))
+    o_rk = block * (4 * KEY_BITS) + gl.arange(0, 4 * KEY_BITS, layout=gl.SliceLayout(1, WORDS_COPY))  # word rows
+    o_rv = block * (4 * VALUE_BITS) + gl.arange(0, 4 * VALUE_BITS, layout=gl.SliceLayout(1, WORDS_COPY))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, WORDS_COPY))
     _async_load(kw_s.index(stage), kc_ptr + o_rk[:, None] * stride_kcr + o_d[None, :])
-    _async_load(vw_s.index(stage), vc_ptr + o_r[:, None] * stride_vcr + o_d[None, :])
+    _async_load(vw_s.index(stage), vc_ptr + o_rv[:, None] * stride_vcr + o_d[None, :])
     o_grp = block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
     _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
@@ -207,11 +217,21 @@ def _by_word_row(x):
 
 
 @gluon.jit
-def _value_operand(words):
-    """Words of 32 channels [8 word rows, 32 channels] (V_WORDS) -> the warp's [2 h, 32, 64 logical tokens] as the
-    first MMA operand: fp16 c / 4 (`_code_bits`)."""
-    m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))
-    p, mask, base = _code_pairs(words, V_CODES, m_layout, 2)  # [R, ch, s, 1]
+def _value_operand(words, VALUE_BITS: gl.constexpr):
+    """Words of 32 channels [4 VALUE_BITS word rows, 32 channels] (V_WORDS, V4_WORDS) -> the warp's [2 h, 32, 64
+    logical tokens] as the first MMA operand: fp16 c / 4 (`_code_bits`)."""
+    if VALUE_BITS == 2:  # a k-pair's halves e are the two halves of one word
+        m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V_CODES)))
+        p, mask, base = _code_pairs(words, V_CODES, m_layout, 2)  # [R, ch, s, 1]
+    else:  # 8 tokens a word: a k-pair's halves e are word rows 2 R + e; half s of both
+        rcs: gl.constexpr = gl.SliceLayout(3, gl.SliceLayout(4, V4_CODES))  # [R, ch, s]
+        w_e0, w_e1 = gl.split(gl.permute(gl.reshape(words, [8, 2, 32]), [0, 2, 1]))  # [R, ch] each
+        w_e0 = gl.convert_layout(w_e0, gl.SliceLayout(2, rcs), assert_trivial=True)[:, :, None]
+        w_e1 = gl.convert_layout(w_e1, gl.SliceLayout(2, rcs), assert_trivial=True)[:, :, None]
+        o_s = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(1, rcs)))
+        w = _halves(w_e0, w_e1, o_s[None, None, :])
+        m_layout: gl.constexpr = gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, gl.SliceLayout(0, V4_CODES))))
+        p, mask, base = _code_pairs(w, V4_CODES, m_layout, 4)  # [R, ch, s, s2, 1]: kt = 2 s2 + m
     lo, hi = gl.inline_asm_elementwise(
         "{ .reg .b32 t; lop3.b32 t, $2, $3, $4, 0xea; sub.rn.f16x2 t, t, $4; mov.b32 {$0, $1}, t; }",
         "=h,=h,r,r,r", [p, mask, base], dtype=(gl.float16, gl.float16), is_pure=True, pack=1,
@@ -224,7 +244,7 @@ def _value_operand(words):
 @gluon.jit
 def _step(
     acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-    KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
+    KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
 ):  # fmt: skip
     """One 128-token step of both warps' online softmax: scores, softmax update, P^T V with the value parameters
     folded. Its data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy
@@ -234,7 +254,7 @@ def _step(
     async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
     _barrier()  # ... for every thread, and every thread is done reading the other stage
     if block + 1 < block_hi:
-        _copy_block(smem, src, block + 1, KEY_BITS, TOKEN_SCALING)
+        _copy_block(smem, src, block + 1, KEY_BITS, VALUE_BITS, TOKEN_SCALING)
     async_copy.commit_group()
 
     k_op = _key_operand(
@@ -275,10 +295,19 @@ def _step(
     zero = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
     bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([2, 16, ROWS], gl.float32, layout=MMA))
     v_s = vw_s.index(stage)
-    acc0 = acc0 * alpha_c + mma_v2(_value_operand(v_s.slice(0, 32, dim=1).load(V_WORDS)), p_op * column(s0), zero)
-    acc1 = acc1 * alpha_c + mma_v2(_value_operand(v_s.slice(32, 32, dim=1).load(V_WORDS)), p_op * column(s1), zero)
-    acc2 = acc2 * alpha_c + mma_v2(_value_operand(v_s.slice(64, 32, dim=1).load(V_WORDS)), p_op * column(s2), zero)
-    acc3 = acc3 * alpha_c + mma_v2(_value_operand(v_s.slice(96, 32, dim=1).load(V_WORDS)), p_op * column(s3), zero)
+    v_words: gl.constexpr = V_WORDS if VALUE_BITS == 2 else V4_WORDS
+    acc0 = acc0 * alpha_c + mma_v2(
+        _value_operand(v_s.slice(0, 32, dim=1).load(v_words), VALUE_BITS), p_op * column(s0), zero
+    )
+    acc1 = acc1 * alpha_c + mma_v2(
+        _value_operand(v_s.slice(32, 32, dim=1).load(v_words), VALUE_BITS), p_op * column(s1), zero
+    )
+    acc2 = acc2 * alpha_c + mma_v2(
+        _value_operand(v_s.slice(64, 32, dim=1).load(v_words), VALUE_BITS), p_op * column(s2), zero
+    )
+    acc3 = acc3 * alpha_c + mma_v2(
+        _value_operand(v_s.slice(96, 32, dim=1).load(v_words), VALUE_BITS), p_op * column(s3), zero
+    )
     return acc0, acc1, acc2, acc3, bias, m_new, l_i
 
 
@@ -304,8 +333,8 @@ def _gluon_split_kernel(
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
     stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
     stride_mt,
-    ROWS_USED: gl.constexpr, KEY_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, HAS_MASK: gl.constexpr,
-    DEVICE_LENGTH: gl.constexpr, PDL: gl.constexpr,
+    ROWS_USED: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr,
+    HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr, PDL: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
     over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
@@ -345,7 +374,7 @@ def _gluon_split_kernel(
     block_hi = gl.maximum(block_lo, gl.minimum(block_lo + blocks_per_split, num_quantized // BLOCK))
     smem = (
         gl.allocate_shared_memory(gl.int32, [2, 4 * KEY_BITS, D], K_WORDS_SMEM),
-        gl.allocate_shared_memory(gl.int32, [2, 8, D], V_WORDS_SMEM),
+        gl.allocate_shared_memory(gl.int32, [2, 4 * VALUE_BITS, D], V_WORDS_SMEM if VALUE_BITS == 2 else V4_WORDS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.int32, [2, 4, 64], K_PARAMS_SMEM),
         gl.allocate_shared_memory(gl.float16, [2, 2, HALF, 4], V_PARAMS_SMEM),
@@ -354,7 +383,7 @@ def _gluon_split_kernel(
     )
     src = (kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr)
     if block_lo < block_hi:
-        _copy_block(smem, src, block_lo, KEY_BITS, TOKEN_SCALING)
+        _copy_block(smem, src, block_lo, KEY_BITS, VALUE_BITS, TOKEN_SCALING)
     async_copy.commit_group()
     if PDL:
         _grid_dependency("griddepcontrol.wait;")
@@ -370,13 +399,13 @@ def _gluon_split_kernel(
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
                 acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                KEY_BITS, TOKEN_SCALING, True,
+                KEY_BITS, VALUE_BITS, TOKEN_SCALING, True,
             )  # fmt: skip
     else:
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
                 acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                KEY_BITS, TOKEN_SCALING, False,
+                KEY_BITS, VALUE_BITS, TOKEN_SCALING, False,
             )  # fmt: skip
 
     # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32; warp h
@@ -401,18 +430,17 @@ def _gluon_split_kernel(
 
 def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
-    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, 2- or 4-bit keys and 2-bit
-    values in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous. 4-bit
-    values (K4V4, K2V4) decode with the Triton kernel alone."""
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, keys and values of 2 or 4 bits
+    in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous."""
     if query.device.type != "cuda" or interpreting():
         return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
         return False, f"{torch.cuda.get_device_name(query.device)} predates compute capability 8.0 (mma.sync)"
-    got = (query.shape[3], config.value_bits, config.group_size, config.scale_torch_dtype)
-    if got != (D.value, 2, 32, torch.float16) or config.key_bits not in (2, 4):
-        return False, (
-            "compiled for head_dim 128, 2- or 4-bit keys, 2-bit values, groups of 32, fp16 scales; got (head_dim, "
-            f"key_bits, value_bits, group_size, scale dtype) = {got[:1] + (config.key_bits,) + got[1:]}"
+    got = (query.shape[3], config.group_size, config.scale_torch_dtype)
+    if got != (D.value, 32, torch.float16):
+        return (
+            False,
+            f"compiled for head_dim 128, groups of 32, fp16 scales; got (head_dim, group_size, scale dtype) = {got}",
         )
     if block_m != ROWS.value:
         return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
@@ -431,7 +459,7 @@ _PER_CALL = ("q_op_ptr", "q_scale_ptr", "kc_ptr", "ks_ptr", "km_ptr", "kn_ptr", 
 
 
 def bind(
-    grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, key_bits,
+    grid, quantized, key_norms, mask, length, num_quantized, blocks_per_split, num_parts, rows, key_bits, value_bits,
     token_scaling, has_mask, max_registers, ptxas_options, pdl, num_sinks=0,
 ) -> BoundKernel:  # fmt: skip
     """`_gluon_split_kernel` over `grid` = (B * Hkv, splits) with these inputs' strides and the launch's sizes (`mask`
@@ -453,7 +481,7 @@ def bind(
     constants = dict(
         num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks,
         blocks_per_split=blocks_per_split, num_parts=num_parts, **strides,
-        ROWS_USED=rows, KEY_BITS=key_bits, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask,
+        ROWS_USED=rows, KEY_BITS=key_bits, VALUE_BITS=value_bits, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask,
         DEVICE_LENGTH=length is not None, PDL=pdl,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),

@@ -64,6 +64,20 @@ V_CODES = gl.constexpr(  # [R, ch, s, kt]: stored tokens 16 R + 8 e + kt + 4 s o
         [[1, 0, 0, 0], [2, 0, 0, 0], [0, 1, 0, 0], [0, 2, 0, 0], [0, 4, 0, 0]], [[4, 0, 0, 0]], [], [8, 32, 2, 4],
     )
 )  # fmt: skip
+# 4-bit values: the two halves e of a k-pair are word rows 2 R + e: lane (g, i) of warp h holds word rows 8 h + 2 i + e,
+# channels as V_WORDS
+V4_WORDS = gl.constexpr(
+    gl.DistributedLinearLayout(
+        [[1, 0], [0, 8], [0, 16]], [[2, 0], [4, 0], [0, 1], [0, 2], [0, 4]], [[8, 0]], [], [16, 32]
+    )
+)
+V4_CODES = gl.constexpr(  # [R, ch, s, s2, m]: V_CODES with kt = 2 s2 + m (token 4 s + kt of word row 2 R + e)
+    gl.DistributedLinearLayout(
+        [[0, 0, 0, 1, 0], [0, 0, 1, 0, 0], [0, 8, 0, 0, 0], [0, 16, 0, 0, 0], [0, 0, 0, 0, 1]],
+        [[1, 0, 0, 0, 0], [2, 0, 0, 0, 0], [0, 1, 0, 0, 0], [0, 2, 0, 0, 0], [0, 4, 0, 0, 0]], [[4, 0, 0, 0, 0]], [],
+        [8, 32, 2, 2, 2],
+    )
+)  # fmt: skip
 # value parameters [2 h, 64 logical tokens x, 4 groups] as the P^T operand holds x (lanes over query rows: broadcast)
 V_PARAMS = gl.constexpr(
     gl.DistributedLinearLayout(
@@ -88,12 +102,14 @@ BIAS_BY_GROUP = gl.constexpr(
     )
 )  # fmt: skip
 
-# Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program (the 4
-# per SM that the registers allow take 102 KB). The swizzles make the fragment loads above conflict-free: key words
-# are read in 8-byte pairs by lanes over 4 word rows and 4 pairs, value words one by one over 4 word rows and 8
-# channels (both: 8-word chunks XOR the row), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
-K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
+# Shared memory: two stages (the block being read, the next one arriving) of each tensor, 25.6 KB per program at 2 bits
+# (the 4 per SM that the registers allow take 102 KB), 41.6 KB with 4-bit keys and values. The swizzles make the
+# fragment loads above conflict-free: key words are read in 8-byte pairs by lanes over 4 word rows (4-bit: 8) and 4
+# pairs, value words one by one over 4 word rows and 8 channels (both: 8-word chunks XOR the row; 4-bit values: over
+# word rows 2 i + e, XOR the row's pair), key parameters over 4 groups and 4 pairs (4-word chunks XOR the group).
+K_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 4 key bits word rows, D]
 V_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 1, 8, [1, 0]))  # [stage, 8 word rows, D]
+V4_WORDS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(8, 2, 4, [1, 0]))  # [stage, 16 word rows, D]
 K_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(4, 1, 4, [1, 0]))  # [stage, 4 groups, 64 pairs]
 V_PARAMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [2, 1, 0]))  # [stage, 2 h, 64 x, 4 groups]
 NORMS_SMEM = gl.constexpr(gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))  # [stage, 2 h, 64 x]

@@ -251,7 +251,8 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17),
         (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
         (replace(BASE, quantized=640, residual=80, head_dim=128, dtype=torch.float16, row_major=True), 16, 384, 33),
-        (replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),  # K4V2
+        (replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),
+        (replace(BASE, quantized=640, residual=64, head_dim=128, row_major=True, value_bits=4, left_pad=90), 0, 384, 9),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
@@ -361,11 +362,16 @@ GLUON_CASES = [
     replace(GLUON, rotation=False, token_scaling=False),
     replace(GLUON, views=True, q_len=2, residual=4),
     replace(GLUON, extreme_norms=True),
-    # 4-bit keys (16 word rows a block): a partial block, padding, the method switches, no token scaling, GQA 8
+    # 4-bit keys or values (16 word rows a block): a partial block, padding, the method switches, no token scaling
+    # or rotation, GQA 8, capacity views with norms 100x apart
     replace(GLUON, key_bits=4, quantized=512 + 96),
     replace(GLUON, key_bits=4, method="oscar", kv_heads=3, left_pad=70, quantized=640),
     replace(GLUON, key_bits=4, token_scaling=False, gqa=8, dtype=torch.bfloat16),
     replace(GLUON, key_bits=4, views=True, q_len=2, residual=4, extreme_norms=True),
+    replace(GLUON, value_bits=4, quantized=512 + 96, left_pad=70),
+    replace(GLUON, value_bits=4, method="oscar", kv_heads=3, gqa=3, rotation=False, token_scaling=False),
+    replace(GLUON, key_bits=4, value_bits=4, quantized=640, left_pad=200, dtype=torch.bfloat16),
+    replace(GLUON, key_bits=4, value_bits=4, views=True, gqa=8, extreme_norms=True),
 ]
 
 
@@ -384,15 +390,16 @@ def test_gluon_full_blocks(case: Case):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("key_bits, value_bits", [(4, 4), (2, 4)], ids=["K4V4", "K2V4"])
-def test_four_bit_values_decode_with_the_triton_kernel(key_bits, value_bits):
-    """The Gluon kernel is compiled for 2-bit values: it declines 4-bit ones, naming why, and the Triton kernel reads
-    every quantized token instead."""
-    case = replace(GLUON, key_bits=key_bits, value_bits=value_bits)
+@pytest.mark.parametrize(
+    "case", [replace(GLUON, scale_dtype="float32"), replace(GLUON, group_size=64)], ids=lambda c: c.id
+)
+def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kernel(case: Case):
+    """The Gluon kernel is compiled for fp16 scales in groups of 32: it declines others, naming why (asked to run: the
+    default tuning for fp32 scales runs none), and the Triton kernel reads every quantized token instead."""
     inputs = make_inputs(case, seed=2)
-    tuning = _gluon_tuning(case)
+    tuning = replace(_gluon_tuning(case), gluon_programs_per_sm=_gluon_tuning(GLUON).gluon_programs_per_sm)
     plan = decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=tuning)
-    assert plan.gluon is None and "2-bit values" in plan.why_not_gluon, plan.why_not_gluon
+    assert plan.gluon is None and "groups of 32, fp16 scales" in plan.why_not_gluon, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
 
@@ -410,11 +417,11 @@ def _gluon_partials_in_torch(
     `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
     warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
     2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
-    score scale that the Triton kernel wrote). Keys of `KEY_BITS` bits, values of 2, groups of 32."""
+    score scale that the Triton kernel wrote). Keys of `KEY_BITS` bits, values of `VALUE_BITS`, groups of 32."""
     grid, sizes = bound.grid, bound.constants
     num_quantized, blocks_per_split = sizes["num_quantized"], sizes["blocks_per_split"]
     rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
-    key_bits = sizes["KEY_BITS"]
+    key_bits, value_bits = sizes["KEY_BITS"], sizes["VALUE_BITS"]
     bh_count, splits = grid
     if length is not None:
         num_quantized = (int(length) - 1) // num_residual * num_residual
@@ -423,7 +430,7 @@ def _gluon_partials_in_torch(
     if token_scaling:
         keys = keys * key_norms.to(f64).unsqueeze(-1)
     values = dequantize_groups(
-        unpack(quantized.value_codes, 2), quantized.value_scale, quantized.value_min, 32, -1, f64
+        unpack(quantized.value_codes, value_bits), quantized.value_scale, quantized.value_min, 32, -1, f64
     )
     kv_heads = quantized.key_codes.shape[1]
     for bh in range(bh_count):
@@ -452,6 +459,7 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=384, method="oscar", left_pad=150, q_len=2, residual=5), None),
         (replace(GLUON, quantized=512, residual=64, left_pad=20), (256, 9)),
         (replace(GLUON, quantized=384 + 32, key_bits=4, left_pad=50), None),
+        (replace(GLUON, quantized=384 + 64, key_bits=4, value_bits=4, batch=1), None),
     ],
     ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
