@@ -2,10 +2,10 @@
 
 `decode_attention_triton` (kernels/decode_attention.py) launches `_gluon_split_kernel` where `supports` allows it
 (CUDA, D = 128, keys and values of 2 or 4 bits each, groups of 32, fp16 scales, at most 8 query rows per KV head):
-it reads every full 128-token
-block of the quantized region and writes one partial (o in the values' stored domain, m, l in base 2) per warp into
-the same partial buffer as the Triton split kernel, whose programs then read only the partial last block and the
-residual window (and write the query operand this kernel reads), and whose merge kernel combines them all.
+it reads every full 128-token block of the quantized region and writes one partial (o in the values' stored domain,
+m, l in base 2) per warp into the same partial buffer as the Triton split kernel, whose programs then read only the
+partial last block and the residual window (and write the query operand this kernel reads), and whose merge kernel
+combines them all.
 
 Why Gluon: Triton chooses the register layouts of `tl.dot`'s operands, and its split kernel spends ~5 instructions
 per code, half of them moving the unpacked tiles and the query through shared memory and registers into those
@@ -19,7 +19,8 @@ Programs of two warps step over 128-token blocks (8 word rows); up to 8 query ro
 tokens, so that only the unpacking differs (last item below).
 
 - Loads: each block's words and parameters are copied into shared memory one step ahead (cp.async, two stages,
-  25 KB per program; no registers held while they travel), in swizzles that make the fragment loads conflict-free.
+  25 KB per program at 2 bits, 42 KB at 4; no registers held while they travel), in swizzles that make the fragment
+  loads conflict-free.
 - Warps: warp h takes word rows 4 h .. 4 h + 3 of each step (its stored tokens 64 h .. 64 h + 63): its own online
   softmax over them, as a batched MMA whose batch is the warp, and its own partial. A 16-bit half of a word holds 8
   tokens of a channel; with the word and the word shifted right by 8 (`_code_pairs`), token 4 s + m of each half lies
