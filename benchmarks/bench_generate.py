@@ -21,7 +21,9 @@ Caches (`--variants`), each row for every batch x context:
 - `oscar-compiled`: OScaR with generate's automatic compile, run only where `OscarCache.compile_blockers()` is empty
   (otherwise skipped with the blockers);
 - `oscar-int2`, `oscar-int2-compiled`: the same with 2-bit keys and values everywhere and no sinks (`bits=2,
-  sink_tokens=0`), against which the default's layer-wise widths and sinks are measured.
+  sink_tokens=0`), against which the default's layer-wise widths and sinks are measured;
+- `oscar-avg4.1-compiled`: compiled with a 4.1-bit budget (`avg_bits=4.1`: K4V2's memory, 4-bit keys or values where
+  the prompt says they pay).
 
 Timing: before each row, its cache runs one eager warm-up generate of the row's shape (same batch and prompt length,
 a few new tokens), so that Triton/cuBLAS first-call costs and the caching allocator's first growth to that shape stay
@@ -128,6 +130,8 @@ VARIANTS = {
     # the 2-bit cache without sinks (the default before bits="auto" and 4 sinks): what the default's choice costs
     "oscar-int2": Variant("oscar-int2", "oscar", False, {"attention": "auto", "bits": 2, "sink_tokens": 0}),
     "oscar-int2-compiled": Variant("oscar-int2", "oscar", True, {"attention": "auto", "bits": 2, "sink_tokens": 0}),
+    # avg_bits=4.1: K4V2's memory, widths per layer (the budget that meets issue 39's perplexity goal)
+    "oscar-avg4.1-compiled": Variant("oscar-avg4.1", "oscar", True, {"attention": "auto", "avg_bits": 4.1}),
 }
 WARMUP_TOKENS = 4
 
