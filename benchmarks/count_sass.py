@@ -86,7 +86,9 @@ def compile_kernel(
 ):
     """The split kernel (or with `gluon` the Gluon kernel) compiled for sm_`arch` with the launch's arguments,
     specialized as Triton's launcher does."""
-    kernel, arguments = _launch_arguments(tuning, gqa, head_dim, per_head, masked, gluon, key_bits, value_bits)
+    kernel, arguments = _launch_arguments(
+        tuning, gqa, head_dim, per_head, masked, gluon=gluon, key_bits=key_bits, value_bits=value_bits
+    )
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -151,16 +153,9 @@ def main() -> None:
         args.block_n, args.warps = decode_gluon.BLOCK.value, decode_gluon.WARPS
 
     kernel = compile_kernel(
-        launch,
-        args.gqa,
-        args.head_dim,
-        args.arch,
-        args.per_head,
-        args.masked,
-        args.gluon,
-        args.key_bits,
-        args.value_bits,
-    )
+        launch, args.gqa, args.head_dim, args.arch, per_head=args.per_head, masked=args.masked, gluon=args.gluon,
+        key_bits=args.key_bits, value_bits=args.value_bits,
+    )  # fmt: skip
     body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)
     print(f"triton {triton.__version__}, sm_{args.arch}, {usage}, dynamic shared {kernel.metadata.shared} B")
