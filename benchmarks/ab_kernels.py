@@ -18,7 +18,7 @@ decode call at B=8 32K reads close to its copy bandwidth, so a faster loop shows
 (1.4x the bandwidth) the same loop is bound by its instructions, as it is here with the data in L2
 (docs/kernels.md).
 
-Writes `ab_kernels_<gpu>_<names>[_r<residual>][_sharedkv]_<commit>.json` under --out (device, versions, commit, each
+Writes `ab_kernels_<gpu>_<names>[_r<residual>][_sharedkv]_<run>.json` under --out (device, versions, commit, run, each
 arm's version and the git tree hash of its `kernels/`, per-round times, medians, ratios to the baseline, errors) and
 prints a table last. The benchmark's records (`results/decode_attention_<gpu>.json`) are what the README quotes; this is
 for measuring a kernel change before it lands, or a deliberately wrong probe (an arm whose error is reported, not
@@ -28,7 +28,6 @@ enforced).
 from __future__ import annotations
 
 import argparse
-import datetime
 import hashlib
 import importlib
 import importlib.util
@@ -41,8 +40,6 @@ import tempfile
 from pathlib import Path
 
 import torch
-import transformers
-import triton
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -175,14 +172,9 @@ def main() -> None:
             rows.append(measure_shape(batch, context, args.residual, arms, args.rounds, gen, progress, args.shared_kv))
             torch.cuda.empty_cache()
 
-    device = torch.cuda.get_device_name()
     record = {
-        "device": device,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": bench.git_commit(),
+        **bench.records.record_header("ab_kernels"),
+        "run": bench.records.new_run(),  # one process: every ratio in the record is within this run
         "timing": "CUDA-graph medians (do_bench_cudagraph) per call, arms interleaved in each round",
         "shared_kv": args.shared_kv,
         "shape": {"q_heads": bench.Q_HEADS, "kv_heads": bench.KV_HEADS, "head_dim": bench.HEAD_DIM},
@@ -191,14 +183,15 @@ def main() -> None:
     }
     window = f"_r{args.residual}" if args.residual != bench.RESIDUAL else ""
     window += "_sharedkv" if args.shared_kv else ""
-    record_name = f"ab_kernels_{bench.gpu_slug(device)}_{'_'.join(arms)}{window}_{record['git_commit'] or 'nogit'}.json"
+    record_name = f"ab_kernels_{bench.records.gpu_slug(record['device'])}_{'_'.join(arms)}{window}_{record['run']}.json"
     out = Path(args.out) / record_name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=1) + "\n")
 
     shared = ", every KV head reading the first one's codes" if args.shared_kv else ""
     baseline = next(iter(arms))
-    print(f"\n{device}{shared}, us (CUDA-graph medians of {args.rounds} interleaved rounds), ratio to {baseline}:")
+    rounds = f"us (CUDA-graph medians of {args.rounds} interleaved rounds)"
+    print(f"\n{record['device']}{shared}, {rounds}, ratio to {baseline}:")
     print(f"{'shape':>17}  " + " ".join(f"{name:>17}" for name in arms) + "   rel. error")
     for row in rows:
         cells = " ".join(f"{row['us_graph_median'][n]:9.2f} ({row['ratio_to_baseline'][n]:.3f})" for n in arms)

@@ -38,20 +38,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import math
-import os
-import re
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-import transformers
-import triton
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
 from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.testing import do_bench, do_bench_cudagraph
@@ -59,6 +53,9 @@ from triton.testing import do_bench, do_bench_cudagraph
 from oscar_hf.config import OscarConfig
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_kv
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
+import bench_generate as records  # noqa: E402  (record header, run id, GPU slug)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, RESIDUAL = 32, 8, 128, 64
 BATCHES = (1, 8, 32)
@@ -175,11 +172,6 @@ def timed_sets(batch, context, config, l2_bytes, gen, residual: int = RESIDUAL) 
     sets = max(1, min(64, math.ceil(4 * l2_bytes / fused_bytes)))
     del probe
     return make_sets(batch, context, config, sets, gen, residual), fused_bytes, sdpa_bytes
-
-
-def gpu_slug(device: str) -> str:
-    """The device's name as the records' file names spell it (`NVIDIA H200` -> `nvidia-h200`)."""
-    return re.sub(r"[^a-z0-9]+", "-", device.lower()).strip("-")
 
 
 def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> dict:
@@ -456,8 +448,6 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
                 return [compiled(one, length, sinks) for one in data]
 
             series.append(do_bench_cudagraph(run, rep=50, return_mode="median") * 1e3 / len(data))
-    del data
-    torch.cuda.empty_cache()
     mean = {key: sum(t) / len(t) for key, t in times.items()}
     for path in ("eager", "compiled"):
         print(
@@ -470,12 +460,6 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
             "time_vs_no_sinks": mean["eager", count] / mean["eager", 0],
             "us_graph_compiled": times["compiled", count], "us_graph_compiled_no_sinks": times["compiled", 0],
             "time_vs_no_sinks_compiled": mean["compiled", count] / mean["compiled", 0]}  # fmt: skip
-
-
-def git_commit() -> str | None:
-    """$OSCAR_GIT_COMMIT where it is set (the lent GPU machine's copy of the tree carries a stale .git), else HEAD."""
-    git = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True)
-    return os.environ.get("OSCAR_GIT_COMMIT") or git.stdout.strip() or None
 
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading summarised in docs/kernels.md.
@@ -553,22 +537,17 @@ def main() -> None:
     config = OscarConfig(bits=2, sink_tokens=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {
-        "device": gpu,
+        **records.record_header("decode_attention"),
+        "run": records.new_run(),  # the whole record is one process: every ratio in it is within this run
         "sms": props.multi_processor_count,
         "l2_bytes": l2,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "python": sys.version.split()[0],
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "git_commit": git_commit(),
         "config": config.to_dict(),
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
         "timing": "median microseconds; us = eager do_bench, us_graph = do_bench_cudagraph; ratios use us_graph",
     }
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"decode_attention_{gpu_slug(gpu)}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
+    path = out_dir / f"decode_attention_{records.gpu_slug(gpu)}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
 
     def save():
         path.write_text(json.dumps(record, indent=1))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import importlib
 import importlib.util
 import json
@@ -27,12 +26,10 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
 import torch
-import transformers
-import triton
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_decode_attention as bench  # noqa: E402  (the records' commit and GPU slug)
+import bench_generate as records  # noqa: E402  (record header and GPU slug)
 
 _TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_decode_attention.py"
 
@@ -95,15 +92,8 @@ def main() -> None:
     passed = [r for r in results if "error" not in r]
     worst = max(passed, key=lambda r: r["rel_rmse"], default=None)
 
-    device = torch.cuda.get_device_name()
-    commit = bench.git_commit()
     record = {
-        "device": device,
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "transformers": transformers.__version__,
-        "commit": commit,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        **records.record_header("kernel_fuzz"),
         "seed": args.seed,
         "cases": len(results),
         "failures": len(failures),
@@ -112,7 +102,7 @@ def main() -> None:
         "tolerances": {str(k).removeprefix("torch."): v for k, v in _tolerances().items()},
     }
     args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"kernel_fuzz_{bench.gpu_slug(device)}.json"
+    path = args.out / f"kernel_fuzz_{records.gpu_slug(record['device'])}.json"
     path.write_text(json.dumps(record, indent=2) + "\n")
     print(f"{len(results)} cases, {len(failures)} failures, worst relative RMSE: {worst}")
     print(f"wrote {path}")
