@@ -464,14 +464,14 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
 
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading summarised in docs/kernels.md.
 _WHY_MISSED = (
-    "The decode kernel (the Gluon kernel at these shapes: D=128, 2 bits, fp16 scales, up to 8 query rows per KV head) "
-    "is bound by its instructions and their latency, ~2.4 SASS instructions per code (Triton 3.6, sm_90), ~212 "
-    "registers per thread, 4 two-warp programs per SM (8 warps). On the H100 that is close to the copy bandwidth at "
-    "long contexts (ef8c621: 85-93 % at B >= 8, 32K and up); on the H200, whose memory is ~1.4x faster, it is not: "
-    "the kernel before the warps' row split (f2ea715) measured 58.5-61.8 % of copy at B=8 32K across runs, and B=8 "
-    "32K, the shortest of those shapes, pays most for the fixed part of a call (the first blocks' arrival before the "
-    "Gluon loop, the programs' uneven ends, the partials and the merge after it). `benchmarks/ab_kernels.py "
-    "--shared-kv` times the loop without the H100's memory bound; docs/kernels.md lists what was tried."
+    "The decode kernel (the Gluon kernel at these shapes: D=128, fp16 scales, up to 8 query rows per KV head) is "
+    "bound by its instructions and their latency: ~2.4 SASS instructions per 2-bit code (Triton 3.6, sm_90), ~212 "
+    "registers per thread, 4 two-warp programs per SM. On the H100 that is close to the copy bandwidth at long "
+    "contexts (85-93 % at B >= 8, 32K and up); the H200's memory is ~1.4x faster, so the same instruction rate "
+    "reaches less of it (58.5-61.8 % of copy at B=8 32K, measured before the warps' row split), and B=8 32K, the "
+    "shortest of those shapes, pays most for the fixed part of a call (the first blocks' arrival, the programs' "
+    "uneven ends, the partials and their merge). `benchmarks/ab_kernels.py --shared-kv` times the loop without the "
+    "memory bound; docs/kernels.md lists what was tried."
 )
 
 
