@@ -12,7 +12,7 @@ One command runs everything (the tensor-parallel part launches `torchrun --nproc
 3. `device_map="auto"` with GPU 0 capped at about half the weights, so the layers split over both GPUs; every OScaR
    layer must hold its storage on its own layer's device;
 4. tensor parallel: each rank holds 4 of the 8 KV heads of every layer, and the OScaR layers all-reduce their token
-   norms over the TP group (oscar_hf/decode_path.py, `OscarLayer.head_group`).
+   norms over the TP group (oscar_hf/cache/layer.py, `OscarLayer.head_group`).
 
 `step_ms` is the median time of a decode step inside `generate` (time between consecutive stopping-criteria calls,
 after a device synchronisation), warm-up run excluded. Writes benchmarks/results/multigpu_<gpu>.json with one row per

@@ -60,8 +60,7 @@ from .quantize_pack import check_key_rotated
 
 _LOG2E = 1.4426950408889634
 # Chunks of at least this many queries take `chunk_attention_flash` where they can (no padding, a torch backend that
-# takes them). `bench_chunk_attention.py --chunks 512 1024 4096` (B = 4, 32K of history, H200, cuDNN): 8.9 / 5.4 /
-# 17.5 ms against the fused kernel's 4.5 / 9.0 / 35.2 ms.
+# takes them): where `bench_chunk_attention.py --chunks` finds the two paths cross (docs/benchmarks.md).
 FLASH_MIN_QUERIES = 1024
 
 
@@ -259,7 +258,8 @@ def chunk_attention(
     at least `FLASH_MIN_QUERIES` queries without padding where torch's fused attention (cuDNN or flash) takes its
     tensors, else the fused kernel."""
     args = (query, quantized, exact_keys, exact_values)
-    if key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES and _fused_backend(query, exact_keys):
+    long_chunk = key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES
+    if long_chunk and _torch_attention_backend(query, exact_keys):
         return chunk_attention_flash(*args, scaling, config, key_rotated)
     return chunk_attention_triton(*args, key_padding_mask, scaling, config, key_rotated)
 
@@ -281,7 +281,7 @@ def chunk_attention_flash(
     who = "chunk_attention_flash"
     num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config, who)
     check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, who)
-    backend = _fused_backend(query, exact_keys)
+    backend = _torch_attention_backend(query, exact_keys)
     if backend is None:
         raise ValueError(
             "chunk_attention_flash: torch's fused attention (cuDNN or flash) does not take these tensors here (on CUDA "
@@ -349,7 +349,7 @@ def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> 
     return out, lse
 
 
-def _fused_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
+def _torch_attention_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
     """The torch attention backend that takes these tensors: on CUDA "cudnn" or "flash" (device, dtype, head_dim,
     GQA, enabled by the user; cuDNN first), on CPU (Triton's interpreter) "cpu", torch's CPU flash kernel, where flash
     is enabled; None if none does."""

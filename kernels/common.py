@@ -12,9 +12,15 @@ import triton
 import triton.language as tl
 from transformers.utils import logging
 
+from oscar_hf.layout import WORD_BITS as _WORD_BITS
+
 logger = logging.get_logger(__name__)
 
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# The storage's code words (`oscar_hf.layout.WORD_BITS`) as a kernel constant: a word of b-bit codes holds
+# `WORD_BITS // b` of them.
+WORD_BITS: tl.constexpr = tl.constexpr(_WORD_BITS)
 
 # Triton's CPU interpreter (the CPU CI), as a kernel constant: it multiplies raw bf16 bit patterns in tl.dot (3.9), so
 # dot operands are upcast there, and it cannot run PTX, so codes are unpacked there with plain integer ops.
@@ -67,6 +73,6 @@ def fwht_rows(x, ROWS: tl.constexpr, D: tl.constexpr, LOG2_D: tl.constexpr):
 # once when Triton is imported, so they would stay compiled-mode functions when Triton was imported before
 # TRITON_INTERPRET was set (as under a test suite that imports transformers first); the kernels here are re-decorated
 # by re-importing this module. The combine functions are Triton's own (the ones tl.sum/tl.max/tl.min reduce with):
-# Triton's interpreter recognises those and reduces in numpy, but calls any other one element by element in Python
-# (a head_dim-256 quantize on a CPU: 47 s instead of 0.24 s).
+# Triton's interpreter recognises those and reduces in numpy, but calls any other one element by element in Python,
+# orders of magnitude slower.
 add, maximum, minimum = tl.standard._sum_combine, tl.standard._elementwise_max, tl.standard._elementwise_min

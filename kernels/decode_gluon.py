@@ -289,9 +289,8 @@ def _step(
     vb = gl.convert_layout(gl.reshape(vb, [2, 16, HALF]), A_OP, assert_trivial=True)
     # Each step's products are summed from zero and added to the running sums in fp32: chaining the MMAs onto the
     # running accumulator (mma(a, b, acc * alpha)) rounds every tensor-core accumulation of the long sum, and the
-    # value sums (codes times scales) and their minima's sum cancel where the output is small; measured on an H200
-    # the relative error then grew with the steps per program (B=1 128K: 8.2e-3 at 32 steps, 2.7e-3 at 8; the Triton
-    # kernel 1.7e-3).
+    # value sums (codes times scales) and their minima's sum cancel where the output is small: the relative error then
+    # grows with the steps per program (docs/kernels.md).
     alpha_c = alpha[:, None, :]
     zero = gl.zeros([2, 32, ROWS], gl.float32, layout=MMA)
     bias = bias * alpha_c + mma_v2(vb, p_op, gl.zeros([2, 16, ROWS], gl.float32, layout=MMA))
@@ -431,8 +430,9 @@ def _gluon_split_kernel(
 
 def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
-    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, keys and values of 2 or 4 bits
-    in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels contiguous."""
+    decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, keys and values whose codes fill
+    whole bytes (2 or 4 bits) in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels
+    contiguous."""
     if query.device.type != "cuda" or interpreting():
         return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
@@ -445,6 +445,11 @@ def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
         )
     if block_m != ROWS.value:
         return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
+    if any(8 % bits for bits in (config.key_bits, config.value_bits)):  # its unpacking reads codes byte by byte
+        return (
+            False,
+            f"compiled for codes that fill whole bytes; got {config.key_bits}-bit keys, {config.value_bits}-bit values",
+        )
     codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)
     if any(t.stride(-1) != 1 or t.storage_offset() % 2 for t in codes_and_pairs):  # int32 views of fp16 pairs
         return False, "the codes' and key parameters' channels must be contiguous, the parameters at even offsets"

@@ -20,13 +20,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .common import INTERPRETER, add, fwht_rows, maximum
+from .common import INTERPRETER, WORD_BITS, add, fwht_rows, maximum
 
 
 @triton.jit
 def unpack_codes_t(words_t, HEAD_DIM: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
     """[D, ROWS] int32 words -> [D, ROWS * W] fp16 codes; column (r * H + j) * 2 + t is token r * W + t * H + j."""
-    W: tl.constexpr = 32 // BITS
+    W: tl.constexpr = WORD_BITS // BITS
     H: tl.constexpr = W // 2
     MASK: tl.constexpr = ((1 << BITS) - 1) * 0x10001
     shifts = tl.arange(0, H) * BITS
@@ -110,8 +110,8 @@ def _quantized_block(
     """One BLOCK_N-token step of the online softmax over quantized tokens, from tile pointers; MASKED: the last,
     partial block (tokens_left < BLOCK_N valid tokens). Key-side pointers and masks (codes, norms, padding mask) are
     in the key tile's column order, value-side ones in the value tile's (`tile_tokens`)."""
-    KW: tl.constexpr = 32 // KEY_BITS
-    VW: tl.constexpr = 32 // VALUE_BITS
+    KW: tl.constexpr = WORD_BITS // KEY_BITS
+    VW: tl.constexpr = WORD_BITS // VALUE_BITS
     SCALE_DTYPE: tl.constexpr = p_ks.dtype.element_ty
     DOT_DTYPE: tl.constexpr = b_q.dtype
     # fp32 operands (fp32 scales) in three TF32 products: one TF32 product would round them to 10 mantissa bits and
@@ -236,8 +236,8 @@ def quantized_blocks(
     PARTIAL_BLOCK: whether the last block may be partial (the number of quantized tokens is not a multiple of BLOCK_N).
     The cache's is a multiple of its residual length, so a kernel without the masked step is the usual one: it needs
     fewer registers (and spills none or fewer)."""
-    KW: tl.constexpr = 32 // KEY_BITS
-    VW: tl.constexpr = 32 // VALUE_BITS
+    KW: tl.constexpr = WORD_BITS // KEY_BITS
+    VW: tl.constexpr = WORD_BITS // VALUE_BITS
     # offsets inside a block (loop-invariant); column c of a key (value) tile holds token tile_tokens(c, KW (VW))
     o_d = tl.arange(0, HEAD_DIM)[:, None]
     o_c = tl.arange(0, BLOCK_N)

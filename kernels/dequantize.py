@@ -28,15 +28,15 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import check_head_dim, per_head_rotation
 
 from . import DECODE_HEAD_DIMS
-from .common import MODEL_DTYPES, fwht_rows
+from .common import MODEL_DTYPES, WORD_BITS, fwht_rows
 from .quantize_pack import check_key_rotated, quantize_kv_triton
 
 
 @triton.jit
 def _unpack(words_ptr, first_row, d, row_stride, d_stride, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """fp32 codes `[BLOCK_T, D]` of the tokens whose packed words are rows `first_row ...` (W = 32 // BITS tokens a
-    row, token r * W + j at bits [j * BITS, (j + 1) * BITS)): each word is loaded once and shifted W ways."""
-    W: tl.constexpr = 32 // BITS
+    """fp32 codes `[BLOCK_T, D]` of the tokens whose packed words are rows `first_row ...` (W = WORD_BITS // BITS
+    tokens a row, token r * W + j at bits [j * BITS, (j + 1) * BITS)): each word is loaded once and shifted W ways."""
+    W: tl.constexpr = WORD_BITS // BITS
     rows = first_row + tl.arange(0, BLOCK_T // W)
     words = tl.load(words_ptr + rows[:, None] * row_stride + d[None, :] * d_stride)
     shifts = tl.arange(0, W) * BITS
@@ -90,7 +90,7 @@ def _dequantize_kernel(
     d = tl.arange(0, D)
 
     # keys: per channel, per group of G tokens (one group per tile)
-    first_row = start // (32 // KEY_BITS)
+    first_row = start // (WORD_BITS // KEY_BITS)
     codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, first_row, d, kc_r, kc_d, BLOCK_T, D, KEY_BITS)
     params = b * ks_b + h * ks_h + (start // G) * ks_r + d * ks_d
     k = codes * tl.load(key_scale_ptr + params).to(tl.float32)[None, :]
@@ -106,7 +106,7 @@ def _dequantize_kernel(
     tl.store(out, k.to(out_keys_ptr.dtype.element_ty))
 
     # values: per token, per group of G channels (each parameter loaded once, broadcast over its group)
-    first_row = start // (32 // VALUE_BITS)
+    first_row = start // (WORD_BITS // VALUE_BITS)
     codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, first_row, d, vc_r, vc_d, BLOCK_T, D, VALUE_BITS)
     groups = tl.arange(0, D // G)
     params = b * vs_b + h * vs_h + tokens[:, None] * vs_r + groups[None, :] * vs_d

@@ -33,7 +33,17 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import check_head_dim
 
-from .common import MODEL_DTYPES, add, announce_first_launch, fwht_rows, interpreting, maximum, minimum, on_device
+from .common import (
+    MODEL_DTYPES,
+    WORD_BITS,
+    add,
+    announce_first_launch,
+    fwht_rows,
+    interpreting,
+    maximum,
+    minimum,
+    on_device,
+)
 
 
 @triton.jit
@@ -53,7 +63,7 @@ def _quantize(x, mn, mx, LEVELS: tl.constexpr, SCALE_DTYPE: tl.constexpr):
 @triton.jit
 def _pack_tokens(codes, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
     """[G, D] int32 codes -> [G // W, D] int32 words, token r * W + j at bits [j * BITS, (j + 1) * BITS) of row r."""
-    W: tl.constexpr = 32 // BITS
+    W: tl.constexpr = WORD_BITS // BITS
     shifts = tl.arange(0, W) * BITS
     # The shifted codes occupy disjoint bits, so their sum is their bitwise or, without a carry or a signed overflow;
     # a sum, unlike an or, is a reduction that Triton's interpreter runs in numpy.
@@ -122,8 +132,8 @@ def _quantize_pack_kernel(
     FLUSH_WINDOW: tl.constexpr,
     CHECK_FINITE: tl.constexpr,
 ):
-    KEY_W: tl.constexpr = 32 // KEY_BITS
-    VALUE_W: tl.constexpr = 32 // VALUE_BITS
+    KEY_W: tl.constexpr = WORD_BITS // KEY_BITS
+    VALUE_W: tl.constexpr = WORD_BITS // VALUE_BITS
     KEY_LEVELS: tl.constexpr = (1 << KEY_BITS) - 1
     VALUE_LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
     NUM_VGROUPS: tl.constexpr = HEAD_DIM // GROUP

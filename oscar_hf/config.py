@@ -10,10 +10,13 @@ from typing import Any
 import torch
 from transformers.utils import logging
 
+# The bits a stored key or value may have, narrowest first: the one list the config, the storage layout, bits="auto"'s
+# layer widths and the kernels read (a new width is added here, then in the kernels' unpacking).
+SUPPORTED_WIDTHS = (2, 4)
 _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _METHODS = ("auto", "oscar", "paper")
-# bits="auto"'s default budget: the 2-bit cache's memory plus 2-4 % (3.125 at head_dim 128); with 4 sinks it brought
-# every model measured within +1.7 % of bf16's perplexity and SmolLM2's 2k retrieval to bf16's (docs/accuracy.md).
+# bits="auto"'s default budget: a little above the 2-bit cache's memory (3.125 at head_dim 128); with 4 sinks it is the
+# default docs/accuracy.md measures.
 DEFAULT_AVG_BITS = 3.2
 
 logger = logging.get_logger(__name__)
@@ -21,62 +24,55 @@ logger = logging.get_logger(__name__)
 
 @dataclass(frozen=True)
 class OscarConfig:
-    """Configuration of an `OscarCache`.
+    """Configuration of an `OscarCache` (every field is also a key of generate's `cache_config` dict).
 
     Args:
-        bits: bits per stored K/V value, 2 (the paper's setting) or 4: the shorthand for `key_bits` and
-            `value_bits` both. "auto" (the default when no width is given): each full-attention layer chooses its own
-            key and value widths (K2V2, K4V2, K2V4 or K4V4) from the prompt, under the budget `avg_bits`
-            (`cache/layer_bits.py`).
-        avg_bits: the budget of bits="auto" (refused with fixed widths; given alone it implies bits="auto"): the
-            average stored bits per K/V element over the layers, everything counted as `oscar_hf.average_bits` counts
-            it (at head_dim 128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). The greedy rule of
-            `layer_widths.choose_layer_bits` upgrades the layers whose prompt shows the largest attention error per
-            added bit until the budget is spent. None (default): `DEFAULT_AVG_BITS` (3.2, the 2-bit cache's memory
-            plus 2-4 %), or the model's all-2-bit cost where its head shape stores more (head_dim 32, or 64 with
-            one KV head): `OscarConfig.budget`. A given budget below the all-2-bit cost is an error (the cache says
-            the minimum for its model); above the all-4-bit cost every layer stores 4-bit keys and values.
-        key_bits, value_bits: bits per stored key and per stored value, each 2 or 4, where they differ (keys are the
-            sensitive half: `key_bits=4, value_bits=2` stores 4.1 bits per K/V element at head_dim 128, between
-            2 bits' 3.1 and 4 bits' 5.1: `oscar_hf.average_bits`). One given alone fixes the other at 2. Given with
-            `bits`, they must equal it (an error otherwise: no silent precedence). After construction: fixed widths
-            set all three (`bits` the common width, or None where keys and values differ); bits="auto" leaves
-            `key_bits` and `value_bits` None. (Changing a config with `dataclasses.replace`: pass `bits` alone, or
-            `key_bits` and `value_bits` with `bits=None`.)
-        group_size: tokens per key quantization group (per channel) and channels per value group (per token).
-        residual_length: the most recent tokens kept in full precision; a multiple of `group_size`. Tokens are
-            quantized in blocks of this many, so attention always sees 1 to `residual_length` exact recent tokens.
-        sink_tokens: the first tokens of each sequence kept exact, in the model dtype, never quantized (attention
-            sinks: the first tokens draw much of every query's attention). Each row keeps its own first real
-            tokens in `sink_tokens` slots, whatever its left padding, once the cache knows the padding
-            (`OscarCache.set_padding`; generate tells it); without it, a padded row's first positions are its sinks.
-            Default 4 (0 keeps none): on three of the four models measured they cut the 2-bit cache's perplexity
-            change by about 70 %, on Qwen2.5-0.5B they cost 0.7 point (docs/accuracy.md). Like the residual window,
-            they are exact tokens: `KVMemory` counts them as exact bytes, `average_bits` (the quantized region's bits
-            per element) leaves them out.
-        rotation: Canalized Rotation (Walsh-Hadamard along head_dim) of keys and values (see `method` for keys).
-        token_scaling: Omni-Token Scaling (divide each key token by its norm over all KV heads before quantizing).
-            With `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
-        scale_dtype: dtype of the per-group scales and minimums, "float16" (default, the paper's byte count) or
-            "float32". bfloat16 is refused: its 8-bit mantissa biases the zero-point.
-        method: how `rotation` treats the keys; values are always rotated. "oscar" (the query rule): each (batch
-            row, KV head) of each layer decides whether rotating its keys lowers the attention-logit error of the
-            prompt's keys (its first 4096) against the prompt's own queries (`reference.query_rotation_choice`; the
-            queries reach the cache through transformers' "sdpa" attention). The choice is made again after each
-            multi-token call while the prompt streams in, so a prompt fed in chunks chooses as when fed whole, and
-            is final from the first decode step (or beyond 4096 tokens) for the whole generation, eager and compiled
-            decoding alike (`cache/key_rotation.py` says exactly when). It avoids the rotation's damage on models
-            whose keys carry large near-constant channels (Qwen2's k_proj bias, Gemma 3's k_norm) and keeps it where
-            it helps: see docs/accuracy.md. "paper": every key is rotated, the paper's method (arXiv 2605.19660).
-            "auto" (default): "oscar" on a model whose attention is "sdpa", "paper" on any other (eager,
-            flash_attention_*, flex), whose queries the cache cannot see, with a warning (once) saying so;
-            `OscarCache` resolves it (`resolve`), so `cache.oscar_config.method` says which runs. A layer that "oscar"
-            never hands queries (an explicit "oscar" on such a model, or a cache filled by hand with `update`)
-            chooses from the keys alone, with a warning (once) naming how to get the query rule.
-        attention: "auto" (default) decodes with the fused Triton kernels where they apply (CUDA, an sdpa model,
-            head_dim 64/128/256) and with the portable path elsewhere; "fused" demands the kernels (an error names
-            what prevents them; on CPU they run only under TRITON_INTERPRET=1); "portable" always dequantizes and
-            uses the model's own attention, for comparison.
+        bits (`int` or `str`, *optional*, defaults to `"auto"`):
+            Bits per stored K/V value, one of `SUPPORTED_WIDTHS` (2 is the paper's setting): the shorthand for
+            `key_bits` and `value_bits` both. "auto" (the default when no width is given): each full-attention layer
+            chooses its own key and value widths from the prompt, under the budget `avg_bits` (`cache/layer_bits.py`).
+        avg_bits (`float`, *optional*):
+            The budget of bits="auto" (refused with fixed widths; given alone it implies bits="auto"): the average
+            stored bits per K/V element over the layers, counted as `oscar_hf.average_bits` counts them (at head_dim
+            128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). Layers whose prompt shows the largest attention
+            error per added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
+            `DEFAULT_AVG_BITS`, or the model's all-2-bit cost where its head shape stores more (`budget`). A budget
+            below the all-2-bit cost is an error naming the minimum; above the all-4-bit cost every layer is 4-bit.
+        key_bits (`int`, *optional*), value_bits (`int`, *optional*):
+            Bits per stored key and per stored value where they differ (keys are the sensitive half: `key_bits=4,
+            value_bits=2`). One given alone fixes the other at 2; given with `bits`, they must equal it (no silent
+            precedence). After construction fixed widths set all three (`bits` the common width, or None where keys
+            and values differ); bits="auto" leaves `key_bits` and `value_bits` None. (With `dataclasses.replace`,
+            pass `bits` alone, or `key_bits` and `value_bits` with `bits=None`.)
+        group_size (`int`, *optional*, defaults to 32):
+            Tokens per key quantization group (per channel) and channels per value group (per token): 32, 64 or 128.
+        residual_length (`int`, *optional*, defaults to 128):
+            The most recent tokens kept exact, a multiple of `group_size`. Tokens are quantized in blocks of this many,
+            so attention always sees 1 to `residual_length` exact recent tokens.
+        sink_tokens (`int`, *optional*, defaults to 4):
+            The first tokens of each sequence kept exact, never quantized (attention sinks); 0 keeps none. Each row
+            keeps its own first real tokens whatever its left padding, once the cache knows the padding
+            (`OscarCache.set_padding`; generate tells it). Counted as exact bytes by `KVMemory`, left out of
+            `average_bits`.
+        rotation (`bool`, *optional*, defaults to `True`):
+            Canalized Rotation (Walsh-Hadamard along head_dim) of values, and of keys as `method` says.
+        token_scaling (`bool`, *optional*, defaults to `True`):
+            Omni-Token Scaling: each key token divided by its norm over all KV heads before quantizing. With
+            `rotation=False, token_scaling=False` the cache is plain KIVI-style quantization.
+        scale_dtype (`str`, *optional*, defaults to `"float16"`):
+            Dtype of the per-group scales and minimums, "float16" (the paper's byte count) or "float32" (for K/V
+            beyond float16's range). bfloat16 is refused: its 8-bit mantissa biases the zero-point.
+        method (`str`, *optional*, defaults to `"auto"`):
+            How `rotation` treats the keys. "oscar" (the query rule): each (batch row, KV head) of each layer rotates
+            its keys where that lowers the attention-logit error against the prompt's own queries
+            (`reference.query_rotation_choice`; the queries reach the cache through transformers' "sdpa" attention),
+            chosen while the prompt streams in and final from the first decode step (`cache/key_rotation.py`).
+            "paper": every key rotated, the paper's method (arXiv 2605.19660). "auto": "oscar" on an "sdpa" model,
+            else "paper" with a warning (once); `OscarCache` resolves it (`resolve`).
+        attention (`str`, *optional*, defaults to `"auto"`):
+            "auto": the Triton kernels where they apply (CUDA, an sdpa model, head_dim 64/128/256), the portable
+            reference elsewhere (`cache/backends.py`); "fused": demand the kernels (an error names what prevents
+            them; on CPU they run only under TRITON_INTERPRET=1); "portable": always the reference.
     """
 
     bits: int | str | None = None
@@ -97,9 +93,10 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
+        widths = " or ".join(map(str, SUPPORTED_WIDTHS))
         check(
-            self.bits in (None, 2, 4, "auto"),
-            f"bits={self.bits!r} is not supported; use 'auto' (default: layer-wise widths under avg_bits), 2 or 4.",
+            self.bits in (None, "auto", *SUPPORTED_WIDTHS),
+            f"bits={self.bits!r} is not supported; use 'auto' (default: layer-wise widths under avg_bits), {widths}.",
         )
         for name in ("bits", "key_bits", "value_bits", "group_size", "residual_length", "sink_tokens"):
             value = getattr(self, name)
@@ -111,7 +108,10 @@ class OscarConfig:
             check(isinstance(value, bool), f"{name} must be True or False, got {value!r}.")
         for name in ("key_bits", "value_bits"):
             value = getattr(self, name)
-            check(value in (None, 2, 4), f"{name}={value} is not supported; use 2 (default) or 4.")
+            check(
+                value in (None, *SUPPORTED_WIDTHS),
+                f"{name}={value} is not supported; use {' or '.join(map(str, SUPPORTED_WIDTHS))} (default 2).",
+            )
         if self.bits is None and self.key_bits is None and self.value_bits is None:
             object.__setattr__(self, "bits", "auto")  # no width given: each layer's is chosen under the budget
         if self.bits == "auto":
@@ -214,7 +214,7 @@ class OscarConfig:
         implementation) naming why and how to get the query rule. An explicit method is kept as it is."""
         if self.method != "auto":
             return self
-        if attn_implementation == "sdpa":  # its calls hand the queries over (integrations/fused_attention.py)
+        if attn_implementation == "sdpa":  # its calls hand the queries over (the sdpa entry oscar_hf registers)
             return dataclasses.replace(self, method="oscar")
         if self.rotation:  # without rotation the method changes nothing
             logger.warning_once(

@@ -10,16 +10,13 @@ from typing import NamedTuple
 
 import torch
 
-from .config import OscarConfig
+from .config import SUPPORTED_WIDTHS, OscarConfig
 from .reference import error_sums, fake_quantize_kv, query_weighted_key_error, whole_key_groups
-
-# bits="auto": the widths a layer's keys and values may each end with, narrowest first.
-LAYER_WIDTHS = (2, 4)
 
 
 class BitCostSums(NamedTuple):
     """bits="auto": the sums over a prompt's tokens (additive over its chunks, `add_bit_cost_sums`) from which
-    `layer_bit_costs` costs each width of a layer. W = len(LAYER_WIDTHS), R the key rotations costed."""
+    `layer_bit_costs` costs each width of a layer. W = len(SUPPORTED_WIDTHS), R the key rotations costed."""
 
     key_gram: torch.Tensor  # [W, R, B, Hkv, D, D]: sum_t e_t e_t^T of the key round trip's error
     key_total: torch.Tensor  # [W, R, B, Hkv, D]: sum_t e_t
@@ -37,10 +34,10 @@ def bit_cost_sums(
     valid: torch.Tensor | None = None,
     round_trip: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> BitCostSums:
-    """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `LAYER_WIDTHS`, keys
-    with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation: (False,)),
-    in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere.
-    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (the fused path's Triton kernels),
+    """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `SUPPORTED_WIDTHS`,
+    keys with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation:
+    (False,)), in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere.
+    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (a backend's `fake_quantize_kv`),
     called once per width on the K/V repeated along the batch axis, once per rotation."""
     v, _ = whole_key_groups(values, valid, config.group_size)
     k, valid = whole_key_groups(keys, valid, config.group_size)
@@ -50,7 +47,7 @@ def bit_cost_sums(
     k_all, v_all = k.repeat(repeat, 1, 1, 1), v.repeat(repeat, 1, 1, 1)
     valid_all = None if valid is None else valid.repeat(repeat, 1)
     key_gram, key_total, value_error = [], [], []
-    for bits in LAYER_WIDTHS:
+    for bits in SUPPORTED_WIDTHS:
         k_hat, v_hat = (round_trip or fake_quantize_kv)(k_all, v_all, flags, config.with_widths(bits, bits), valid_all)
         gram, total, tokens = error_sums(k_hat - k_all, valid_all)
         key_gram.append(gram.unflatten(0, (repeat, rows)))
@@ -73,7 +70,7 @@ def add_bit_cost_sums(a: BitCostSums | None, b: BitCostSums) -> BitCostSums:
 def layer_bit_costs(
     sums: BitCostSums, moment: torch.Tensor, rotations: tuple[bool, ...], scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bits="auto": what each key width and each value width of `LAYER_WIDTHS` costs a layer's attention,
+    """bits="auto": what each key width and each value width of `SUPPORTED_WIDTHS` costs a layer's attention,
     `(key_costs [W], value_costs [W], key_rotated [W, B, Hkv] bool)`, from its prompt's `bit_cost_sums` and `moment`
     (`[B, Hkv, D, D]`: the mean of q q^T over the query rows that read a KV head, i.e. its group's query heads at each
     query position; the identity where the queries are unknown; `rotations` as given to `bit_cost_sums`; `scaling`
@@ -100,7 +97,7 @@ def layer_bit_costs(
 def choose_layer_bits(
     key_costs: torch.Tensor, value_costs: torch.Tensor, bits: torch.Tensor, weights: torch.Tensor, avg_bits: float
 ) -> list[tuple[int, int]]:
-    """bits="auto"'s greedy rule: each layer's `(key_bits, value_bits)`, from `LAYER_WIDTHS`.
+    """bits="auto"'s greedy rule: each layer's `(key_bits, value_bits)`, from `SUPPORTED_WIDTHS`.
 
     `key_costs`, `value_costs` (`[L, W]`, `layer_bit_costs`): what each width costs each layer; `bits` (`[L, W, W]`):
     the stored bits per K/V element of layer l at key width i and value width j (`oscar_hf.average_bits`); `weights`
@@ -128,7 +125,7 @@ def choose_layer_bits(
                 if best is None or gain / added > best[0]:
                     best = (gain / added, layer, nk, nv, added)
         if best is None:
-            return [(LAYER_WIDTHS[k], LAYER_WIDTHS[v]) for k, v in chosen]
+            return [(SUPPORTED_WIDTHS[k], SUPPORTED_WIDTHS[v]) for k, v in chosen]
         _, layer, nk, nv, added = best
         chosen[layer] = [nk, nv]
         spent += added

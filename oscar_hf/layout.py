@@ -6,8 +6,9 @@ spells a shape, a pack axis or a row size of its own. A layout change is an edit
 `pack_codes` / `unpack_codes` (and the kernels' unpacking of the same bits).
 
 For `L` quantized tokens (a multiple of the group size G), keys of b_k bits and values of b_v bits (`key_bits`,
-`value_bits`: 2 or 4 each), `W_k = 32 // b_k` and `W_v = 32 // b_v` codes per int32 word and a head dim D, one layer's
-quantized region is a `QuantizedKV`; dim 2 of every tensor is the token-row axis:
+`value_bits`: each one of `SUPPORTED_WIDTHS`), `W_k = 32 // b_k` and `W_v = 32 // b_v` codes per int32 word
+(`WORD_BITS`) and a head dim D, one layer's quantized region is a `QuantizedKV`; dim 2 of every tensor is the
+token-row axis:
 
     key_codes    int32        [B, Hkv, L // W_k, D]   codes of u = (k H) / n_t, packed along the token axis
     key_scale    scale_dtype  [B, Hkv, L // G, D]     per channel, per group of G consecutive tokens
@@ -31,7 +32,12 @@ from typing import NamedTuple
 
 import torch
 
-from .config import OscarConfig
+from .config import SUPPORTED_WIDTHS, OscarConfig
+
+__all__ = ["SUPPORTED_WIDTHS", "WORD_BITS", "QuantizedKV", "StorageLayout"]
+
+# Bits of the integer words codes are packed into (int32): the kernels unpack `WORD_BITS // bits` codes per word.
+WORD_BITS = 32
 
 
 class QuantizedKV(NamedTuple):
@@ -64,7 +70,7 @@ class StorageLayout:
 
     @staticmethod
     def codes_per_word(bits: int) -> int:
-        return 32 // bits
+        return WORD_BITS // bits
 
     @property
     def tokens_per_row(self) -> QuantizedKV:

@@ -179,15 +179,15 @@ def test_storage_grows_by_doubling_and_reserve_preallocates():
     capacities = []
     for _ in range(10):
         cache.update(torch.randn(1, HKV, 128, D), torch.randn(1, HKV, 128, D), layer_idx=0)
-        capacities.append(0 if layer._storage is None else layer._storage.key_scale.shape[2] * 32)
+        capacities.append(0 if layer.storage.buffers is None else layer.storage.buffers.key_scale.shape[2] * 32)
     assert capacities == [0, 128, 256, 512, 512, 1024, 1024, 1024, 1024, 2048]
     long = _cache(OscarConfig(bits=2, sink_tokens=0))  # a long prompt, quantized in several slices, grows once
     long.update(torch.randn(1, HKV, 9000, D), torch.randn(1, HKV, 9000, D), layer_idx=0)
-    assert long.layers[0]._storage.key_scale.shape[2] * 32 == 8960  # doubling per 4096-token slice made it 16384
+    assert long.layers[0].storage.buffers.key_scale.shape[2] * 32 == 8960  # doubling per 4096-token slice made it 16384
     reserved = _cache(OscarConfig(bits=2, sink_tokens=0))
     reserved.reserve(1000)
     reserved.update(torch.randn(1, HKV, 129, D), torch.randn(1, HKV, 129, D), layer_idx=0)
-    assert reserved.layers[0]._storage.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
+    assert reserved.layers[0].storage.buffers.key_scale.shape[2] * 32 == 896  # 1000 rounded down to whole blocks
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from oscar_hf.reference import round_trip_kv
     [
         ("bits", 3, r"bits=3 is not supported; use 'auto' \(default: layer-wise widths under avg_bits\), 2 or 4"),
         ("bits", 2.0, "bits must be an int"),
-        ("key_bits", 8, r"key_bits=8 is not supported; use 2 \(default\) or 4"),
+        ("key_bits", 8, r"key_bits=8 is not supported; use 2 or 4 \(default 2\)"),
         ("value_bits", True, "value_bits must be an int"),
         ("group_size", 48, "group_size=48 is not supported"),
         ("residual_length", 100, "residual_length=100 must be a positive multiple of group_size=32"),

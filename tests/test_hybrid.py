@@ -177,7 +177,7 @@ def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
     monkeypatch.setattr(fused_attention, "sdpa_attention_forward", sdpa)
 
     def fused_kernel(history, *args):
-        fused.append(history.layer)
+        fused.append(history.storage)
         return original_fused(history, *args)
 
     monkeypatch.setattr(DecodeHistory, "attention", fused_kernel)
@@ -189,4 +189,4 @@ def test_only_the_oscar_layers_calls_are_fused(gemma3_config, monkeypatch):
             token = model(input_ids=token, **cache_kwargs(cache)).logits[:, -1:].argmax(-1)
             assert [(index, window) for index, window, _ in passed] == [(0, 16), (2, 16)]
             assert all(key is cache.layers[index].keys for index, _, key in passed)
-            assert fused == [cache.layers[1], cache.layers[3]]
+            assert fused == [cache.layers[1].storage, cache.layers[3].storage]

@@ -10,7 +10,7 @@ from transformers import DynamicCache, LlamaConfig
 from transformers.testing_utils import CaptureLogger
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
-from oscar_hf.cache import blocks as blocks_module
+from oscar_hf.cache import backends as backends_module
 from oscar_hf.cache import key_rotation
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.integrations.fused_attention import recording_query_moments
@@ -176,9 +176,9 @@ def test_a_cache_filled_by_hand_chooses_from_its_keys_and_says_so():
 def test_a_prompts_blocks_are_quantized_once(tiny_llama, monkeypatch):
     """A one-shot prefill quantizes each of its blocks once, with the choice its queries make (no provisional pass)."""
     quantized = []
-    original = blocks_module.quantize_kv
+    original = backends_module.quantize_kv
     monkeypatch.setattr(
-        blocks_module,
+        backends_module,
         "quantize_kv",
         lambda keys, *args, **kwargs: (quantized.append(keys.shape[-2]), original(keys, *args, **kwargs))[1],
     )

@@ -11,7 +11,8 @@ from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.config import DEFAULT_AVG_BITS
-from oscar_hf.layer_widths import LAYER_WIDTHS, add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
+from oscar_hf.config import SUPPORTED_WIDTHS
+from oscar_hf.layer_widths import add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
 from oscar_hf.reference import (
     dequantize_kv,
     fake_quantize_keys,
@@ -26,12 +27,14 @@ GREEDY = dict(do_sample=False, pad_token_id=0)
 
 def _bits_table(layers: int, head_dim: int = 128, kv_heads: int = 8) -> torch.Tensor:
     config = OscarConfig(bits=2, sink_tokens=0)
-    row = [[average_bits(config.with_widths(k, v), head_dim, kv_heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
+    row = [
+        [average_bits(config.with_widths(k, v), head_dim, kv_heads) for v in SUPPORTED_WIDTHS] for k in SUPPORTED_WIDTHS
+    ]
     return torch.tensor([row] * layers, dtype=torch.float64)
 
 
 def _average(chosen, bits, weights) -> float:
-    index = {w: i for i, w in enumerate(LAYER_WIDTHS)}
+    index = {w: i for i, w in enumerate(SUPPORTED_WIDTHS)}
     spent = sum(float(w * bits[layer, index[k], index[v]]) for layer, ((k, v), w) in enumerate(zip(chosen, weights)))
     return spent / float(weights.sum())
 
@@ -77,7 +80,7 @@ def test_layer_bit_costs_match_the_attention_error_model():
         bit_cost_sums(keys, values, config, (True, False)), moment, (True, False), 32**-0.5
     )
     spread = (values - values.mean(-2, keepdim=True)).square().sum(-1).mean(-1)  # [B, Hkv]
-    for i, bits in enumerate(LAYER_WIDTHS):
+    for i, bits in enumerate(SUPPORTED_WIDTHS):
         width = config.with_widths(bits, bits)
         per_rotation = torch.stack(
             [query_weighted_key_error(*key_error_sums(keys, r, width), moment) for r in (True, False)]

@@ -12,6 +12,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+from oscar_hf.cache.backends import query_tokens
 from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS
 from transformers import LlamaConfig
 
@@ -85,7 +86,7 @@ def _check_sharded_cache(rank, want):
     # compiled steps would quantize with per-rank norms: the cache must not let generate compile them
     assert any(reason.startswith("tensor parallel") for reason in cache.compile_blockers())
     # the fused kernel's limit on query rows per KV head uses the model's GQA group (8), which sharding keeps
-    assert layer.fused_query_tokens == DECODE_MAX_QUERY_ROWS // 8
+    assert query_tokens(_config(), layer.kv_shape[0]) == DECODE_MAX_QUERY_ROWS // 8
     stored = layer.quantized()
     assert layer.quantized_length == 128
     torch.testing.assert_close(stored.key_norms, want.key_norms, rtol=1e-6, atol=0)

@@ -1,8 +1,8 @@
 """The OScaR KV cache: `OscarCache` (cache.py) and its `OscarLayer`s (layer.py), with one module per job of a layer:
-the window and the quantized region (storage.py), quantizing and reading back blocks (blocks.py, with the deferred
-finite check of finite.py), what a fused step attends to (history.py), compiled decode (compiled.py), method="oscar"'s
-query rule (key_rotation.py), bits="auto"'s layer-wise widths (layer_bits.py), padding (padding.py) and memory
-accounting (memory.py)."""
+the sinks, window and quantized region (storage.py), the backend that quantizes, reads back and attends (backends.py:
+the reference or the Triton kernels, chosen once), the finite check (finite.py), a step attended in place (step.py)
+and what it attends to (history.py), compiled decode (compiled.py), method="oscar"'s query rule (key_rotation.py),
+bits="auto"'s layer-wise widths (layer_bits.py), padding (padding.py) and memory accounting (memory.py)."""
 
 from .cache import OscarCache
 from .layer import OscarLayer

@@ -1,5 +1,5 @@
 """`OscarCache`: a transformers `Cache` whose full-attention layers are `OscarLayer`s (`layer.py`), which store K/V in
-OScaR's 2-bit format. The cache decides each layer's decode path at its first update (`oscar_hf.decode_path`) and
+OScaR's 2-bit format. The cache chooses each layer's backend at its first update (`backends.choose_backend`) and
 hands it over; compiled decode, the query rule, padding and memory accounting have their own modules here.
 """
 
@@ -9,16 +9,16 @@ import torch
 from transformers import DynamicCache, PretrainedConfig
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
-from .. import decode_path
 from ..config import OscarConfig
-from ..integrations import fused_attention
 from ..reference import check_head_dim
+from .backends import choose_backend, compile_blockers, config_compile_blockers
 from .compiled import CompiledSlidingWindowLayer
 from .key_rotation import CHOICE_TOKENS
 from .layer import OscarLayer
 from .layer_bits import check_budget, choose_widths
 from .memory import KVMemory, average_bits, kv_memory
 from .padding import Padding
+from .step import UNATTENDED_STEP, FusedStep, hand_over, step_of
 
 
 def _refuse_latent_attention(text_config: PretrainedConfig) -> None:
@@ -55,14 +55,16 @@ class OscarCache(DynamicCache):
     calls) makes the sliding-window layers static, as `StaticCache` does (`compiled.CompiledSlidingWindowLayer`).
 
     Args:
-        config: the model's config (`model.config`); the layer types come from it, and its attention implementation
+        config (`PretrainedConfig`):
+            The model's config (`model.config`): the layer types come from it, and its attention implementation
             resolves method="auto" (`OscarConfig.resolve`).
-        oscar_config: an `OscarConfig`, or a dict of its fields (unknown keys are an error), or None for defaults;
+        oscar_config (`OscarConfig` or `dict`, *optional*):
+            The cache's options, or a dict of `OscarConfig` fields (unknown keys are an error); None: the defaults.
             `self.oscar_config` is it resolved (method "oscar" or "paper").
-        tp_group: under tensor parallelism, the torch.distributed group over which the KV heads are sharded (default:
-            the whole world, as with `torchrun` and `tp_plan="auto"`; `generate` passes the model's own). A layer that
-            sees fewer KV heads than the config names while torch.distributed is initialized all-reduces its token
-            norms over this group, so they cover every head of the layer, as on one GPU.
+        tp_group (`torch.distributed.ProcessGroup`, *optional*):
+            Under tensor parallelism, the group over which the KV heads are sharded (default: the whole world, as with
+            `torchrun` and `tp_plan="auto"`; `generate` passes the model's own). A layer that sees fewer KV heads than
+            the config names all-reduces its token norms over it, so they cover every head, as on one GPU.
 
     Example:
         >>> cache = OscarCache(model.config, OscarConfig(bits=2))
@@ -78,7 +80,7 @@ class OscarCache(DynamicCache):
         # method="auto": the query rule where the model's attention hands the queries over, else the paper's (warned)
         oscar_config = oscar_config.resolve(getattr(text_config, "_attn_implementation", None))
         self.oscar_config = oscar_config
-        self._waiting: fused_attention.FusedStep | None = None  # the latest fused step, waiting for its attention
+        self._waiting: FusedStep | None = None  # the latest fused step, waiting for its attention
         self.tp_group = tp_group
         self._text_config = text_config
         if getattr(text_config, "is_encoder_decoder", False):
@@ -113,24 +115,20 @@ class OscarCache(DynamicCache):
             if (key_states.shape[-2] == 1 and held) or held >= CHOICE_TOKENS:
                 self.choose_bits()
         if isinstance(layer, OscarLayer) and not layer.is_initialized:
-            head_group = self._head_shard_group(key_states)
-            layer.configure(
-                decode_path.decide(
-                    self.oscar_config, self._text_config, self.offloading, key_states, value_states, head_group
-                )
-            )
+            backend = choose_backend(self.oscar_config, self._text_config, self.offloading, key_states, value_states)
+            layer.configure(backend, self._head_shard_group(key_states))
         # Eager code only: a compiled forward (one graph, sdpa, no KV sharing: `compile_blockers`) always
         # attends through the sdpa entry, and reading this state there would make dynamo guard on it per step.
         eager = not torch.compiler.is_compiling()
         if eager and self._waiting is not None and self._waiting.unattended:
             self._waiting = None
-            raise RuntimeError(fused_attention.UNATTENDED_STEP)
+            raise RuntimeError(UNATTENDED_STEP)
         keys, values = super().update(key_states, value_states, layer_idx, *args, **kwargs)
         if eager:
-            self._waiting = fused_attention.step_of(keys)  # each update is followed by its attention: one waits at most
+            self._waiting = step_of(keys)  # each update is followed by its attention: one waits at most
         # transformers >= 5.24 calls `update(..., kwargs=kwargs)` with the dict its attention call then unpacks: the
         # fused step rides along explicitly (integrations/fused_attention.py)
-        fused_attention.hand_over(keys, kwargs.get("kwargs"))
+        hand_over(keys, kwargs.get("kwargs"))
         return keys, values
 
     def choose_bits(self) -> None:
@@ -212,13 +210,13 @@ class OscarCache(DynamicCache):
 
     def compile_blockers(self) -> list[str]:
         """Why compiled decode cannot run with this model and configuration (empty when it can;
-        `decode_path.compile_blockers`): it needs the fused path by the model's config (sdpa, head dims the kernel
+        `backends.compile_blockers`): it needs the Triton backend by the model's config (sdpa, head dims the kernel
         supports, no KV sharing), every other layer able to run compiled (sliding-window layers are made static by
         `reserve`; transformers' linear-attention layers are static already) and the maximum length reserved
         (`generate` reserves it; by hand, `reserve(max_length)` before the prefill). The device (CUDA) is checked by
         `generate` before the prefill, and by each layer at its first update (after which this reports it)."""
         layers = [layer for layer in self.layers if isinstance(layer, OscarLayer)]
-        return decode_path.compile_blockers(
+        return compile_blockers(
             self.oscar_config,
             self._text_config,
             uncompileable_layers=[
@@ -228,7 +226,7 @@ class OscarCache(DynamicCache):
             ],
             offloading=self.offloading,
             tensor_parallel=self.tp_group is not None or any(layer.head_group for layer in layers),
-            paths=[layer.path for layer in layers if layer.is_initialized],
+            backends=[layer.backend for layer in layers if layer.is_initialized],
             reserved=all(layer.max_cache_len is not None for layer in layers),
         )
 
@@ -251,14 +249,14 @@ class OscarCache(DynamicCache):
 
     def reserve(self, tokens: int) -> None:
         """Pre-allocate quantized storage for `tokens` tokens in every OScaR layer. Where the model's config and this
-        cache allow compiled decode (`decode_path.config_compile_blockers`), the sliding-window layers that hold
+        cache allow compiled decode (`backends.config_compile_blockers`), the sliding-window layers that hold
         nothing yet become static ones of `min(window, tokens)` tokens (`compiled.CompiledSlidingWindowLayer`, what
         `StaticCache` builds for them), so that the whole decode step can run compiled; otherwise they stay
         transformers' dynamic layers."""
         for layer in self.layers:
             if isinstance(layer, OscarLayer):
                 layer.reserve(tokens)
-        if decode_path.config_compile_blockers(
+        if config_compile_blockers(
             self.oscar_config, self._text_config, offloading=self.offloading, tensor_parallel=self.tp_group is not None
         ):
             return

@@ -15,54 +15,67 @@ graph serves every decode step, before and after the window fills.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from transformers.cache_utils import StaticSlidingWindowLayer
 
+from ..config import OscarConfig
 from ..kernels import ops as kernel_ops
-from .padding import key_padding, row_sinks
+from .padding import Padding, key_padding, row_sinks
+from .storage import KVStorage
 
 
 class CompiledDecode:
-    """The device counter of a layer whose steps may run compiled: `length` tokens held, and whether compiled steps
-    advanced it past the layer's host-side lengths."""
+    """The device counter of a layer whose steps may run compiled: `length` tokens held in `storage` (reserved at
+    `max_length` tokens, in `config`'s format), and whether compiled steps advanced it past the storage's host-side
+    lengths."""
 
-    def __init__(self, layer):
-        """Allocate `layer`'s reserved storage once and start the counter; mark the buffers static for CUDA graphs."""
-        storage = layer.storage
+    def __init__(self, storage: KVStorage, config: OscarConfig, max_length: int, key_rotated: torch.Tensor | None):
+        """Allocate the reserved storage once and start the counter; mark the buffers static for CUDA graphs."""
         storage.allocate_reserved()
+        self.storage, self.max_length = storage, max_length
+        self.op_config = kernel_ops.config_key(config)  # the config as the custom ops take it
         self.length = torch.full((), storage.total, dtype=torch.long, device=storage.keys.device)  # no host copy
         self.is_newer = False
-        for tensor in (storage.exact_keys, storage.exact_values, self.length, layer.key_rotated, *storage.buffers):
+        for tensor in (storage.exact_keys, storage.exact_values, self.length, key_rotated, *storage.buffers):
             if tensor is not None:
                 torch._dynamo.mark_static_address(tensor)
 
-    def read_back(self, storage) -> None:
-        """Bring `storage`'s host-side lengths up to date after compiled steps (one host synchronisation)."""
+    def read_back(self) -> None:
+        """Bring the storage's host-side lengths up to date after compiled steps (one host synchronisation)."""
         if self.is_newer:
-            storage.set_total(int(self.length))
+            self.storage.set_total(int(self.length))
             self.is_newer = False
 
-    def step(self, layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+    def step(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        padding: Padding | None,
+        key_rotated: torch.Tensor | None,
+    ) -> CompiledStep:
         """Store one token per row from the counter alone: a full residual (held a positive multiple of R past the
         sinks) goes to tokens [held - R, held) of the quantized region first; the kernel reads the counter and returns
-        at once on the other R - 1 steps. The first tokens fill the sink slots, which precede the window's."""
-        storage, window, sinks = layer.storage, layer.config.residual_length, layer.storage.sinks
+        at once on the other R - 1 steps. The first tokens fill the sink slots, which precede the window's. Returns
+        what the step attends to."""
+        storage = self.storage
+        window, sinks = storage.window, storage.sinks
         held = self.length  # tokens before this step: the residual holds 1..R of them, the rest are quantized
-        torch._assert_async(held < layer.max_cache_len, "OscarCache: a compiled step beyond the reserved length")
+        torch._assert_async(held < self.max_length, "OscarCache: a compiled step beyond the reserved length")
         if storage.capacity:
-            padding = None if layer._padding is None else layer._padding.counted  # rows' own sinks are not counted
+            counted = None if padding is None else padding.counted  # rows' own sinks are not counted
             after_sinks = held
             if sinks:  # the quantized region starts after the sinks, its padding columns too
                 after_sinks = (held - sinks).clamp(min=0)
-                padding = None if padding is None else padding[:, sinks:]
+                counted = None if counted is None else counted[:, sinks:]
             kernel_ops.flush_residual(
-                storage.keys, storage.values, storage.buffers, after_sinks, layer._op_config, padding,
-                layer.key_rotated,
-            )  # fmt: skip
+                storage.keys, storage.values, storage.buffers, after_sinks, self.op_config, counted, key_rotated
+            )
         slot = held % window
         if sinks:
             slot = torch.where(held < sinks, held, sinks + (held - sinks) % window)
-        own_sinks = row_sinks(layer._padding)
+        own_sinks = row_sinks(padding)
         if own_sinks is None:
             storage.exact_keys.index_copy_(2, slot.view(1), key_states)
             storage.exact_values.index_copy_(2, slot.view(1), value_states)
@@ -75,19 +88,42 @@ class CompiledDecode:
             storage.exact_values.scatter_(2, slot.expand_as(value_states), value_states)
         self.length.add_(1)
         self.is_newer = True
+        return CompiledStep(self, padding, key_rotated)
 
-    def attention(self, layer, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float):
+    def attention(
+        self,
+        query: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        scaling: float,
+        padding: Padding | None,
+        key_rotated: torch.Tensor | None,
+    ) -> torch.Tensor:
         """The fused kernel handed the whole reserved storage and residual window and the counter: it reads the
         tokens held (this step's included) and nothing beyond them. `[B, Hq, Tq, D]`."""
-        storage = layer.storage
+        storage = self.storage
         stored = storage.buffers if storage.capacity else None
-        padding = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
-        if storage.sinks and padding is not None:
-            padding = _storage_order(padding, self.length, storage.sinks, storage.window, row_sinks(layer._padding))
+        mask = key_padding(attention_mask, query.shape[0])  # over every position the kernel can read
+        if storage.sinks and mask is not None:
+            mask = _storage_order(mask, self.length, storage.sinks, storage.window, row_sinks(padding))
         return kernel_ops.decode_attention(
-            query, stored, storage.exact_keys, storage.exact_values, padding, scaling, layer._op_config,
-            layer.key_rotated, self.length, storage.sinks,
+            query, stored, storage.exact_keys, storage.exact_values, mask, scaling, self.op_config, key_rotated,
+            self.length, storage.sinks,
         )  # fmt: skip
+
+
+@dataclass(eq=False)
+class CompiledStep:
+    """What a compiled decode step attends to (`step.FusedStep.history`): everything `compiled`'s storage holds, read
+    by the fused kernel from the device counter. A compiled step attends with plain causal attention only (the sdpa
+    entry refuses the rest before it needs a dense history)."""
+
+    compiled: CompiledDecode
+    padding: Padding | None
+    key_rotated: torch.Tensor | None
+    decode = True
+
+    def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
+        return self.compiled.attention(query, attention_mask, scaling, self.padding, self.key_rotated)
 
 
 def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window: int, own_sinks) -> torch.Tensor:
@@ -105,36 +141,6 @@ def _storage_order(padding: torch.Tensor, held: torch.Tensor, sinks: int, window
     positions = own_sinks.sinks
     filled = positions.gather(1, (columns - quantized).clamp(0, sinks - 1).expand(positions.shape[0], -1)) < held
     return torch.where(slot, filled, ordered & (index > positions[:, -1:]))
-
-
-def mask_width(layer) -> int:
-    """The width of a compiled decode step's attention mask: the reserved storage, the sinks and the window, one shape
-    for the whole generation (generate builds the mask outside the compiled forward), as wide as the kernel's reads
-    reach."""
-    storage = layer.storage
-    return (storage.reserved if storage.buffers is None else storage.capacity) + storage.sinks + storage.window
-
-
-def refuse_step(layer, tokens: int) -> None:
-    """Raise unless a compiled forward's update of `tokens` tokens can run compiled on `layer`: a single-token step
-    on the fused path with the length reserved, whose key rotation is chosen (a compiled step cannot choose)."""
-    rotation = layer.rotation
-    if layer.compiled_decode and tokens == 1:
-        if rotation.unwritten or (rotation.active and rotation.flags is None):
-            raise RuntimeError(rotation.unsettled_message())
-        if layer.bits_open:
-            raise RuntimeError(
-                "OscarCache(bits='auto'): a compiled decode step reached a layer whose widths are not chosen yet, "
-                "and a compiled step cannot choose them. Call `cache.choose_bits()` after the prefill (generate does), "
-                "or run the first decode step eagerly."
-            )
-        return
-    raise RuntimeError(
-        "OscarCache: a compiled forward can only run single-token decode steps on the fused path (CUDA, an "
-        "sdpa model, supported head dims) with the maximum length reserved (`generate` reserves it; by hand: "
-        f"`cache.reserve(max_length)` before the prefill). Got {tokens} tokens, fused path "
-        f"{'on' if layer.use_kernels else 'off'}, reserved length {layer.max_cache_len}. Run this step eagerly."
-    )
 
 
 class CompiledSlidingWindowLayer(StaticSlidingWindowLayer):

@@ -1,4 +1,4 @@
-"""What a fused step attends to (`integrations/fused_attention.FusedStep.history`): a decode step everything its layer
+"""What a fused step attends to (`step.FusedStep.history`): a decode step everything its layer
 stores (`DecodeHistory`), a prefill chunk arriving with history (chunked prefill, a new turn, scoring in windows) what
 its update found (`ChunkHistory`). Each answers the step's attention with the fused kernels, and gives the same history
 as dense K/V (`dense`, with its mask: `dense_mask`) for attention features the kernels lack.
@@ -17,39 +17,45 @@ chunk's own tokens only (`OscarLayer.get_mask_sizes`), and the history's padding
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from .padding import key_padding, row_sinks, storage_order
+from ..config import OscarConfig
+from .padding import Padding, key_padding, row_sinks, storage_order
+
+if TYPE_CHECKING:
+    from .backends import TritonBackend
+    from .storage import KVStorage
 
 
 @dataclass(eq=False)
 class DecodeHistory:
-    """What a fused decode step attends to: everything `layer` stores, the step's own tokens the newest of its window
-    (`DecodePath.fused_step`)."""
+    """What a fused decode step attends to: everything `storage` holds, the step's own tokens the newest of its window
+    (`TritonBackend.decode_step`), quantized in `config`'s format with `key_rotated`, padded as `padding` says
+    (`OscarCache.set_padding`). A compiled step attends through `compiled.CompiledStep` instead."""
 
-    layer: object  # the OscarLayer
+    backend: TritonBackend
+    storage: KVStorage
+    config: OscarConfig
+    key_rotated: torch.Tensor | None
+    padding: Padding | None
     decode = True
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """The step's attention, `[B, Hq, Tq, D]`, by the decode kernel over the storage read in place (inside
-        `torch.compile`: the compiled step's, `CompiledDecode.attention`)."""
-        layer = self.layer
-        if torch.compiler.is_compiling():
-            return layer._compiled.attention(layer, query, attention_mask, scaling)
-        from ..kernels import decode_attention_triton
-
-        storage = layer.storage
+        """The step's attention, `[B, Hq, Tq, D]`, by the decode kernel over the storage read in place."""
+        storage = self.storage
         padding = key_padding(attention_mask, query.shape[0], storage.total)
-        padding = storage_order(padding, storage.sinks_held, storage.length, row_sinks(layer._padding))
+        padding = storage_order(padding, storage.sinks_held, storage.length, row_sinks(self.padding))
         keys, values = storage.exact_tokens()
-        return decode_attention_triton(
-            query, storage.quantized(), keys, values, padding, scaling, layer.config, layer.key_rotated
+        return self.backend.decode_attention(
+            query, storage.quantized(), keys, values, padding, scaling, self.config, self.key_rotated
         )
 
     def dense(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Everything stored as dense K/V in the model dtype, in position order (`OscarLayer.dense_history`)."""
-        return self.layer.dense_history()
+        """Everything stored as dense K/V in the model dtype, in position order (a decode step completes no block, so
+        none waits for the key rotation's choice)."""
+        return self.storage.history(own_sinks=row_sinks(self.padding))
 
     def dense_mask(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
         """A decode step's mask spans the history already."""
@@ -58,11 +64,15 @@ class DecodeHistory:
 
 @dataclass(eq=False)
 class ChunkHistory:
-    """What a chunk of T tokens attends to: quantized tokens `[0, quantized_length)` of `layer`'s storage, then
+    """What a chunk of T tokens attends to: quantized tokens `[0, quantized_length)` of `storage`, then
     `keys`/`values` `[B, Hkv, E, D]`, the exact tokens (`sinks` sinks, then the window) then the chunk (the queries
-    are their last T tokens). In position order the sinks come first."""
+    are their last T tokens). In position order the sinks come first. The other fields as `DecodeHistory`'s."""
 
-    layer: object  # the OscarLayer whose storage holds the quantized tokens
+    backend: TritonBackend
+    storage: KVStorage
+    config: OscarConfig
+    key_rotated: torch.Tensor | None
+    padding: Padding | None
     sinks: int
     quantized_length: int
     keys: torch.Tensor
@@ -71,16 +81,13 @@ class ChunkHistory:
     decode = False
 
     def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """The chunk's attention `[B, Hq, T, D]` by the faster of the fused kernel (the packed history read in place)
-        and flash attention over the history dequantized piece by piece (`kernels.chunk_attention.chunk_attention`)."""
-        from ..kernels.chunk_attention import chunk_attention
-
-        layer, length = self.layer, self.quantized_length
-        quantized = layer.storage.rows(0, length) if length else None
+        """The chunk's attention `[B, Hq, T, D]` by the backend's chunk kernels over the packed history in place."""
+        length = self.quantized_length
+        quantized = self.storage.rows(0, length) if length else None
         padding = self.key_padding(attention_mask, query.shape[-2])
-        padding = storage_order(padding, self.sinks, length, row_sinks(layer._padding), self.history_positions)
-        return chunk_attention(
-            query, quantized, self.keys, self.values, padding, scaling, layer.config, layer.key_rotated
+        padding = storage_order(padding, self.sinks, length, row_sinks(self.padding), self.history_positions)
+        return self.backend.chunk_attention(
+            query, quantized, self.keys, self.values, padding, scaling, self.config, self.key_rotated
         )
 
     @property
@@ -114,8 +121,9 @@ class ChunkHistory:
 
     def _history_padding(self, tokens: int) -> torch.Tensor | None:
         """`[B, positions - tokens]` bool: the history's padding from the layer's (`set_padding`); None: none."""
-        padding, batch = self.layer._padding, self.keys.shape[0]
-        return None if padding is None else padding.columns(0, self.positions - tokens, batch, self.keys.device)
+        if self.padding is None:
+            return None
+        return self.padding.columns(0, self.positions - tokens, self.keys.shape[0], self.keys.device)
 
     def dense_mask(self, attention_mask: torch.Tensor | None, tokens: int) -> torch.Tensor | None:
         """The mask for the model's sdpa over `dense()`: the call's own where it spans the history, else
@@ -136,8 +144,8 @@ class ChunkHistory:
         """The same history as dense K/V in the model dtype, as the portable path hands it to the model's sdpa."""
         if not self.quantized_length:
             return self.keys, self.values
-        sinks, own_sinks = self.sinks, row_sinks(self.layer._padding)
-        keys, values = self.layer.storage.dequantize(0, self.quantized_length)
+        sinks, own_sinks = self.sinks, row_sinks(self.padding)
+        keys, values = self.storage.dequantize(0, self.quantized_length)
         dense = tuple(
             torch.cat((exact[:, :, :sinks], quantized, exact[:, :, sinks:]), dim=-2)
             for exact, quantized in ((self.keys, keys), (self.values, values))
@@ -146,13 +154,3 @@ class ChunkHistory:
             for history, exact in zip(dense, (self.keys, self.values)):
                 own_sinks.place_sinks(history, exact[:, :, :sinks], self.history_positions)
         return dense
-
-
-def step_history(layer, key_states: torch.Tensor, value_states: torch.Tensor) -> DecodeHistory | ChunkHistory:
-    """What the fused step of an update bringing these K/V to `layer` attends to, taken before they are stored (a
-    chunk reads the history as its update found it; its window is rewritten by storing the chunk)."""
-    storage = layer.storage
-    if not layer.path.chunk_step(storage.total, storage.held, key_states.shape[-2], storage.window):
-        return DecodeHistory(layer)
-    exact = storage.exact(key_states, value_states)
-    return ChunkHistory(layer, storage.sinks_held, storage.length, *exact, key_states.shape[-2])

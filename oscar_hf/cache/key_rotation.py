@@ -32,13 +32,18 @@ lowers its keys' own round-trip error. It says so once (a warning naming how to 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import torch
 from transformers.utils import logging
 
 from ..config import OscarConfig
-from ..reference import query_moment, query_rotation_choice
+from ..reference import query_rotation_choice
 from .padding import Padding, valid
+
+if TYPE_CHECKING:
+    from .storage import KVStorage
 
 logger = logging.get_logger(__name__)
 
@@ -125,59 +130,43 @@ class KeyRotation:
         self.unwritten += self._deferring
         return self._deferring
 
-    def prepare(self, layer, tokens: int) -> None:
-        """Before an update of `tokens` tokens to `layer` (its `OscarLayer`): choose if the queries of the updates so
-        far never came (blocks wait, or nothing was chosen), then make the choice final at a decode step (one token
-        after a prompt) or when blocks were quantized without exact copies (compiled steps)."""
-        held = layer.get_seq_length()
-        if self.unwritten or (self.flags is None and held):
-            self.choose(layer)
-        if not self.final and ((tokens == 1 and held) or not self.covers(layer.storage.length)):
+    def must_choose(self, held: int) -> bool:
+        """Whether the layer, holding `held` tokens, must choose before its next update: blocks wait for queries that
+        never came, or nothing was chosen yet."""
+        return bool(self.unwritten) or (self.flags is None and held > 0)
+
+    def settle(self, tokens: int, held: int, quantized: int) -> None:
+        """Before an update of `tokens` tokens to a layer holding `held`, `quantized` of them quantized (after any
+        `must_choose` choice): final at a decode step (one token after a prompt) or when blocks were quantized
+        without exact copies (compiled steps)."""
+        if not self.final and ((tokens == 1 and held) or not self.covers(quantized)):
             self.finalize()
 
-    def observe_queries(self, layer, query: torch.Tensor, keys: torch.Tensor | None) -> None:
-        """`OscarLayer.observe_queries`: the moment of `query` (its newest positions' padding left out) joins."""
-        if self.is_for(keys):
-            start = layer.get_seq_length() - query.shape[-2]
-            tokens = min(query.shape[-2], max(self.horizon(layer) - start, 0))  # the queries inside the horizon
-            query = query[:, :, :tokens]
-            mask, positions = _real_positions(layer._padding, start, tokens, query.shape[0], query.device)
-            self.observe(layer, query_moment(query, layer.storage.keys.shape[1], mask), positions)
-
     @staticmethod
-    def horizon(layer) -> int:
-        """The positions the choice of `layer` reads (`choice_horizon` of its sink slots)."""
-        return choice_horizon(layer.storage.sinks)
-
-    def observe(self, layer, moment: torch.Tensor, positions: torch.Tensor | None = None) -> None:
-        """`OscarLayer.observe_query_moment`: add the awaited queries' moment and choose again, at once. `positions`
-        (`[B]`): the query positions it sums; None: every real token the layer holds (a moment of the whole prompt, or
-        of its positions inside the `horizon`, as `observe_queries` takes them)."""
-        if self.wants_queries:
-            if positions is None:
-                held = layer.get_seq_length()
-                _, positions = _real_positions(layer._padding, 0, held, moment.shape[0], moment.device)
-            self.add(moment, positions)
-            self.choose(layer)
-
-    def write_waiting(self, layer) -> None:
-        """Before the quantized region is read outside an update: choose now if blocks wait for queries that never
-        came (a cache filled by hand)."""
-        if self.unwritten:
-            self.choose(layer)
+    def query_positions(start: int, tokens: int, sinks: int) -> int:
+        """Of `tokens` query positions from position `start` of a layer with `sinks` sink slots, how many the choice
+        reads: those inside its horizon (`choice_horizon`)."""
+        return min(tokens, max(choice_horizon(sinks) - start, 0))
 
     def covers(self, quantized: int) -> bool:
         """Whether exact copies of all `quantized` tokens of the quantized region are held."""
         return sum(keys.shape[-2] for _, keys, _ in self.blocks) == quantized
 
-    def choose(self, layer) -> None:
+    def choose(
+        self,
+        storage: KVStorage,
+        padding: Padding | None,
+        round_trip: Callable[..., torch.Tensor],
+        head_group=None,
+    ) -> list[tuple[int, torch.Tensor, torch.Tensor | None]]:
         """Make the choice from the running moment (None: no queries came; an isotropic one, said once) and the first
-        `CHOICE_TOKENS` keys `layer` holds after its sinks (the blocks' exact copies, then its window; the sinks only
-        while they are all it holds), write the blocks waiting for it,
-        and those already written again if any head's choice flipped (under tensor parallelism: any head of any rank,
-        since each quantization all-reduces the token norms, so every rank must quantize the same blocks). Final once
-        the layer holds its `horizon`."""
-        storage, head_group = layer.storage, layer.head_group
+        `CHOICE_TOKENS` keys held after the sinks of `storage` (the blocks' exact copies, then its window; the sinks
+        only while they are all it holds), `padding` left out, each rotation costed by `round_trip` (a backend's
+        `fake_quantize_keys`). Returns the blocks to quantize again, `(start, keys, values)` (values None: a block
+        written before, whose key fields only change), which the caller writes before anything reads them: those
+        waiting for the choice, and those already written if any head's choice flipped (under tensor parallelism,
+        `head_group`: any head of any rank, since each quantization all-reduces the token norms, so every rank must
+        quantize the same blocks). Final once the storage holds the choice's horizon."""
         held, count = [], 0
         for _, keys, _ in self.blocks:
             if count >= CHOICE_TOKENS:
@@ -194,30 +183,23 @@ class KeyRotation:
             logger.warning_once(KEYS_ONLY_MESSAGE)
             batch, heads, _, dim = keys.shape
             moment = torch.eye(dim, device=keys.device).expand(batch, heads, dim, dim)
-        padding = valid(layer._padding, first, keys)
-        round_trip = None  # the reference's, in PyTorch
-        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per candidate rotation
-            from ..kernels import fake_quantize_keys_triton as round_trip
-        flags = query_rotation_choice(keys, moment.to(keys.device), self.config, padding, round_trip)
-        new = self.flags is None
-        flipped = not new and _any_flipped(flags, self.flags, head_group)  # a first choice rewrites nothing: no sync
-        if new:
+        flags = query_rotation_choice(
+            keys, moment.to(keys.device), self.config, valid(padding, first, keys), round_trip
+        )
+        if self.flags is None:  # a first choice rewrites nothing: no sync
+            flipped = False
             self.flags = flags
-            if layer._compiled is not None:  # compiled decode reads the flags: a fixed address, as its buffers
-                torch._dynamo.mark_static_address(flags)
+            # compiled decode reads the flags: a fixed address, as its buffers (in eager code the mark does nothing)
+            torch._dynamo.mark_static_address(flags)
         else:
+            flipped = _any_flipped(flags, self.flags, head_group)
             self.flags.copy_(flags)  # compiled decode may hold its address
         redo = self.blocks if flipped else self.blocks[len(self.blocks) - self.unwritten :]
-        with layer.codec.finite.gathered():
-            for start, keys, values in redo:
-                if values is None:  # written before: a flip rewrites its key fields (the keys stand in for values)
-                    storage.write(start, layer._quantize_at(keys, keys, start), halves=("key",))
-                else:
-                    layer._quantize_at(keys, values, start, write=True)
         self.blocks = [(start, keys, None) for start, keys, _ in self.blocks]  # a flip needs the exact keys only
         self.unwritten = 0
-        if storage.total >= self.horizon(layer):
+        if storage.total >= choice_horizon(storage.sinks):
             self.finalize()
+        return redo
 
     def finalize(self) -> None:
         """Keep the flags from now on; the exact copies are no longer needed."""
@@ -242,7 +224,7 @@ class KeyRotation:
         )
 
 
-def _real_positions(
+def real_positions(
     padding: Padding | None, start: int, tokens: int, batch: int, device: torch.device
 ) -> tuple[torch.Tensor | None, torch.Tensor]:
     """The padding mask `[B, tokens]` of positions `start..` (None: no padding) and each row's count of real ones,

@@ -14,9 +14,9 @@ calls it after its prefill, before the first decode step, compiled or not; by ha
 follows a prompt (a decode step) makes it, before that step is stored; and any update that finds the first
 `CHOICE_TOKENS` tokens held (the cost sums are complete), so that a long prompt fed in chunks, or a stream scored
 chunk by chunk, is not stored at 4 bits beyond them. A compiled step refuses an open choice
-(`compiled.refuse_step`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
+(`OscarLayer.update`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
 that width: method="oscar"'s choice is made again at the width stored), `layer_widths.choose_layer_bits` spends the
-budget greedily, and each layer stores its quantized region again at its widths (`LayerBits.convert`: the 4-bit
+budget greedily, and each layer stores its quantized region again at its widths (`OscarLayer.set_widths`: the 4-bit
 blocks dequantized and quantized again; the 4-bit round trip adds little next to a 2-bit one: tests/test_layer_bits.py
 measures it). From then on the layer's storage layout, codec, kernel config and compiled buffers are those widths.
 
@@ -27,12 +27,13 @@ conversion, one slice of float32 K/V (`CONVERT_SLICE_BYTES`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from transformers.utils import logging
 
-from ..config import OscarConfig
+from ..config import SUPPORTED_WIDTHS, OscarConfig
 from ..layer_widths import (
-    LAYER_WIDTHS,
     BitCostSums,
     add_bit_cost_sums,
     bit_cost_sums,
@@ -41,7 +42,6 @@ from ..layer_widths import (
 )
 from .key_rotation import CHOICE_TOKENS
 from .memory import average_bits
-from .padding import valid
 
 logger = logging.get_logger(__name__)
 
@@ -54,10 +54,10 @@ KEYS_ONLY_MESSAGE = (
 
 _BATCH_DIMS = BitCostSums(2, 2, 1, 0, 0, 0)  # where each of the sums has its batch axis
 
-# `LayerBits.convert` dequantizes a layer's blocks in slices of at most this many bytes of float32 K/V: a 32K-token
+# `OscarLayer.set_widths` dequantizes a layer's blocks in slices of at most this many bytes of float32 K/V: a 32K-token
 # prompt of 8 KV heads at head_dim 128 and batch 1 in one slice. The choice runs after the prefill, whose transients
-# are as large (one layer's K/V of the whole prompt, its MLP's activations: 3.5x that at 8B), and each slice costs
-# two launches and their Python (~0.5 ms): 4096-token slices made the choice 4 ms per layer.
+# are as large (one layer's K/V of the whole prompt, its MLP's activations), and each slice costs two launches and
+# their Python: few large slices.
 CONVERT_SLICE_BYTES = 256 << 20
 
 
@@ -65,7 +65,7 @@ class LayerBits:
     """One layer's side of bits="auto": the cost sums of the prompt's first `CHOICE_TOKENS` tokens (`observe`), until
     `OscarCache.choose_bits` reads them (`costs`)."""
 
-    widest = (LAYER_WIDTHS[-1], LAYER_WIDTHS[-1])  # what a layer stores while the choice is open
+    widest = (SUPPORTED_WIDTHS[-1], SUPPORTED_WIDTHS[-1])  # what a layer stores while the choice is open
 
     def __init__(self, config: OscarConfig):
         self.config = config
@@ -82,29 +82,25 @@ class LayerBits:
         """What a layer stores while the choice is open: `config` at the widest widths."""
         return config.with_widths(*self.widest)
 
-    def restart(self, layer) -> None:
-        """`layer` was reset: choose again for the next prompt, storing the widest widths until then (and reserving
-        its maximum length only once chosen again)."""
-        self.reset()
-        layer._set_config(self.stored_config(layer.config))
-        layer.storage.empty_quantized(layer.layout)
-        layer.storage.reserve(0)
-
     def close(self) -> None:
         """The widths are chosen: the sums are no longer needed."""
         self.open, self.sums = False, None
 
-    def observe(self, layer, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        """Add the costs of an update's new tokens (before `layer` stores them; padding left out)."""
+    def observe(
+        self,
+        key_states: torch.Tensor,
+        value_states: torch.Tensor,
+        valid: torch.Tensor | None,
+        round_trip: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+    ) -> None:
+        """Add the costs of an update's new tokens (before the layer stores them; `valid` `[B, N]`: False at padding),
+        each width's round trip by `round_trip` (a backend's `fake_quantize_kv`)."""
         take = min(CHOICE_TOKENS - self.positions, key_states.shape[-2])
         if take <= 0:
             return
         keys, values = key_states[:, :, :take], value_states[:, :, :take]
-        mask = valid(layer._padding, layer.get_seq_length(), keys)
-        round_trip = None  # the reference's, in PyTorch
-        if layer.path.fused:  # the Triton quantizer's and dequantizer's: two launches per width
-            from ..kernels import fake_quantize_kv_triton as round_trip
-        sums = bit_cost_sums(keys, values, self.config, self.rotations, mask, round_trip)
+        valid = None if valid is None else valid[:, :take]
+        sums = bit_cost_sums(keys, values, self.config, self.rotations, valid, round_trip)
         self.sums = add_bit_cost_sums(self.sums, sums)
         self.positions += take
 
@@ -113,66 +109,28 @@ class LayerBits:
         if self.sums is not None:
             self.sums = BitCostSums(*(fn(t.movedim(d, 0)).movedim(0, d) for t, d in zip(self.sums, _BATCH_DIMS)))
 
-    def costs(self, layer, query_group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """`layer_widths.layer_bit_costs` of `layer` (its queries: `KeyRotation`'s moment over its query rows,
-        `query_group` query heads per KV head; isotropic where none came)."""
-        rotation, sums = layer.rotation, self.sums
+    def costs(
+        self, moment: torch.Tensor | None, positions: torch.Tensor | None, query_group: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`layer_widths.layer_bit_costs` of the layer's sums, its queries the query rule's running `moment` over
+        `positions` query positions per row (`KeyRotation`), `query_group` query heads per KV head; isotropic where
+        none came (None)."""
+        sums = self.sums
         batch, heads, dim = sums.key_total.shape[2:]
-        if rotation.moment is not None:
-            rows = rotation.positions.clamp_min(1) * query_group
-            moment = rotation.moment / rows[:, None, None, None].to(rotation.moment.device)
+        if moment is not None:
+            rows = positions.clamp_min(1) * query_group
+            moment = moment / rows[:, None, None, None].to(moment.device)
         else:
             logger.warning_once(KEYS_ONLY_MESSAGE)
             moment = torch.eye(dim, device=sums.key_gram.device).expand(batch, heads, dim, dim)
         return layer_bit_costs(sums, moment.to(sums.key_gram.device), self.rotations, dim**-0.5)
 
-    def convert(self, layer, key_bits: int, value_bits: int, key_rotated: torch.Tensor | None) -> None:
-        """`OscarCache.choose_bits`: `layer` stores keys of `key_bits` and values of `value_bits` from now on, and
-        the quantized region again at those widths, which makes the choice final: the blocks are dequantized (float32,
-        in slices of `CONVERT_SLICE_BYTES`) and quantized again, with `key_rotated` the heads' key rotation at
-        `key_bits` (method="oscar"); a half whose width and rotation stay keeps its codes (quantizing them again would
-        only add error). A layer given a maximum length (`OscarLayer.reserve`) reserves it now, at the new widths,
-        with compiled decode's counter where compiled steps may run."""
-        layer.rotation.write_waiting(layer)
-        layer.codec.finite.read(wait=True)
-        storage, old_codec, old_layout, old_rotated = layer.storage, layer.codec, layer.layout, layer.key_rotated
-        keep_values = value_bits == old_layout.value_bits
-        keep_keys = key_bits == old_layout.key_bits and (
-            key_rotated is None or old_rotated is None or torch.equal(key_rotated, old_rotated)
-        )
-        old_rotated = None if old_rotated is None else old_rotated.clone()
-        if key_rotated is not None and layer.rotation.flags is not None:
-            layer.rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
-        elif key_rotated is not None:
-            layer.rotation.flags = key_rotated.clone()
-        if not layer.rotation.final:
-            layer.rotation.finalize()
-        layer._set_config(layer.config.with_widths(key_bits, value_bits))
-        self.close()
-        if not (keep_keys and keep_values):
-            old, length = storage.buffers, storage.length
-            storage.empty_quantized(layer.layout)
-            if layer.max_cache_len is not None:
-                storage.reserve(layer.max_cache_len)  # allocated once, at the new widths
-            storage.extend(length)
-            batch, heads, _, dim = storage.exact_keys.shape
-            tokens = max(1, CONVERT_SLICE_BYTES // (batch * heads * dim * 2 * 4 * storage.window)) * storage.window
-            with layer.codec.finite.gathered():  # one check for the layer's blocks (on CUDA, deferred: no wait)
-                for start in range(0, length, tokens):
-                    rows = old_layout.rows(old, start, min(start + tokens, length))
-                    keys, values = old_codec.dequantize(rows, old_rotated, layer.path, torch.float32)
-                    layer._quantize_at(keys, values, start, write=True)
-            if length and (keep_keys or keep_values):  # that half's codes stay (quantizing again only adds error)
-                storage.write(0, old_layout.rows(old, 0, length), halves=("key",) if keep_keys else ("value",))
-        if layer.max_cache_len is not None:
-            layer.reserve_storage()
-
 
 def bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """For layers of `shapes` (KV heads, head_dim), the stored bits per K/V element at each key and value width of
-    `LAYER_WIDTHS` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
+    `SUPPORTED_WIDTHS` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
     bits = [
-        [[average_bits(config.with_widths(k, v), dim, heads) for v in LAYER_WIDTHS] for k in LAYER_WIDTHS]
+        [[average_bits(config.with_widths(k, v), dim, heads) for v in SUPPORTED_WIDTHS] for k in SUPPORTED_WIDTHS]
         for heads, dim in shapes
     ]
     weights = [heads * dim for heads, dim in shapes]
@@ -201,23 +159,24 @@ def check_budget(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[fl
 
 def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
     """`OscarCache.choose_bits` over its OScaR `layers` (by index): cost each layer's widths, spend the budget
-    (`choose_layer_bits`), convert every layer and say which got which. False (nothing done) while a layer holds
-    no prompt yet. Under tensor parallelism every rank chooses from the costs of all heads (all-reduced)."""
+    (`choose_layer_bits`), convert every layer (`OscarLayer.set_widths`) and say which got which. False (nothing done)
+    while a layer holds no prompt yet. Under tensor parallelism every rank chooses from the costs of all heads
+    (all-reduced)."""
     if not all(layer.is_initialized and layer.bits.sums is not None for layer in layers.values()):
         return False
-    costs = [layer.bits.costs(layer, query_group) for layer in layers.values()]
+    costs = [layer.bit_costs(query_group) for layer in layers.values()]
     first = next(iter(layers.values()))
     totals = torch.stack([torch.stack((key, value)).to(first.device) for key, value, _ in costs])  # [L, 2, W]
     for group in {layer.head_group for layer in layers.values()} - {None}:
         torch.distributed.all_reduce(totals, group=group)
     totals = totals.cpu()  # the costs' one trip to the host
-    shapes = [(layer.storage.keys.shape[1], layer.storage.keys.shape[-1]) for layer in layers.values()]
+    shapes = [layer.kv_shape for layer in layers.values()]
     budget, bits, weights = check_budget(config, shapes)
     chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, budget)
     names = {}
     for (index, layer), (key_bits, value_bits), (_, _, rotated) in zip(layers.items(), chosen, costs):
-        flags = rotated[LAYER_WIDTHS.index(key_bits)] if layer.rotation.active else None
-        layer.bits.convert(layer, key_bits, value_bits, flags)
+        flags = rotated[SUPPORTED_WIDTHS.index(key_bits)] if layer.rotation.active else None
+        layer.set_widths(key_bits, value_bits, flags)
         names.setdefault(f"K{key_bits}V{value_bits}", []).append(index)
     stored = [average_bits(layer.config, dim, heads) for layer, (heads, dim) in zip(layers.values(), shapes)]
     mean = sum(w * b for w, b in zip(weights.tolist(), stored)) / weights.sum().item()

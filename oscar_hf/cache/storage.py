@@ -71,7 +71,7 @@ class KVStorage:
 
     # The window: the last R slots of the exact buffers, a view made at each access. A compiled step then sees one
     # input per buffer, the static one, and slices it in its graph; a view held as an attribute would enter the graph
-    # as a second input aliasing the first, whose mutation makes CUDA graphs skip the whole step (3.5x slower).
+    # as a second input aliasing the first, whose mutation makes CUDA graphs skip the whole step (docs/kernels.md).
     keys = property(lambda self: self._window(self.exact_keys), doc="[B, Hkv, R, D] exact window keys")
     values = property(lambda self: self._window(self.exact_values), doc="[B, Hkv, R, D] exact window values")
 
@@ -267,6 +267,12 @@ class KVStorage:
         for buf, rows in zip(self.buffers, self.layout.tokens_per_row):
             if buf is not None:
                 buf[:, :, self.length // rows :] = 0
+
+    def reserved_width(self) -> int:
+        """The positions a compiled decode step's kernel may read: the reserved quantized storage, the sinks and the
+        window. Its attention mask has this width for the whole generation (generate builds the mask outside the
+        compiled forward)."""
+        return (self.reserved if self.buffers is None else self.capacity) + self.sinks + self.window
 
     def apply(self, fn) -> None:
         """Apply a batch-axis (or device) transform to every stored tensor."""

@@ -35,110 +35,15 @@ Anything that would attend to the new tokens only is an error instead of a wrong
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.modeling_utils import AttentionInterface
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS, AttentionInterface
 
-from .. import decode_path
+from ..cache.backends import attention_blockers
 from ..cache.key_rotation import CHOICE_TOKENS
-from ..kernels import DECODE_MAX_QUERY_ROWS
+from ..cache.step import AWAITS_QUERIES, FIX, STEP, FusedStep, step_of
 from ..reference import query_moment
-
-if TYPE_CHECKING:
-    from ..cache.history import ChunkHistory, DecodeHistory
-
-STEP = "oscar_fused_step"  # the attribute of a fused step's keys, and the attention kwarg that hands it over
-AWAITS_QUERIES = "oscar_awaits_queries"  # the attribute of the prefill keys of a layer that waits for its queries
-_FIX = "Use OscarConfig(attention='portable') for this model."
-UNATTENDED_STEP = (
-    "OscarCache: the previous decode step's attention did not run through the fused sdpa path (the model uses its "
-    f"own attention function, or an attention call raised), so it would have attended to the new tokens only. {_FIX}"
-)
-
-
-@dataclass(eq=False)
-class FusedStep:
-    """A decode step or a prefill chunk an `OscarLayer` stored in `update`: the K/V it returned (the new tokens only,
-    the keys carrying this step) stand for the layer's whole history in the sdpa calls that receive them, until its
-    next update."""
-
-    layer: object  # the OscarLayer whose storage the step's K/V stand for
-    values: torch.Tensor
-    keys_shape: torch.Size
-    history: DecodeHistory | ChunkHistory  # what it attends to (cache/history.py)
-    attended: bool = False
-
-    @classmethod
-    def start(cls, layer, keys: torch.Tensor, values: torch.Tensor, history: DecodeHistory | ChunkHistory) -> None:
-        """Make the step of `layer` that returns `keys`/`values` its `fused_step`, carried by `keys`."""
-        step = cls(layer, values, keys.shape, history)
-        setattr(keys, STEP, step)
-        layer.fused_step = step
-
-    @property
-    def chunk(self) -> ChunkHistory | None:
-        """What a prefill chunk arriving with history attends to; None for a decode step."""
-        return None if self.history.decode else self.history
-
-    @property
-    def unattended(self) -> bool:
-        """Whether no attention call used this step yet while it is still its layer's (a reset layer drops it)."""
-        return not self.attended and self.layer.fused_step is self
-
-    def check(self, query: torch.Tensor, value: torch.Tensor) -> None:
-        """Raise unless the fused kernel answers this call correctly (see the module docstring)."""
-        if value is not self.values:
-            raise RuntimeError(
-                "OscarCache: an attention call received the keys of a fused decode step with other values (the model "
-                f"changed the values after the cache update); the fused kernel reads the stored values. {_FIX}"
-            )
-        batch, kv_heads, tokens, head_dim = self.keys_shape
-        q_batch, q_heads, q_tokens, q_dim = query.shape
-        if (
-            (q_batch, q_tokens, q_dim) != (batch, tokens, head_dim)
-            or q_heads % kv_heads
-            or (self.chunk is None and q_heads // kv_heads * q_tokens > DECODE_MAX_QUERY_ROWS)
-        ):
-            kind = "decode step" if self.chunk is None else "prefill chunk"
-            raise RuntimeError(
-                f"OscarCache: an attention call with query {tuple(query.shape)} does not match the fused {kind} it "
-                f"uses (keys {tuple(self.keys_shape)}: same batch, tokens and head_dim, query heads a multiple of the "
-                f"KV heads, at most {DECODE_MAX_QUERY_ROWS} query rows per KV head for a decode step). {_FIX}"
-            )
-
-    def dense_history(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """What the step attends to as dense K/V (for attention features the fused kernels lack)."""
-        return self.history.dense()
-
-    def dense_mask(self, attention_mask: torch.Tensor | None, query: torch.Tensor) -> torch.Tensor | None:
-        """The mask of `dense_history` (a chunk's mask may cover its own tokens only: `ChunkHistory.dense_mask`)."""
-        return self.history.dense_mask(attention_mask, query.shape[-2])
-
-    def attention(self, query: torch.Tensor, attention_mask: torch.Tensor | None, scaling: float) -> torch.Tensor:
-        """The step's attention by the fused kernels, `[B, Hq, Tq, D]`."""
-        return self.history.attention(query, attention_mask, scaling)
-
-
-def step_of(keys: torch.Tensor) -> FusedStep | None:
-    """The fused step that `keys` stand for, or None."""
-    return getattr(keys, STEP, None)
-
-
-def await_queries(layer, keys: torch.Tensor) -> None:
-    """Called by `OscarLayer.update` on a prefill of method="oscar": the attention call that receives `keys` hands
-    its queries to `layer`."""
-    setattr(keys, AWAITS_QUERIES, layer)
-
-
-def hand_over(keys: torch.Tensor, attention_kwargs: dict | None) -> None:
-    """Called by `OscarCache.update`: where transformers gave `update` the kwargs of the attention call that follows
-    (5.24 on), put the step that `keys` carry there, so that the call is checked against it."""
-    step = step_of(keys)
-    if step is not None and isinstance(attention_kwargs, dict):
-        attention_kwargs[STEP] = step
 
 
 def _step_for(key: torch.Tensor, handed: FusedStep | None) -> FusedStep | None:
@@ -153,7 +58,7 @@ def _step_for(key: torch.Tensor, handed: FusedStep | None) -> FusedStep | None:
         )
         raise RuntimeError(
             f"OscarCache: an attention call made while a fused decode step was waiting for its attention {problem}; "
-            f"the fused kernel cannot attend over the whole history for it. {_FIX}"
+            f"the fused kernel cannot attend over the whole history for it. {FIX}"
         )
     return step
 
@@ -161,7 +66,7 @@ def _step_for(key: torch.Tensor, handed: FusedStep | None) -> FusedStep | None:
 def fused_sdpa(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' `sdpa` attention, except for keys that carry a fused step: attention over the step's layer's
     whole storage by the fused kernels (`[B, Tq, Hq, D]`, None), or over its dense history where the call uses
-    features the kernels do not implement (`decode_path.attention_blockers`)."""
+    features the kernels do not implement (`attention_blockers`)."""
     awaiting = getattr(key, AWAITS_QUERIES, None)
     step = _step_for(key, kwargs.pop(STEP, None))
     if awaiting is not None and step is not None and step.chunk is not None:
@@ -185,13 +90,13 @@ def _fused(module, step: FusedStep, query, value, attention_mask, dropout, scali
     step.attended = True
     # The layer holds its step only until it is attended (a KV-sharing layer finds it on the keys it is handed).
     # Left in place, a prefill chunk's K/V and exact buffers would outlive the layer's forward, every layer's until
-    # the next chunk: ~0.75 GiB per sequence at Llama-3.1-8B's shape and 4096-token chunks, over a third of what bounds
-    # the serving batch. Compiled, they would be two more graph outputs per layer, which CUDA-graph replays rebuild
-    # as tensors on the host while the GPU waits (generate synchronises every step).
+    # the next chunk: a large share of what bounds the serving batch (docs/kernels.md). Compiled, they would be two more
+    # graph outputs per layer, which CUDA-graph replays rebuild as tensors on the host while the GPU waits (generate
+    # synchronises every step).
     step.layer.fused_step = None
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    if decode_path.attention_blockers(dropout, kwargs):
+    if attention_blockers(dropout, kwargs):
         if torch.compiler.is_compiling():
             raise RuntimeError(
                 "OscarCache: compiled decode supports plain causal attention only (no dropout, softcap, sliding "
@@ -211,7 +116,7 @@ def recording_query_moments(moments: dict, horizon: int = CHOICE_TOKENS):
     `layer_idx`: a prefill through any cache records what `OscarLayer.observe_query_moment` takes (the lm-eval wrapper
     fills method caches from one exact prefill; a cache with S sinks reads S positions more, `horizon=S +
     CHOICE_TOKENS`)."""
-    original = AttentionInterface._global_mapping["sdpa"]
+    original = ALL_ATTENTION_FUNCTIONS["sdpa"]
     seen: dict[int, int] = {}  # positions recorded per layer
 
     def recording(module, query, key, *args, **kwargs):
@@ -241,4 +146,4 @@ def unregister() -> None:
 
 
 def is_registered() -> bool:
-    return AttentionInterface._global_mapping["sdpa"] is fused_sdpa
+    return ALL_ATTENTION_FUNCTIONS["sdpa"] is fused_sdpa

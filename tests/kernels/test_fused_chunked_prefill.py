@@ -9,8 +9,9 @@ import pytest
 import torch
 from oscar_hf.kernels import chunk_attention
 
-from oscar_hf import OscarCache, OscarConfig, cache_kwargs, decode_path
+from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.cache.history import ChunkHistory
+from oscar_hf.cache.step import FusedStep
 from oscar_hf.cache.storage import KVStorage
 from oscar_hf.integrations import fused_attention
 
@@ -112,7 +113,7 @@ def test_a_chunk_the_kernel_cannot_serve_gets_the_mask_of_its_whole_history(tiny
     cache): the portable path's logits."""
     model, ids, mask = _model_and_prompt(tiny_llama, 96)
     portable = _chunked_prefill(model, ids, mask, "portable", 24, "paper")
-    monkeypatch.setattr(decode_path, "attention_blockers", lambda dropout, kwargs: ["a feature the kernel lacks"])
+    monkeypatch.setattr(fused_attention, "attention_blockers", lambda dropout, kwargs: ["a feature the kernel lacks"])
     dense = ChunkHistory.dense
     calls = []
     monkeypatch.setattr(ChunkHistory, "dense", lambda self: calls.append(1) or dense(self))
@@ -127,13 +128,13 @@ def test_a_chunk_s_buffers_do_not_outlive_its_attention(tiny_llama, monkeypatch)
     chunk, which would bound the serving batch (every layer's chunk buffers held at once)."""
     model, ids, mask = _model_and_prompt(tiny_llama, 96)
     made = []
-    start = fused_attention.FusedStep.start.__func__
+    start = FusedStep.start.__func__
 
     def recording(cls, layer, keys, values, history):
         start(cls, layer, keys, values, history)
         made.append(weakref.ref(history.keys))
 
-    monkeypatch.setattr(fused_attention.FusedStep, "start", classmethod(recording))
+    monkeypatch.setattr(FusedStep, "start", classmethod(recording))
     cache = OscarCache(
         model.config, OscarConfig(attention=FUSED, residual_length=32, method="paper", bits=2, sink_tokens=0)
     )

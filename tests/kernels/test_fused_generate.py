@@ -136,12 +136,14 @@ def test_kv_sharing_layers_attend_over_the_producers_whole_history(monkeypatch, 
     assert [layer.self_attn.is_kv_shared_layer for layer in model.model.layers] == [False, False, True, True]
     calls = []
     original = DecodeHistory.attention
-    monkeypatch.setattr(DecodeHistory, "attention", lambda self, *a: (calls.append(self.layer), original(self, *a))[1])
+    monkeypatch.setattr(
+        DecodeHistory, "attention", lambda self, *a: (calls.append(self.storage), original(self, *a))[1]
+    )
     ids = torch.randint(3, config.vocab_size, (1, 150), device=DEVICE)
     cache = _assert_fused_matches_portable(model, ids, torch.ones_like(ids), 3, teacher_forcing)
     # Layer 1 (the full-attention producer) and layer 3 (its reuse layer) both read layer 1's storage, 2 steps each.
     assert [type(layer).__name__ for layer in cache.layers][1] == "OscarLayer"
-    assert calls == [cache.layers[1]] * 4
+    assert calls == [cache.layers[1].storage] * 4
 
 
 def test_unconsumed_fused_step_is_an_error():
