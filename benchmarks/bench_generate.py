@@ -1,10 +1,10 @@
 """`model.generate` with a real model's shape (random bf16 weights): the user's path, one process, one run.
 
-    python -P benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
-    python -P benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
-    python -P benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
-    python -P benchmarks/bench_generate.py --batches 4 --variants dynamic oscar oscar-compiled --prefill-chunk-size 4096
-    PYTHONPATH=/tmp/q python -P benchmarks/bench_generate.py   # /tmp/q: optimum-quanto (pip install --target)
+    python benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
+    python benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
+    python benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
+    python benchmarks/bench_generate.py --batches 4 --variants dynamic oscar oscar-compiled --prefill-chunk-size 4096
+    PYTHONPATH=/tmp/q python benchmarks/bench_generate.py   # /tmp/q: optimum-quanto (pip install --target)
 
 Models (`--model`): `llama-3.1-8b` (32 layers, 32 q / 8 kv heads, head_dim 128: full attention only) and
 `gemma-3-4b` (Gemma 3 4B's text model: 34 layers, 5 sliding-window (1024) : 1 full, 8 q / 4 kv heads, head_dim 256);

@@ -2,8 +2,8 @@
 with a Llama-3.1-8B-shaped model (the real shape: 32 layers, 32 query / 8 KV heads, head_dim 128; random bf16
 weights), the OScaR cache against DynamicCache, greedy tokens compared with the single-GPU run.
 
-    python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
-    python -P benchmarks/bench_multigpu.py --dtype float32 --modes tp --append   # re-run one GPU + TP only
+    python benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
+    python benchmarks/bench_multigpu.py --dtype float32 --modes tp --append   # re-run one GPU + TP only
 
 One command runs everything (the tensor-parallel part launches `torchrun --nproc-per-node 2` on this script itself):
 
@@ -282,7 +282,7 @@ def device_map_run(args, dtype, weight_bytes, ids, reference, rows, record) -> N
 def tp_run(args, ids, reference, rows) -> None:
     print("tensor parallel (torchrun --nproc-per-node 2)")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
         options = [
             "--context",
             str(args.context),

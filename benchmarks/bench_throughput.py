@@ -1,8 +1,8 @@
 """Serving throughput: the largest batch each cache holds at a context, and its decode tokens/s and time to first token.
 
-    python -P benchmarks/bench_throughput.py --contexts 32768                # Llama-3.1-8B shape, 3 caches, one context
-    python -P benchmarks/bench_throughput.py --contexts 131072 --max-batch 32
-    python -P benchmarks/bench_throughput.py --model gemma-3-4b --contexts 32768 131072 --budget-s 500
+    python benchmarks/bench_throughput.py --contexts 32768                # Llama-3.1-8B shape, 3 caches, one context
+    python benchmarks/bench_throughput.py --contexts 131072 --max-batch 32
+    python benchmarks/bench_throughput.py --model gemma-3-4b --contexts 32768 131072 --budget-s 500
 
 Caches (`--caches`): `static-compiled` (bf16 StaticCache, generate's automatic compile, chunked prefill),
 `dynamic` (bf16 DynamicCache, eager, unchunked: the plain HF baseline), `oscar-compiled` (OScaR, automatic compile,
