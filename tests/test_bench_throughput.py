@@ -2,32 +2,19 @@
 tiny model through its real code path (the record's layout, a row per cache and context naming its run, failures and
 the time budget kept as rows). (Its timings need a GPU; they are benchmark records, not tests.)"""
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("run", "model", "context", "cache", "variant", "compiled", "prefill_chunk_size", "max_batch")
 MEASURED = ("tokens_per_s", "step_ms", "prefill_s", "peak_gib")
 
 
 @pytest.fixture(scope="module")
 def throughput():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "benchmarks" / "bench_throughput.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_throughput"] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        for name in ("bench_throughput", "bench_generate"):
-            sys.modules.pop(name, None)
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return importlib.import_module("bench_throughput")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 class FakeGPU:
@@ -141,7 +128,8 @@ def test_a_failing_cache_and_the_time_budget_are_rows(throughput, tmp_path, monk
             and options["cache_implementation"] == "oscar"
         ):
             raise RuntimeError("torch._dynamo.exc.Unsupported: can't trace functools.wraps\n(traceback)")
-        return {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": None, "tokens_per_s": batch * 500.0}
+        measured = {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": None, "tokens_per_s": batch * 500.0}
+        return {**measured, "cache_bytes": 1 << 20, "cache_bf16_bytes": 1 << 22}
 
     monkeypatch.setattr(throughput.bench, "timed_generate", fake_generate)
     args = ["--model", "tiny-llama", "--device", "cpu", "--contexts", "256", "--max-batch", "4", "--out", str(tmp_path)]

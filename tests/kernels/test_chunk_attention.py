@@ -23,13 +23,13 @@ from oscar_hf.kernels.chunk_attention import (
     chunk_attention_triton,
     merge_partial,
 )
-from reference_checks import assert_close_to_reference
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 from oscar_hf.reference import decode_attention as attention_reference
 from oscar_hf.reference import quantize_kv
+from oscar_hf.testing import assert_close_to_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
