@@ -60,6 +60,21 @@ def test_every_cache_gets_a_row_of_one_run(bench, tmp_path, model):
         assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"])
         assert row["graphs_compiled"] == 0  # generate compiles on CUDA only
         assert row["steps_timed"] == 2 == len(row["steady_steps_ms"])  # the second half of 4 steps
+    # the byte roof: the run's weights and copy bandwidth, each row's cache bytes (bytes over GB/s: ms)
+    assert header["weight_bytes"] == bench.records.weight_bytes(bench.build_model(model, "cpu"))
+    bytes_per_ms = header["copy_bandwidth"]["GBps"] * 1e6
+    for row in measured:
+        assert row["roof_ms"] == pytest.approx((header["weight_bytes"] + row["cache_bytes"]) / bytes_per_ms)
+        assert row["bf16_roof_ms"] == pytest.approx((header["weight_bytes"] + row["cache_bf16_bytes"]) / bytes_per_ms)
+        assert row["roof_fraction"] == pytest.approx(row["roof_ms"] / row["step_ms"])
+    if not hybrid:  # DynamicCache holds the prompt and every new token but the last, in bf16; OScaR the same tokens
+        c = bench.build_model(model, "cpu").config
+        tokens = 256 + 5 - 1
+        dynamic_bytes = c.num_hidden_layers * 2 * 2 * c.num_key_value_heads * tokens * c.head_dim * 2  # B = 2, K and V
+        assert rows["dynamic"]["cache_bytes"] == rows["dynamic"]["cache_bf16_bytes"] == dynamic_bytes
+        for oscar in (row for row in measured if row["cache"] == "oscar"):
+            assert oscar["cache_bf16_bytes"] == dynamic_bytes and oscar["cache_bytes"] < dynamic_bytes
+            assert oscar["roof_ms"] < oscar["bf16_roof_ms"]
     # ratios: each measured OScaR row over each measured baseline of the same shape, in this run
     oscars = {row["variant"] for row in measured if row["cache"] == "oscar"}
     baselines = {row["variant"] for row in measured if row["cache"] != "oscar"}

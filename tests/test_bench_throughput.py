@@ -10,6 +10,7 @@ import torch
 
 FIELDS = ("run", "model", "context", "cache", "variant", "compiled", "prefill_chunk_size", "max_batch")
 MEASURED = ("tokens_per_s", "step_ms", "prefill_s", "peak_gib")
+ROOF = ("cache_bytes", "cache_bf16_bytes", "roof_ms", "roof_fraction", "bf16_roof_ms")
 
 
 @pytest.fixture(scope="module")
@@ -99,12 +100,20 @@ def test_every_cache_gets_a_row_of_one_run(throughput, tmp_path):
     assert header["device"] == "cpu" and header["model"] == "tiny-llama" and header["capacity_gib"] is None
     assert [row["variant"] for row in record["rows"]] == list(throughput.CACHES)
     for row in record["rows"]:
-        assert all(field in row for field in FIELDS + MEASURED), row
+        assert all(field in row for field in FIELDS + MEASURED + ROOF), row
         assert row["run"] == run and row["context"] == 256 and "error" not in row, row
         # no memory to measure on the CPU: the search takes --max-batch
         assert row["max_batch"] == 2 and row["capped"] is True and row["oom"] is False
         assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"]) and row["prefill_s"] > 0
         assert row["prefill_chunk_size"] == (None if row["variant"] == "dynamic" else 64)
+        # the byte roof of the step at the batch found (bytes over GB/s: ms)
+        read = header["weight_bytes"] + row["cache_bytes"]
+        assert row["roof_ms"] == pytest.approx(read / (header["copy_bandwidth"]["GBps"] * 1e6))
+        assert row["roof_fraction"] == pytest.approx(row["roof_ms"] / row["step_ms"])
+        if row["cache"] == "oscar":
+            assert row["cache_bytes"] < row["cache_bf16_bytes"]
+        else:  # bf16 caches
+            assert row["cache_bytes"] == row["cache_bf16_bytes"] and row["roof_ms"] == row["bf16_roof_ms"]
     assert {(r["oscar"], r["baseline"]) for r in record["ratios"]} == {
         ("oscar-compiled", "static-compiled"),
         ("oscar-compiled", "dynamic"),
