@@ -34,7 +34,7 @@ from oscar_hf.testing import assert_close_to_reference
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# The decode kernel's tolerances (reference_checks.py): the chunk kernel's arithmetic is the same (fp16 operands
+# The decode kernel's tolerances (oscar_hf/testing.py): the chunk kernel's arithmetic is the same (fp16 operands
 # for the quantized part, the model dtype for the exact part and the probabilities that weigh it).
 @dataclass(frozen=True)
 class Case:
