@@ -31,7 +31,6 @@ import argparse
 import hashlib
 import importlib
 import importlib.util
-import json
 import math
 import statistics
 import subprocess
@@ -39,15 +38,14 @@ import sys
 import tempfile
 from pathlib import Path
 
+import bench_decode_attention as bench  # its inputs, timing and reference helpers
+import records
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_decode_attention as bench  # noqa: E402  (its inputs, timing and reference helpers)
-
-from oscar_hf.config import OscarConfig  # noqa: E402
-from oscar_hf.layout import QuantizedKV  # noqa: E402
-from oscar_hf.reference import decode_attention as decode_attention_reference  # noqa: E402
+from oscar_hf.config import OscarConfig
+from oscar_hf.layout import QuantizedKV
+from oscar_hf.reference import decode_attention as decode_attention_reference
 
 KERNELS = "kernels"
 
@@ -173,8 +171,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     record = {
-        **bench.records.record_header("ab_kernels"),
-        "run": bench.records.new_run(),  # one process: every ratio in the record is within this run
+        **records.header("ab_kernels"),  # its `run`: one process, every ratio in the record within it
         "timing": "CUDA-graph medians (do_bench_cudagraph) per call, arms interleaved in each round",
         "shared_kv": args.shared_kv,
         "shape": {"q_heads": bench.Q_HEADS, "kv_heads": bench.KV_HEADS, "head_dim": bench.HEAD_DIM},
@@ -183,10 +180,9 @@ def main() -> None:
     }
     window = f"_r{args.residual}" if args.residual != bench.RESIDUAL else ""
     window += "_sharedkv" if args.shared_kv else ""
-    record_name = f"ab_kernels_{bench.records.gpu_slug(record['device'])}_{'_'.join(arms)}{window}_{record['run']}.json"
+    record_name = f"ab_kernels_{records.gpu_slug(record['device'])}_{'_'.join(arms)}{window}_{record['run']}.json"
     out = Path(args.out) / record_name
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(record, indent=1) + "\n")
+    records.write_record(out, record)
 
     shared = ", every KV head reading the first one's codes" if args.shared_kv else ""
     baseline = next(iter(arms))

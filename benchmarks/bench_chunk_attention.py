@@ -40,6 +40,7 @@ import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+import records
 import torch
 from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 from oscar_hf.kernels.chunk_attention import (
@@ -54,9 +55,6 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from triton.testing import do_bench
 
 from oscar_hf.config import OscarConfig
-
-sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
-import bench_generate as bench  # noqa: E402  (run ids and records)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, WINDOW = 32, 8, 128, 64
 SWEEP = (
@@ -237,23 +235,22 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--sweep", action="store_true", help="also time the kernel's launch variants")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
-    run = bench.new_run()
-    header = bench.record_header("prefill chunk attention over the 2-bit history, per layer", "cuda")
-    path = args.out / f"chunk_attention_{bench.gpu_slug(header['device'])}.json"
-    record = bench.open_record(path, header.pop("benchmark"))
+    header = records.header("prefill chunk attention over the 2-bit history, per layer", "cuda")
+    run, path = header["run"], args.out / f"chunk_attention_{records.gpu_slug(header['device'])}.json"
     config = OscarConfig(method="oscar", bits=2)
-    record["runs"][run] = {
-        **header,
-        "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW, "dtype": "bf16"},
-        "config": config.to_dict(),
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
+    record = records.start_run(
+        path,
+        header,
+        shape={"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "window": WINDOW, "dtype": "bf16"},
+        config=config.to_dict(),
+        argv=sys.argv[1:] if argv is None else argv,
+    )
     for history, chunk in itertools.product(args.histories, args.chunks):
         rows = bench_history(args.batch, history - history % config.residual_length, chunk, config, args.sweep)
         for row in rows:
             row["run"] = run
         record["rows"].extend(rows)
-        bench.write_record(path, record)
+        records.write_record(path, record)
         base = rows[0]["ms"]
         for row in rows:
             label = row["path"] + (f" {tuple(row['tuning'].values())}" if "tuning" in row else "")

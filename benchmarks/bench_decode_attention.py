@@ -40,10 +40,10 @@ import argparse
 import dataclasses
 import json
 import math
-import sys
 import time
 from pathlib import Path
 
+import records
 import torch
 import torch.nn.functional as F
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
@@ -53,9 +53,6 @@ from triton.testing import do_bench, do_bench_cudagraph
 from oscar_hf.config import OscarConfig
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_kv
-
-sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
-import bench_generate as records  # noqa: E402  (record header, run id, GPU slug)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, RESIDUAL = 32, 8, 128, 64
 BATCHES = (1, 8, 32)
@@ -93,14 +90,6 @@ def host_time(fn, rounds: int = 11) -> float:
         times.append(time.perf_counter() - start)
     torch.cuda.synchronize()
     return sorted(times)[rounds // 2]
-
-
-def copy_bandwidth() -> dict:
-    src = torch.randn(1 << 29, device="cuda", dtype=torch.float32)  # 2 GiB
-    dst = torch.empty_like(src)
-    ms = do_bench(lambda: dst.copy_(src), warmup=25, rep=200, return_mode="median")
-    moved = 2 * nbytes(src)
-    return {"bytes": moved, "us": ms * 1e3, "GBps": moved / ms / 1e6}
 
 
 def make_sets(batch: int, context: int, config: OscarConfig, sets: int, gen: torch.Generator, residual: int = RESIDUAL):
@@ -537,22 +526,19 @@ def main() -> None:
     config = OscarConfig(bits=2, sink_tokens=0)
     gen = torch.Generator(device="cuda").manual_seed(0)
     record = {
-        **records.record_header("decode_attention"),
-        "run": records.new_run(),  # the whole record is one process: every ratio in it is within this run
+        **records.header("decode_attention"),  # its `run`: one process, every ratio in the record within it
         "sms": props.multi_processor_count,
         "l2_bytes": l2,
         "config": config.to_dict(),
         "shape": {"q_heads": Q_HEADS, "kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "dtype": "bfloat16"},
         "timing": "median microseconds; us = eager do_bench, us_graph = do_bench_cudagraph; ratios use us_graph",
     }
-    out_dir = Path(args.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / f"decode_attention_{records.gpu_slug(gpu)}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
+    path = Path(args.out) / f"decode_attention_{records.gpu_slug(gpu)}{'' if HEAD_DIM == 128 else f'_d{HEAD_DIM}'}.json"
 
     def save():
-        path.write_text(json.dumps(record, indent=1))
+        records.write_record(path, record)
 
-    record["copy_bandwidth"] = copy_bandwidth()
+    record["copy_bandwidth"] = records.copy_bandwidth()
     print("copy bandwidth", record["copy_bandwidth"], flush=True)
     record["quantize_vs_prefill"] = quantize_vs_prefill(config, gen)
     print("quantize vs prefill", record["quantize_vs_prefill"], flush=True)

@@ -1,10 +1,10 @@
 """`model.generate` with a real model's shape (random bf16 weights): the user's path, one process, one run.
 
-    python -P benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
-    python -P benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
-    python -P benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
-    python -P benchmarks/bench_generate.py --batches 4 --variants dynamic oscar oscar-compiled --prefill-chunk-size 4096
-    PYTHONPATH=/tmp/q python -P benchmarks/bench_generate.py   # /tmp/q: optimum-quanto (pip install --target)
+    python benchmarks/bench_generate.py                                   # Llama-3.1-8B, B=1 and B=4 at 32K
+    python benchmarks/bench_generate.py --model gemma-3-4b --batches 1 4 8 --contexts 32768 131072
+    python benchmarks/bench_generate.py --variants static-compiled oscar-compiled --new-tokens 64
+    python benchmarks/bench_generate.py --batches 4 --variants dynamic oscar oscar-compiled --prefill-chunk-size 4096
+    PYTHONPATH=DIR python benchmarks/bench_generate.py      # DIR: optimum-quanto (pip install --no-deps --target DIR)
 
 Models (`--model`): `llama-3.1-8b` (32 layers, 32 q / 8 kv heads, head_dim 128: full attention only) and
 `gemma-3-4b` (Gemma 3 4B's text model: 34 layers, 5 sliding-window (1024) : 1 full, 8 q / 4 kv heads, head_dim 256);
@@ -16,7 +16,7 @@ Caches (`--variants`), each row for every batch x context:
 - `static-compiled`: bf16 StaticCache with generate's automatic compile (`fullgraph=True`, CUDA graphs);
 - `quantized-quanto-int2`: transformers' QuantizedCache (`cache_implementation="quantized"`, quanto backend, 2 bits),
   eager; needs optimum-quanto importable (not on the GPU image: install its wheel with `pip install --no-deps
-  --target DIR` and put DIR on PYTHONPATH, or pass `--extra-path DIR`); without it the row is skipped with the reason;
+  --target DIR` and put DIR on PYTHONPATH); without it the row is skipped with the reason;
 - `oscar`: OScaR eager (`cache_implementation="oscar"`, `disable_compile=True`);
 - `oscar-compiled`: OScaR with generate's automatic compile, run only where `OscarCache.compile_blockers()` is empty
   (otherwise skipped with the blockers);
@@ -31,6 +31,11 @@ out of the rows (a warm process, as a server is). A streamer synchronises the de
 `prefill_s` is the time to the first new token, `step_ms` the median over the second half of the decode steps (the
 first ones compile and capture CUDA graphs), `peak_gib` the peak allocated memory of the whole `generate` call.
 `graphs_compiled` counts the graphs torch.compile built during the row (0: the row ran eager).
+The byte roof beside each step (records.py): `cache_bytes` is what the cache holds as generate leaves it (its own
+count: `memory_footprint()` for OScaR, the K/V tensors for transformers' caches; new_tokens more than the prompt),
+`cache_bf16_bytes` the same tokens' K/V in bf16; with the run's `weight_bytes` and the copy bandwidth measured at the
+start of the run, `roof_ms` is the time reading them takes (the step at the memory limit), `roof_fraction` = roof_ms /
+step_ms, and `bf16_roof_ms` what a bf16 engine at the memory limit would take for the same batch and context.
 `--prefill-chunk-size N` prefills every variant but `dynamic` (the unchunked baseline) in chunks of N tokens
 (generate's `prefill_chunk_size`; each row records its `prefill_chunk_size`), so that `prefill_ratio` compares chunked
 prefill's time to first token with the unchunked DynamicCache's. An out-of-memory row
@@ -38,8 +43,9 @@ is recorded with `oom: true`, any other failure with its `error`: one invocation
 
 Record: benchmarks/results/generate_<gpu>.json, rewritten after every row (an interrupted run keeps its rows).
 Each invocation is one run with its own id: `runs: {run: {date, commit, device, versions, model, model_config,
-new_tokens, argv}}`, `rows: [{run, model, batch, context, new_tokens, variant, cache, compiled, oom, step_ms,
-prefill_s, peak_gib, tokens_per_s, ...}]` (earlier runs' rows stay), `ratios: [{run, model, batch, context, oscar,
+new_tokens, copy_bandwidth, weight_bytes, argv}}`, `rows: [{run, model, batch, context, new_tokens, variant, cache,
+compiled, oom, step_ms, prefill_s, peak_gib, tokens_per_s, cache_bytes, roof_ms, roof_fraction, bf16_roof_ms, ...}]`
+(earlier runs' rows stay), `ratios: [{run, model, batch, context, oscar,
 baseline, step_ratio, prefill_ratio, peak_ratio}]`: OScaR over each baseline (below 1: OScaR is faster / smaller),
 only between rows of one run.
 """
@@ -48,27 +54,23 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import gc
 import importlib
-import json
-import os
-import secrets
 import statistics
-import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 
+import records
 import torch
-import transformers
 from torch._dynamo.utils import counters as dynamo_counters
 from transformers import Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
 
 import oscar_hf  # noqa: F401  (registers cache_implementation="oscar")
 from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.integrations.transformers import CACHE_KWARG
 
 LLAMA_31_8B = dict(
     vocab_size=128256,
@@ -180,7 +182,8 @@ def generate_options(variant: Variant, prefill_chunk_size: int | None = None) ->
 
 
 def timed_generate(model, batch: int, context: int, new_tokens: int, options: dict) -> dict:
-    """One greedy `generate` of `new_tokens` tokens after a random `batch` x `context` prompt, timed per token."""
+    """One greedy `generate` of `new_tokens` tokens after a random `batch` x `context` prompt, timed per token, and
+    the bytes its cache holds at the end (`records.cache_bytes`)."""
     device = model.device
     cuda = device.type == "cuda"
     gc.collect()
@@ -194,15 +197,18 @@ def timed_generate(model, batch: int, context: int, new_tokens: int, options: di
     clock = _TokenClock(device)
     start = time.perf_counter()
     with torch.inference_mode():
-        model.generate(
+        output = model.generate(
             ids,
             attention_mask=torch.ones_like(ids),
             max_new_tokens=new_tokens,
             min_new_tokens=new_tokens,
             do_sample=False,
             streamer=clock,
+            return_dict_in_generate=True,
             **options,
         )
+    held, held_bf16 = records.cache_bytes(getattr(output, CACHE_KWARG))
+    del output
     steps = [b - a for a, b in zip(clock.times, clock.times[1:])]
     steady = steps[len(steps) // 2 :]
     step_ms = 1000 * statistics.median(steady)
@@ -215,6 +221,8 @@ def timed_generate(model, batch: int, context: int, new_tokens: int, options: di
         "graphs_compiled": dynamo_counters["stats"]["unique_graphs"] - graphs_before,
         "steps_timed": len(steady),
         "steady_steps_ms": [round(1000 * step, 2) for step in steady],  # shows a bimodal baseline for what it is
+        "cache_bytes": held,
+        "cache_bf16_bytes": held_bf16,
     }
 
 
@@ -248,56 +256,9 @@ def quanto_missing() -> str | None:
     except Exception as error:  # noqa: BLE001  (ImportError, or quanto failing in its own import)
         return (
             f"optimum-quanto is not importable ({type(error).__name__}: {error}); install its wheel with "
-            "`pip install --no-deps --target DIR optimum_quanto-*.whl` and pass --extra-path DIR"
+            "`pip install --no-deps --target DIR optimum_quanto-*.whl` and put DIR on PYTHONPATH"
         )
     return None
-
-
-def new_run() -> str:
-    """One id per process: UTC time and a random suffix (rows of one run share their process and GPU)."""
-    return f"{datetime.datetime.now(datetime.timezone.utc):%Y%m%dT%H%M%SZ}-{secrets.token_hex(3)}"
-
-
-def record_header(benchmark: str, device: str | torch.device = "cuda") -> dict:
-    """The fields every record of these benchmarks starts with (profile_generate.py uses it too)."""
-    # The GPU machine's copy of the tree carries a stale .git: OSCAR_GIT_COMMIT names the commit there.
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    device = torch.device(device)
-    return {
-        "benchmark": benchmark,
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,
-        "versions": {"torch": torch.__version__, "transformers": transformers.__version__, "triton": _triton()},
-    }
-
-
-def gpu_slug(device: str) -> str:
-    """ "NVIDIA H200" -> "h200": the record file's suffix."""
-    return device.lower().replace("nvidia", "").strip().replace(" ", "-")
-
-
-def open_record(path: Path, benchmark: str) -> dict:
-    """The record of runs at `path` (a new one if there is none)."""
-    if not path.exists():
-        return {"benchmark": benchmark, "runs": {}, "rows": [], "ratios": []}
-    record = json.loads(path.read_text())
-    if "runs" not in record:
-        raise SystemExit(f"{path} is not a record of runs (an older format): move it aside or pass another --out")
-    return record
-
-
-def write_record(path: Path, record: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(record, indent=2) + "\n")
-
-
-def add_path(extra: list[str]) -> None:
-    """Put --extra-path folders (pure-Python packages the GPU image lacks, such as optimum-quanto) on sys.path."""
-    for folder in reversed(extra):
-        if not Path(folder).is_dir():
-            raise SystemExit(f"--extra-path {folder}: no such folder")
-        sys.path.insert(0, str(Path(folder).resolve()))
 
 
 def oscar_ratios(rows: list[dict], keys: tuple[str, ...], fields: dict[str, str]) -> list[dict]:
@@ -324,26 +285,27 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--variants", nargs="+", choices=list(VARIANTS), default=list(VARIANTS))
     parser.add_argument("--prefill-chunk-size", type=int, default=None, help="chunked prefill but for `dynamic`")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--extra-path", nargs="*", default=[], help="folders put first on sys.path (optimum-quanto)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args(argv)
     if args.new_tokens < 4:
         parser.error("--new-tokens must be at least 4")
-    add_path(args.extra_path)
 
-    run = new_run()
+    header = records.header("model.generate decode step, real models' shapes, random bf16 weights, greedy", args.device)
+    run, bandwidth = header["run"], records.copy_bandwidth(args.device)  # before the model: an empty GPU
     model = build_model(args.model, args.device)
-    header = record_header("model.generate decode step, real models' shapes, random bf16 weights, greedy", args.device)
-    path = args.out / f"generate_{gpu_slug(header['device'])}.json"
-    record = open_record(path, header.pop("benchmark"))
-    record["runs"][run] = {
-        **header,
-        "model": args.model,
-        "model_config": MODELS[args.model][2],
-        "new_tokens": args.new_tokens,
-        "warmup": f"one eager generate of each row's cache and shape, {WARMUP_TOKENS} new tokens",
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
+    weights = records.weight_bytes(model)
+    path = args.out / f"generate_{records.gpu_slug(header['device'])}.json"
+    record = records.start_run(
+        path,
+        header,
+        model=args.model,
+        model_config=MODELS[args.model][2],
+        new_tokens=args.new_tokens,
+        warmup=f"one eager generate of each row's cache and shape, {WARMUP_TOKENS} new tokens",
+        copy_bandwidth=bandwidth,
+        weight_bytes=weights,
+        argv=sys.argv[1:] if argv is None else argv,
+    )
     skipped = {}
     compiled_oscar = [
         name for name in args.variants if VARIANTS[name].implementation == "oscar" and VARIANTS[name].compiled
@@ -384,6 +346,7 @@ def main(argv: list[str] | None = None) -> Path:
                         timed_generate(model, batch, context, WARMUP_TOKENS, eager)
                         options = generate_options(variant, chunk)
                         row.update(timed_generate(model, batch, context, args.new_tokens, options))
+                        row.update(roof(row, weights, bandwidth))
                     except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
                         row.update(failure(error))
                     release(model.device)
@@ -392,11 +355,14 @@ def main(argv: list[str] | None = None) -> Path:
                 record["ratios"] = [r for r in record["ratios"] if r["run"] != run] + oscar_ratios(
                     rows, ("model", "batch", "context"), RATIO_FIELDS
                 )
-                write_record(path, record)
+                records.write_record(path, record)
                 print("   " + summary(row), flush=True)
 
     print(f"\nrun {run}, {args.model}, {header['device']} ({path})")
-    print(f"{'B':>3s} {'context':>8s} {'variant':>22s} {'step ms':>8s} {'prefill s':>9s} {'peak GiB':>9s} graphs")
+    print(
+        f"{'B':>3s} {'context':>8s} {'variant':>22s} {'step ms':>8s} {'prefill s':>9s} {'peak GiB':>9s} graphs "
+        f"{'roof ms':>8s} {'of roof':>7s} {'bf16 roof ms':>12s}"
+    )
     for row in rows:
         print(f"{row['batch']:3d} {row['context']:8d} {row['variant']:>22s} {summary(row)}")
     for r in record["ratios"]:
@@ -411,24 +377,23 @@ def main(argv: list[str] | None = None) -> Path:
 RATIO_FIELDS = {"step_ms": "step_ratio", "prefill_s": "prefill_ratio", "peak_gib": "peak_ratio"}
 
 
+def roof(row: dict, weights: int, bandwidth: dict) -> dict:
+    """A measured row's byte roof fields (`records.roof`)."""
+    return records.roof(row["step_ms"], weights, row["cache_bytes"], row["cache_bf16_bytes"], bandwidth)
+
+
 def summary(row: dict) -> str:
     if row["step_ms"] is None:
         return "out of memory" if row["oom"] else row.get("error") or row.get("skipped", "")
     peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9s}"
-    return f"{row['step_ms']:8.2f} {row['prefill_s']:9.2f} {peak} {row['graphs_compiled']}"
+    return (
+        f"{row['step_ms']:8.2f} {row['prefill_s']:9.2f} {peak} {row['graphs_compiled']:6d} {row['roof_ms']:8.2f} "
+        f"{100 * row['roof_fraction']:6.1f}% {row['bf16_roof_ms']:12.2f}"
+    )
 
 
 def _x(ratio: float | None) -> str:
     return "-" if ratio is None else f"{ratio:.2f}x"
-
-
-def _triton() -> str | None:
-    try:
-        import triton
-
-        return triton.__version__
-    except ImportError:
-        return None
 
 
 if __name__ == "__main__":

@@ -2,8 +2,8 @@
 with a Llama-3.1-8B-shaped model (the real shape: 32 layers, 32 query / 8 KV heads, head_dim 128; random bf16
 weights), the OScaR cache against DynamicCache, greedy tokens compared with the single-GPU run.
 
-    python -P benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
-    python -P benchmarks/bench_multigpu.py --dtype float32 --modes tp --append   # re-run one GPU + TP only
+    python benchmarks/bench_multigpu.py [--context 4096] [--new-tokens 32] [--dtype bfloat16|float32] [--append]
+    python benchmarks/bench_multigpu.py --dtype float32 --modes tp --append   # re-run one GPU + TP only
 
 One command runs everything (the tensor-parallel part launches `torchrun --nproc-per-node 2` on this script itself):
 
@@ -27,7 +27,6 @@ record (each row names its dtype).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import statistics
@@ -37,8 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import records
 import torch
-import transformers
 from bench_generate import LLAMA_31_8B  # the model shape every end-to-end benchmark uses
 from transformers import (
     AutoModelForCausalLM,
@@ -49,7 +48,6 @@ from transformers import (
     StoppingCriteria,
 )
 
-import oscar_hf
 from oscar_hf import OscarLayer, cache_kwargs
 
 CACHES = ("dynamic", "oscar")
@@ -201,23 +199,16 @@ def main() -> None:
         del model
         torch.cuda.empty_cache()
 
-    gpu = torch.cuda.get_device_name()
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
-    record = {
-        "benchmark": "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, "
-        "random bf16 weights (run in each row's dtype), eager decode steps",
-        "device": f"2x {gpu}",
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "commit": os.environ.get("OSCAR_GIT_COMMIT") or commit,  # the GPU machine's copy has a stale .git
-        "versions": {
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "oscar_hf": oscar_hf.__version__,
-        },
-        "shape": {"batch": 1, "context": args.context, "new_tokens": args.new_tokens, **LLAMA_31_8B},
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"multigpu_{gpu.lower().replace('nvidia', '').strip().replace(' ', '-')}.json"
+    benchmark = (
+        "greedy generate on 2 GPUs (device_map='auto', tp_plan='auto') vs 1 GPU, Llama-3.1-8B shape, random bf16 "
+        "weights (run in each row's dtype), eager decode steps"
+    )
+    record = records.header(benchmark, "cuda:0")
+    path = args.out / f"multigpu_{records.gpu_slug(record['device'])}.json"
+    record.update(
+        device=f"2x {record['device']}",
+        shape={"batch": 1, "context": args.context, "new_tokens": args.new_tokens, **LLAMA_31_8B},
+    )
     kept = []
     if args.append and path.exists():
         rerun = {"single", *args.modes}
@@ -230,9 +221,9 @@ def main() -> None:
 
     def save():
         """Write the record after every mode, so the modes that finished survive a later failure."""
-        for row in rows:  # rows kept by --append come from earlier runs: each row names its own commit
-            row.update(dtype=args.dtype, commit=record["commit"])
-        path.write_text(json.dumps({**record, "results": kept + rows}, indent=2))
+        for row in rows:  # rows kept by --append come from earlier runs: each row names its own commit and run
+            row.update(dtype=args.dtype, commit=record["commit"], run=record["run"])
+        records.write_record(path, {**record, "results": kept + rows})
 
     ids = prompt(LLAMA_31_8B["vocab_size"], args.context)
 
@@ -282,7 +273,7 @@ def device_map_run(args, dtype, weight_bytes, ids, reference, rows, record) -> N
 def tp_run(args, ids, reference, rows) -> None:
     print("tensor parallel (torchrun --nproc-per-node 2)")
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        command = [sys.executable, "-P", "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", __file__]
         options = [
             "--context",
             str(args.context),

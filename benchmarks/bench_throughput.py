@@ -1,8 +1,8 @@
 """Serving throughput: the largest batch each cache holds at a context, and its decode tokens/s and time to first token.
 
-    python -P benchmarks/bench_throughput.py --contexts 32768                # Llama-3.1-8B shape, 3 caches, one context
-    python -P benchmarks/bench_throughput.py --contexts 131072 --max-batch 32
-    python -P benchmarks/bench_throughput.py --model gemma-3-4b --contexts 32768 131072 --budget-s 500
+    python benchmarks/bench_throughput.py --contexts 32768                # Llama-3.1-8B shape, 3 caches, one context
+    python benchmarks/bench_throughput.py --contexts 131072 --max-batch 32
+    python benchmarks/bench_throughput.py --model gemma-3-4b --contexts 32768 131072 --budget-s 500
 
 Caches (`--caches`): `static-compiled` (bf16 StaticCache, generate's automatic compile, chunked prefill),
 `dynamic` (bf16 DynamicCache, eager, unchunked: the plain HF baseline), `oscar-compiled` (OScaR, automatic compile,
@@ -26,9 +26,11 @@ starts no further timed run either (`out_of_time` in its row: the largest batch 
 a running generate is not interrupted, so leave a few minutes between the budget and any limit on the call.
 
 Record: benchmarks/results/throughput_<gpu>.json, rewritten after every job, same layout as generate_<gpu>.json:
-`runs: {run: {date, commit, device, versions, ...}}`, `rows: [{run, model, context, cache, variant, compiled,
-prefill_chunk_size, max_batch, tokens_per_s, step_ms, prefill_s, peak_gib, ...}]`, `ratios: [{run, model, context,
-oscar, baseline, tokens_per_s_ratio, max_batch_ratio, prefill_ratio}]` (OScaR over each baseline, one run only).
+`runs: {run: {date, commit, device, versions, copy_bandwidth, weight_bytes, ...}}`, `rows: [{run, model, context,
+cache, variant, compiled, prefill_chunk_size, max_batch, tokens_per_s, step_ms, prefill_s, peak_gib, cache_bytes,
+roof_ms, roof_fraction, bf16_roof_ms, ...}]` (the byte roof of the step at `max_batch`, as bench_generate.py's),
+`ratios: [{run, model, context, oscar, baseline, tokens_per_s_ratio, max_batch_ratio, prefill_ratio}]` (OScaR over
+each baseline, one run only).
 """
 
 from __future__ import annotations
@@ -43,11 +45,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import bench_generate as bench  # models, generate options, timing
+import records
 import torch
 from tqdm import tqdm
-
-sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
-import bench_generate as bench  # noqa: E402  (models, generate options, timing, records)
 
 CACHES = ("static-compiled", "dynamic", "oscar-compiled")
 CHUNKED = {"static-compiled", "oscar-compiled"}  # the plain DynamicCache baseline prefills the whole prompt at once
@@ -148,23 +149,26 @@ def main(argv: list[str] | None = None) -> Path:
     def out_of_time() -> bool:
         return time.perf_counter() - started > args.budget_s
 
-    run = bench.new_run()
+    header = records.header("serving throughput at the largest batch that fits, random bf16 weights", args.device)
+    run, bandwidth = header["run"], records.copy_bandwidth(args.device)  # before the model: an empty GPU
     model = bench.build_model(args.model, args.device)
-    header = bench.record_header("serving throughput at the largest batch that fits, random bf16 weights", args.device)
-    path = args.out / f"throughput_{bench.gpu_slug(header['device'])}.json"
-    record = bench.open_record(path, header.pop("benchmark"))
+    weights = records.weight_bytes(model)
+    path = args.out / f"throughput_{records.gpu_slug(header['device'])}.json"
     capacity = None
     if model.device.type == "cuda":
         capacity = args.memory_fraction * torch.cuda.get_device_properties(model.device).total_memory / 2**30
-    record["runs"][run] = {
-        **header,
-        "model": args.model,
-        "model_config": bench.MODELS[args.model][2],
-        "new_tokens": args.new_tokens,
-        "capacity_gib": capacity,
-        "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
-        "argv": sys.argv[1:] if argv is None else argv,
-    }
+    record = records.start_run(
+        path,
+        header,
+        model=args.model,
+        model_config=bench.MODELS[args.model][2],
+        new_tokens=args.new_tokens,
+        capacity_gib=capacity,
+        allocator=os.environ.get("PYTORCH_CUDA_ALLOC_CONF"),
+        copy_bandwidth=bandwidth,
+        weight_bytes=weights,
+        argv=sys.argv[1:] if argv is None else argv,
+    )
     blockers = bench.oscar_compile_blockers(model)
     tqdm.write(f"run {run}: {args.model} on {header['device']} -> {path}")
 
@@ -205,6 +209,7 @@ def main(argv: list[str] | None = None) -> Path:
                 row.update(dataclasses.asdict(search), max_batch=batch, oom=result is None)
                 if result is not None:
                     row.update(result)
+                    row.update(bench.roof(row, weights, bandwidth))
             except Exception as error:  # noqa: BLE001  (recorded: one call always leaves a record)
                 row.update(bench.failure(error))
             bench.release(model.device)
@@ -213,12 +218,13 @@ def main(argv: list[str] | None = None) -> Path:
         record["ratios"] = [r for r in record["ratios"] if r["run"] != run] + bench.oscar_ratios(
             rows, ("model", "context"), RATIO_FIELDS
         )
-        bench.write_record(path, record)
+        records.write_record(path, record)
         tqdm.write(f"{name} {context}: {summary(row)}")
 
     print(f"\nrun {run}, {args.model}, {header['device']} ({path})")
     print(
-        f"{'context':>8s} {'variant':>16s} {'max B':>6s} {'tok/s':>8s} {'step ms':>8s} {'TTFT s':>7s} {'peak GiB':>9s}"
+        f"{'context':>8s} {'variant':>16s} {'max B':>6s} {'tok/s':>8s} {'step ms':>8s} {'TTFT s':>7s} {'peak GiB':>9s} "
+        f"{'roof ms':>8s} {'of roof':>7s} {'bf16 roof ms':>12s}"
     )
     for row in rows:
         print(f"{row['context']:8d} {row['variant']:>16s} {summary(row)}")
@@ -247,8 +253,10 @@ def summary(row: dict) -> str:
     if row["tokens_per_s"] is None:
         return row.get("error") or row.get("skipped") or f"out of memory at B={row.get('oom_batches')}"
     peak = f"{row['peak_gib']:9.1f}" if row["peak_gib"] is not None else f"{'-':>9s}"
-    return f"{row['max_batch']:6d} {row['tokens_per_s']:8.1f} {row['step_ms']:8.2f} {row['prefill_s']:7.2f} {peak}" + (
-        " (capped)" if row.get("capped") else ""
+    return (
+        f"{row['max_batch']:6d} {row['tokens_per_s']:8.1f} {row['step_ms']:8.2f} {row['prefill_s']:7.2f} {peak} "
+        f"{row['roof_ms']:8.2f} {100 * row['roof_fraction']:6.1f}% {row['bf16_roof_ms']:12.2f}"
+        + (" (capped)" if row.get("capped") else "")
     )
 
 

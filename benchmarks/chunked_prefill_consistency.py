@@ -37,17 +37,15 @@ perplexity change, 100 (ppl_chunked - ppl_pinned) / ppl_bf16 (issue 39: within 0
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import math
-import platform
 import subprocess
 import sys
 import tarfile
 from pathlib import Path
 
+import records
 import torch
-import transformers
 from tqdm import tqdm
 from transformers import DynamicCache
 
@@ -177,8 +175,7 @@ def measure(
             model=name, tokens=tokens, offset=offset, chunk=used_chunk, method=method, ppl=ppl, ppl_change_pct=change,
             run=run, **extra, **meta,
         )  # fmt: skip
-        rows = json.loads(path.read_text()) if path.exists() else []
-        path.write_text(json.dumps(rows + [record], indent=1) + "\n")
+        records.append_rows(path, [record])
         counts = {k: v for k, v in extra.items() if not k.startswith("chunk_")}
         print(f"{name} {method} chunk={used_chunk}: ppl {ppl:.4f} ({change:+.2f} %) {counts}", file=sys.stderr)
 
@@ -253,14 +250,11 @@ def _summarize(name: str, cache: str, runs: dict) -> None:
 
 
 def run_record() -> tuple[str, dict]:
-    """This invocation's run id (UTC time and commit) and what every row it writes carries (float32 on this CPU)."""
-    now = datetime.datetime.now(datetime.timezone.utc)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    meta = dict(
-        dtype="float32", device="cpu", torch=torch.__version__, transformers=transformers.__version__,
-        machine=platform.machine(), date=now.isoformat(timespec="seconds"),
-    )  # fmt: skip
-    return f"{now:%Y%m%dT%H%M%SZ}-{commit.stdout.strip()}", meta
+    """This invocation's run id and what every row it writes carries (`records.header`'s fields; float32 on this
+    CPU)."""
+    header = records.header("perplexity of a text fed in chunks through the cache", "cpu")
+    del header["benchmark"]
+    return header.pop("run"), {**header, "dtype": "float32", "machine": records.machine()}
 
 
 def main() -> None:

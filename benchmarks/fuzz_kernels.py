@@ -2,64 +2,40 @@
 
     python benchmarks/fuzz_kernels.py [--cases 1000] [--minutes 8.5] [--workers 12] [--seed 0] [--out DIR]
 
-Each case is drawn by `random_case` of tests/kernels/test_decode_attention.py (batch 1-64, GQA 1/2/4/5/8, head_dim
-64/128/256, quantized and residual lengths that are multiples of nothing but the group size, 1-128 residual tokens,
-1-16 query tokens, left padding, strided capacity views, bf16/fp16, 2 or 4 bits for keys and values each, rotation
-and token scaling on or off, fp16/fp32 scales) and checked with that module's tolerances; CI runs a seeded slice of
-the same sampler under Triton's interpreter (`test_fuzz_slice`). Writes `kernel_fuzz_<gpu>.json` (under
-benchmarks/results by default): cases, failures (with their ids and messages), the worst relative error, and the
-seed, so any failure is reproducible.
+Each case is drawn by `oscar_hf.testing.random_decode_case` (batch 1-64, GQA 1/2/4/5/8, head_dim 64/128/256,
+quantized and residual lengths that are multiples of nothing but the group size, 1-128 residual tokens, 1-16 query
+tokens, left padding, strided capacity views, bf16/fp16, 2 or 4 bits for keys and values each, rotation and token
+scaling on or off, fp16/fp32 scales) and checked with the kernel tests' tolerances (`TOLERANCES`, same module); CI
+runs a seeded slice of the same sampler under Triton's interpreter (`test_fuzz_slice`). Writes
+`kernel_fuzz_<gpu>.json` (under benchmarks/results by default): cases, failures (with their ids and messages), the
+worst relative error, and the seed, so any failure is reproducible.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import importlib
-import importlib.util
-import json
 import multiprocessing
 import random
-import sys
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from pathlib import Path
 
+import records
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import bench_generate as records  # noqa: E402  (record header and GPU slug)
-
-_TESTS = Path(__file__).resolve().parents[1] / "tests" / "kernels" / "test_decode_attention.py"
+from oscar_hf.testing import TOLERANCES, DecodeCase, check_decode_case, random_decode_case
 
 
-def _load_test_module():
-    sys.path.insert(0, str(_TESTS.parent))  # its reference checks (tests/kernels/reference_checks.py)
-    spec = importlib.util.spec_from_file_location("test_decode_attention", _TESTS)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
-
-
-def _tolerances() -> dict:
-    """The unit tests' tolerances (tests/kernels/reference_checks.py, on the path once the test module is loaded)."""
-    return importlib.import_module("reference_checks").TOLERANCES
-
-
-def _run_cases(cases: list[tuple[int, dict]], seed: int, minutes: float) -> list[dict]:
-    """Worker: check (index, case fields) pairs until the deadline; one result per case run (cases travel as dicts:
-    the test module is loaded from its path, so its classes cannot be unpickled by name)."""
-    tests = _load_test_module()
+def _run_cases(cases: list[tuple[int, DecodeCase]], seed: int, minutes: float) -> list[dict]:
+    """Worker: check (index, case) pairs until the deadline; one result per case run."""
     deadline = time.monotonic() + 60 * minutes
     results = []
-    for index, fields in cases:
+    for index, case in cases:
         if time.monotonic() > deadline:
             break
-        case = tests.Case(**fields)
         try:
-            results.append({"index": index, "case": case.id, "rel_rmse": tests.check_random_case(case, seed + index)})
+            results.append({"index": index, "case": case.id, "rel_rmse": check_decode_case(case, seed + index)})
         except Exception as exc:  # a tolerance breach, or the kernel raising: both are findings to record
             results.append({"index": index, "case": case.id, "error": f"{type(exc).__name__}: {exc}"[:500]})
         torch.cuda.empty_cache()
@@ -78,9 +54,8 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("fuzz_kernels.py needs a CUDA device (CI runs a slice under the interpreter instead).")
 
-    tests = _load_test_module()
     rng = random.Random(args.seed)
-    cases = [(index, dataclasses.asdict(tests.random_case(rng, args.max_tokens))) for index in range(args.cases)]
+    cases = [(index, random_decode_case(rng, args.max_tokens)) for index in range(args.cases)]
     shards = [cases[w :: args.workers] for w in range(args.workers)]
     results = []
     context = multiprocessing.get_context("spawn")
@@ -93,17 +68,16 @@ def main() -> None:
     worst = max(passed, key=lambda r: r["rel_rmse"], default=None)
 
     record = {
-        **records.record_header("kernel_fuzz"),
+        **records.header("kernel_fuzz"),
         "seed": args.seed,
         "cases": len(results),
         "failures": len(failures),
         "failed_cases": sorted(failures, key=lambda r: r["index"]),
         "worst_rel_rmse": worst,
-        "tolerances": {str(k).removeprefix("torch."): v for k, v in _tolerances().items()},
+        "tolerances": {str(k).removeprefix("torch."): v for k, v in TOLERANCES.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / f"kernel_fuzz_{records.gpu_slug(record['device'])}.json"
-    path.write_text(json.dumps(record, indent=2) + "\n")
+    records.write_record(path, record)
     print(f"{len(results)} cases, {len(failures)} failures, worst relative RMSE: {worst}")
     print(f"wrote {path}")
 

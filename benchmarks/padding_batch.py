@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
 import math
-import platform
-import subprocess
 from pathlib import Path
 from unittest import mock
 
+import records
 import torch
-import transformers
 from tqdm import tqdm
 
 from oscar_hf import OscarCache
@@ -100,7 +97,7 @@ def run(name: str, args, meta: dict) -> dict:
             "together": together,
         }
         record.update(meta, model=name, batch=args.batch, new_tokens=args.new)
-        out.write_text(json.dumps(record, indent=1) + "\n")
+        records.write_record(out, record, indent=1)
     return record
 
 
@@ -113,14 +110,11 @@ def main() -> None:
     parser.add_argument("--new", type=int, default=32)
     args = parser.parse_args()
     torch.set_grad_enabled(False)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    meta = dict(
-        dtype="float32",
-        commit=commit.stdout.strip(),
-        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        versions={"torch": torch.__version__, "transformers": transformers.__version__},
-        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads",
-    )
+    meta = {
+        **records.header("greedy tokens of a left-padded batch against each prompt alone", "cpu"),
+        "dtype": "float32",
+        "machine": records.machine(),
+    }
     for name in args.models:
         record = run(name, args, meta)
         print(f"\n{name}: rows whose {args.new} greedy tokens differ from the prompt alone (batch {args.batch})")

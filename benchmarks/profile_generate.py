@@ -22,12 +22,12 @@ outermost host operators running in that time: what the GPU waits for.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from pathlib import Path
 
+import records
 import torch
-from bench_generate import LLAMA_31_8B, gpu_slug, record_header
+from bench_generate import LLAMA_31_8B
 from torch.profiler import ProfilerActivity, profile
 from transformers import LlamaConfig, LlamaForCausalLM
 from transformers.generation import CompileConfig
@@ -135,12 +135,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     args = parser.parse_args()
     _label_regions()
-    record = {
-        **record_header(
-            "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights"
-        ),
-        "rows": [],
-    }
+    benchmark = "where a compiled model.generate decode step's time goes, Llama-3.1-8B shape, random bf16 weights"
+    record = {**records.header(benchmark), "rows": []}
 
     torch.manual_seed(0)
     with torch.device("cuda"):
@@ -229,10 +225,9 @@ def main() -> None:
                 inductor_counters=inductor_counters,
             )  # fmt: skip
         )
-    slug = gpu_slug(record["device"])
-    args.out.mkdir(parents=True, exist_ok=True)
+    slug = records.gpu_slug(record["device"])
     name = f"profile_generate_{'prefill_' if args.prefill else 'eager_' if args.eager else ''}{slug}.json"
-    (args.out / name).write_text(json.dumps(record, indent=2))
+    records.write_record(args.out / name, record)
 
 
 if __name__ == "__main__":

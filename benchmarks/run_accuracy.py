@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import functools
 import json
 import math
 import platform
 import statistics
-import subprocess
 from pathlib import Path
 
 import lm_eval
 import matplotlib
+import records
 import torch
-import transformers
 from lm_eval import simple_evaluate
 from lm_eval.tasks import TaskManager
 from tqdm import tqdm
@@ -125,13 +123,6 @@ def task_metrics(task: str) -> tuple[str, ...]:
     if "_ppl_" in task:
         return METRICS["ppl"]
     return METRICS["gen"] if "_gen_" in task else METRICS["retrieval"]
-
-
-@functools.cache
-def git_commit() -> str:
-    """The commit this process started from (its code; commits made while it runs are not)."""
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    return out.stdout.strip() or "unknown"
 
 
 def context_tokens(task: str, tokenizer, limit: int) -> int:
@@ -361,13 +352,8 @@ def run_model(
         dtype=str(dtype).removeprefix("torch."),
         head_dim=head_dim,
         kv_heads=kv_heads,
-        versions={
-            "torch": torch.__version__,
-            "transformers": transformers.__version__,
-            "lm_eval": lm_eval.__version__,
-            "python": platform.python_version(),
-        },
-        machine=f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads"
+        versions={**records.versions(), "lm_eval": lm_eval.__version__, "python": platform.python_version()},
+        machine=records.machine()
         + (f", {torch.cuda.get_device_name(model.device)}" if model.device.type == "cuda" else ""),
     )
     if "kv_stats" not in results:
@@ -393,7 +379,7 @@ def run_model(
             "avg_bits": wrappers[method].avg_bits,
             "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-            "commit": git_commit(),
+            "commit": records.commit(),
         }
         for name in task_metrics(task):
             entry[name] = metrics[f"{name},none" if "_gen_" not in task else f"{name},first_number"]
@@ -724,7 +710,7 @@ def main() -> None:
         "op (measured 10-30x slower here), while one thread loses at most 2x on the large matmuls",
     )
     args = parser.parse_args()
-    git_commit()  # read now: entries name the commit the run started from
+    records.commit()  # read now: entries name the commit the run started from
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     if not args.plot_only and "plan" in args.steps:

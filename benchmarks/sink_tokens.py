@@ -11,9 +11,9 @@ the exact cache), run.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 
+import records
 import torch
 from chunked_prefill_consistency import MODELS, RESULTS, choice_of, hamlet, perplexity, run_record
 
@@ -44,11 +44,9 @@ def main() -> None:
             ppl, _ = perplexity(model, ids, cache, args.chunk, one_prefill)
             rows.append(dict(method="oscar-int2", sink_tokens=sinks, ppl=ppl, chunk=args.chunk))
             print(f"{name} sink_tokens={sinks}: ppl {ppl:.4f} (exact {exact:.4f})", file=sys.stderr)
-        old = json.loads(path.read_text()) if path.exists() else []
-        new = [
-            dict(model=name, tokens=args.tokens, **row, change=row["ppl"] / exact - 1, run=run, **meta) for row in rows
-        ]
-        path.write_text(json.dumps(old + new, indent=1) + "\n")
+        for row in rows:
+            row.update(model=name, tokens=args.tokens, change=row["ppl"] / exact - 1, run=run, **meta)
+        records.append_rows(path, rows)
 
 
 if __name__ == "__main__":

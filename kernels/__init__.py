@@ -1,4 +1,5 @@
-"""Triton kernels of oscar-hf, installed as `oscar_hf.kernels` (never a top-level `kernels`).
+"""Triton kernels of oscar-hf, installed as `oscar_hf.kernels` (found as a top-level `kernels`, this folder hands
+over to HuggingFace's package of that name: `_hand_over_to_huggingface`).
 
 Launchers only, imported lazily so that `import oscar_hf.kernels` works where Triton is absent:
 
@@ -23,17 +24,42 @@ and the decode kernel's limits, which callers check before choosing it (importin
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
+import importlib.machinery
+import importlib.util
+import os
+import sys
 
-# This folder found as the top-level package `kernels` (the checkout's root on sys.path) while HuggingFace's `kernels`
-# is installed: transformers would import this one in its place. Without HuggingFace's, transformers finds no version
-# here and takes `kernels` as absent, as it is.
-if __name__ == "kernels" and any(importlib.metadata.distributions(name="kernels")):
-    raise ImportError(
-        "Python found the oscar-hf checkout's kernels/ folder as the package `kernels`, which is HuggingFace's "
-        "(transformers >= 5.25 imports it): the checkout's root is on sys.path, as the current directory of `python "
-        "-c`, `python -m` or a REPL started there. Run from another directory, or with `python -P`."
-    )
+
+def _hand_over_to_huggingface() -> None:
+    """Put HuggingFace's `kernels` package, found on the rest of sys.path, in this module's place in sys.modules.
+
+    Python finds this folder as the top-level package `kernels` wherever the checkout's root is on sys.path (`python
+    -c`, `python -m pytest`, a REPL or a Jupyter kernel started there), before HuggingFace's `kernels`, which
+    transformers >= 5.25 imports. An import returns what `sys.modules[name]` holds once the module's file has run, so
+    `import kernels` gets HuggingFace's package; sys.path and the environment stay as they are. Without HuggingFace's
+    package this module stays: transformers finds no `kernels` distribution (no version) and takes it as absent.
+    """
+    # (A namespace folder, no __init__.py, would let a regular package found later win, but setuptools' editable
+    # finder maps `oscar_hf.kernels` to this folder only through this file: the package would vanish.)
+    here = os.path.realpath(os.path.dirname(__file__))
+    elsewhere = [p for p in sys.path if os.path.realpath(os.path.join(p or os.curdir, "kernels")) != here]
+    for finder in sys.meta_path:  # the path finder without this folder; other finders (editable installs') as they are
+        spec = finder.find_spec(__name__, elsewhere if finder is importlib.machinery.PathFinder else None)
+        if spec is not None:
+            break
+    else:
+        return
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[__name__] = module  # before it runs: its submodules import it by name
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[__name__]
+        raise
+
+
+if __name__ == "kernels":
+    _hand_over_to_huggingface()
 
 __all__ = [
     "chunk_attention_flash",

@@ -2,10 +2,9 @@
 `kernels/` files: the same hash for a folder and for a revision holding those files, and the one git computes, so that
 a record's arm can be found in the history. (Its timings need a GPU; they are benchmark records, not tests.)"""
 
-import importlib.util
+import importlib
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,14 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def ab_kernels():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("ab_kernels", ROOT / "benchmarks" / "ab_kernels.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return importlib.import_module("ab_kernels")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def _git(*args: str, stdin: str | None = None, repo: Path = ROOT) -> str:

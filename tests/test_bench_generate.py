@@ -3,31 +3,18 @@ rows naming their run, ratios within a run), every cache's row, and failures kep
 they are benchmark records, not tests.)"""
 
 import importlib
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 ORACLE_FIELDS = ("run", "model", "batch", "context", "new_tokens", "variant", "cache", "compiled", "oom")
 MEASURED = ("step_ms", "prefill_s", "peak_gib")
 
 
 @pytest.fixture(scope="module")
 def bench():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_generate", ROOT / "benchmarks" / "bench_generate.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_generate"] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("bench_generate", None)
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return importlib.import_module("bench_generate")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 def _quanto_importable() -> bool:
@@ -73,6 +60,21 @@ def test_every_cache_gets_a_row_of_one_run(bench, tmp_path, model):
         assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"])
         assert row["graphs_compiled"] == 0  # generate compiles on CUDA only
         assert row["steps_timed"] == 2 == len(row["steady_steps_ms"])  # the second half of 4 steps
+    # the byte roof: the run's weights and copy bandwidth, each row's cache bytes (bytes over GB/s: ms)
+    assert header["weight_bytes"] == bench.records.weight_bytes(bench.build_model(model, "cpu"))
+    bytes_per_ms = header["copy_bandwidth"]["GBps"] * 1e6
+    for row in measured:
+        assert row["roof_ms"] == pytest.approx((header["weight_bytes"] + row["cache_bytes"]) / bytes_per_ms)
+        assert row["bf16_roof_ms"] == pytest.approx((header["weight_bytes"] + row["cache_bf16_bytes"]) / bytes_per_ms)
+        assert row["roof_fraction"] == pytest.approx(row["roof_ms"] / row["step_ms"])
+    if not hybrid:  # DynamicCache holds the prompt and every new token but the last, in bf16; OScaR the same tokens
+        c = bench.build_model(model, "cpu").config
+        tokens = 256 + 5 - 1
+        dynamic_bytes = c.num_hidden_layers * 2 * 2 * c.num_key_value_heads * tokens * c.head_dim * 2  # B = 2, K and V
+        assert rows["dynamic"]["cache_bytes"] == rows["dynamic"]["cache_bf16_bytes"] == dynamic_bytes
+        for oscar in (row for row in measured if row["cache"] == "oscar"):
+            assert oscar["cache_bf16_bytes"] == dynamic_bytes and oscar["cache_bytes"] < dynamic_bytes
+            assert oscar["roof_ms"] < oscar["bf16_roof_ms"]
     # ratios: each measured OScaR row over each measured baseline of the same shape, in this run
     oscars = {row["variant"] for row in measured if row["cache"] == "oscar"}
     baselines = {row["variant"] for row in measured if row["cache"] != "oscar"}
@@ -114,7 +116,8 @@ def test_out_of_memory_and_failures_are_rows(bench, tmp_path, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 7.00 GiB.\nmore")
         if options["cache_implementation"] == "oscar" and new_tokens > bench.WARMUP_TOKENS:
             raise RuntimeError("Unsupported: functools.wraps")
-        return {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": 3.0, "graphs_compiled": 0}
+        measured = {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": 3.0, "graphs_compiled": 0}
+        return {**measured, "cache_bytes": 1 << 20, "cache_bf16_bytes": 1 << 22}
 
     monkeypatch.setattr(bench, "timed_generate", fake_generate)
     variants = ["dynamic", "static-compiled", "oscar"]

@@ -2,32 +2,20 @@
 tiny model through its real code path (the record's layout, a row per cache and context naming its run, failures and
 the time budget kept as rows). (Its timings need a GPU; they are benchmark records, not tests.)"""
 
-import importlib.util
+import importlib
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
 FIELDS = ("run", "model", "context", "cache", "variant", "compiled", "prefill_chunk_size", "max_batch")
 MEASURED = ("tokens_per_s", "step_ms", "prefill_s", "peak_gib")
+ROOF = ("cache_bytes", "cache_bf16_bytes", "roof_ms", "roof_fraction", "bf16_roof_ms")
 
 
 @pytest.fixture(scope="module")
 def throughput():
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    try:
-        spec = importlib.util.spec_from_file_location("bench_throughput", ROOT / "benchmarks" / "bench_throughput.py")
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["bench_throughput"] = module  # its dataclass looks its module up there
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        for name in ("bench_throughput", "bench_generate"):
-            sys.modules.pop(name, None)
-        sys.path.remove(str(ROOT / "benchmarks"))
+    return importlib.import_module("bench_throughput")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 class FakeGPU:
@@ -112,12 +100,20 @@ def test_every_cache_gets_a_row_of_one_run(throughput, tmp_path):
     assert header["device"] == "cpu" and header["model"] == "tiny-llama" and header["capacity_gib"] is None
     assert [row["variant"] for row in record["rows"]] == list(throughput.CACHES)
     for row in record["rows"]:
-        assert all(field in row for field in FIELDS + MEASURED), row
+        assert all(field in row for field in FIELDS + MEASURED + ROOF), row
         assert row["run"] == run and row["context"] == 256 and "error" not in row, row
         # no memory to measure on the CPU: the search takes --max-batch
         assert row["max_batch"] == 2 and row["capped"] is True and row["oom"] is False
         assert row["tokens_per_s"] == pytest.approx(2000 / row["step_ms"]) and row["prefill_s"] > 0
         assert row["prefill_chunk_size"] == (None if row["variant"] == "dynamic" else 64)
+        # the byte roof of the step at the batch found (bytes over GB/s: ms)
+        read = header["weight_bytes"] + row["cache_bytes"]
+        assert row["roof_ms"] == pytest.approx(read / (header["copy_bandwidth"]["GBps"] * 1e6))
+        assert row["roof_fraction"] == pytest.approx(row["roof_ms"] / row["step_ms"])
+        if row["cache"] == "oscar":
+            assert row["cache_bytes"] < row["cache_bf16_bytes"]
+        else:  # bf16 caches
+            assert row["cache_bytes"] == row["cache_bf16_bytes"] and row["roof_ms"] == row["bf16_roof_ms"]
     assert {(r["oscar"], r["baseline"]) for r in record["ratios"]} == {
         ("oscar-compiled", "static-compiled"),
         ("oscar-compiled", "dynamic"),
@@ -141,7 +137,8 @@ def test_a_failing_cache_and_the_time_budget_are_rows(throughput, tmp_path, monk
             and options["cache_implementation"] == "oscar"
         ):
             raise RuntimeError("torch._dynamo.exc.Unsupported: can't trace functools.wraps\n(traceback)")
-        return {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": None, "tokens_per_s": batch * 500.0}
+        measured = {"step_ms": 2.0, "prefill_s": 1.0, "peak_gib": None, "tokens_per_s": batch * 500.0}
+        return {**measured, "cache_bytes": 1 << 20, "cache_bf16_bytes": 1 << 22}
 
     monkeypatch.setattr(throughput.bench, "timed_generate", fake_generate)
     args = ["--model", "tiny-llama", "--device", "cpu", "--contexts", "256", "--max-batch", "4", "--out", str(tmp_path)]

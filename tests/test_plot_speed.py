@@ -1,22 +1,16 @@
 """benchmarks/plot_speed.py draws a generate record: rows with and without `run`/`model`, out-of-memory rows, and
 several runs of one measurement (the last one in the record is drawn)."""
 
-import importlib.util
+import importlib
 import json
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
 def plot_speed():
     pytest.importorskip("matplotlib")
-    spec = importlib.util.spec_from_file_location("plot_speed", ROOT / "benchmarks" / "plot_speed.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module("plot_speed")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 
 ROWS = [

@@ -1,17 +1,13 @@
 """benchmarks/run_accuracy.py: its record is shared by processes that run plans for one model side by side, and the
 tables docs/accuracy.md prints from it."""
 
-import importlib.util
+import importlib
 import json
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-
 
 def _run_accuracy(results: Path, monkeypatch):
-    spec = importlib.util.spec_from_file_location("run_accuracy", ROOT / "benchmarks" / "run_accuracy.py")
-    run_accuracy = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(run_accuracy)
+    run_accuracy = importlib.import_module("run_accuracy")  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
     monkeypatch.setattr(run_accuracy, "RESULTS", results)
     return run_accuracy
 

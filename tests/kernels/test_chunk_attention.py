@@ -23,18 +23,18 @@ from oscar_hf.kernels.chunk_attention import (
     chunk_attention_triton,
     merge_partial,
 )
-from reference_checks import assert_close_to_reference
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 from oscar_hf.reference import decode_attention as attention_reference
 from oscar_hf.reference import quantize_kv
+from oscar_hf.testing import assert_close_to_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-# The decode kernel's tolerances (reference_checks.py): the chunk kernel's arithmetic is the same (fp16 operands
+# The decode kernel's tolerances (oscar_hf/testing.py): the chunk kernel's arithmetic is the same (fp16 operands
 # for the quantized part, the model dtype for the exact part and the probabilities that weigh it).
 @dataclass(frozen=True)
 class Case:

@@ -7,76 +7,28 @@ Small shapes run everywhere (CPU CI: Triton's interpreter); `gpu`-marked ones ne
 from __future__ import annotations
 
 import itertools
-import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
 import triton
 import triton.language as tl
-from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton, decode_workspace
 from oscar_hf.kernels import decode_attention as launcher
+from oscar_hf.kernels import decode_attention_triton, decode_workspace
 from oscar_hf.kernels.decode_attention import decode_plan
 from oscar_hf.kernels.decode_tiles import unpack_codes_t
 from oscar_hf.kernels.decode_tuning import DecodeTuning, default_tuning, few_heads, num_splits
-from reference_checks import assert_close_to_reference
 
-from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_groups, quantize_kv
+from oscar_hf.testing import DecodeCase, assert_close_to_reference, check_decode_case, decode_inputs, random_decode_case
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-@dataclass(frozen=True)
-class Case:
-    batch: int = 2
-    kv_heads: int = 2
-    gqa: int = 4
-    q_len: int = 1
-    head_dim: int = 64
-    quantized: int = 96
-    residual: int = 5
-    dtype: torch.dtype = torch.bfloat16
-    key_bits: int = 2
-    value_bits: int = 2
-    rotation: bool = True
-    token_scaling: bool = True
-    group_size: int = 32
-    scale_dtype: str = "float16"
-    left_pad: int = 0
-    extreme_norms: bool = False
-    views: bool = False
-    method: str = "paper"
-    row_major: bool = False  # storage as the cache allocates it (the reference quantizer's is channel-major)
-
-    @property
-    def id(self) -> str:
-        flags = "".join(
-            f
-            for f, on in (
-                ("-noRot", not self.rotation),
-                ("-noScale", not self.token_scaling),
-                (f"-pad{self.left_pad}", self.left_pad),
-                ("-extreme", self.extreme_norms),
-                ("-views", self.views),
-                ("-rowMajor", self.row_major),
-                ("-perHeadKeyRotation", self.method == "oscar"),
-                (f"-G{self.group_size}", self.group_size != 32),
-                ("-fp32scales", self.scale_dtype != "float16"),
-            )
-            if on
-        )
-        dtype = str(self.dtype).removeprefix("torch.")
-        return (
-            f"B{self.batch}-Hkv{self.kv_heads}-g{self.gqa}-Tq{self.q_len}-D{self.head_dim}-L{self.quantized}-"
-            f"R{self.residual}-{dtype}-K{self.key_bits}V{self.value_bits}{flags}"
-        )
-
-
-BASE = Case()
+BASE = DecodeCase()
 CASES = [
     # every head_dim in both 16-bit dtypes
     *(replace(BASE, head_dim=d, dtype=dt) for d in (64, 128, 256) for dt in (torch.bfloat16, torch.float16)),
@@ -120,75 +72,9 @@ CASES = [
 ]
 
 
-def _capacity_view(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
-    """`t` copied into a larger buffer (garbage beyond it) and returned as a view with the buffer's strides."""
-    shape = list(t.shape)
-    shape[dim] += extra
-    if t.is_floating_point():
-        buf = torch.randn(shape, device=t.device).to(t.dtype)
-    else:
-        buf = torch.full(shape, 0x12345678, dtype=t.dtype, device=t.device)
-    view = buf.narrow(dim, 0, t.shape[dim])
-    view.copy_(t)
-    return view
-
-
-def make_inputs(case: Case, seed: int = 0):
-    gen = torch.Generator(device="cpu").manual_seed(seed)
-
-    def randn(*shape):
-        return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=case.dtype)
-
-    config = OscarConfig(
-        key_bits=case.key_bits,
-        value_bits=case.value_bits,
-        rotation=case.rotation,
-        token_scaling=case.token_scaling,
-        group_size=case.group_size,
-        scale_dtype=case.scale_dtype,
-        method=case.method,
-        sink_tokens=0,
-    )
-    # method="oscar": a random per-(row, head) choice, both kinds present whenever there are two heads
-    key_rotated = None
-    if case.rotation and case.method == "oscar":
-        key_rotated = (torch.arange(case.batch * case.kv_heads) + seed) % 2 == 0
-        key_rotated = key_rotated[torch.randperm(key_rotated.numel(), generator=gen)].view(case.batch, case.kv_heads)
-        key_rotated = key_rotated.to(DEVICE)
-    q_heads = case.kv_heads * case.gqa
-    if case.views:  # HF's layout: [B, T, H, D] transposed to [B, H, T, D]
-        query = randn(case.batch, case.q_len, q_heads, case.head_dim).transpose(1, 2)
-    else:
-        query = randn(case.batch, q_heads, case.q_len, case.head_dim)
-    quantized = None
-    if case.quantized:
-        keys = randn(case.batch, case.kv_heads, case.quantized, case.head_dim)
-        values = randn(case.batch, case.kv_heads, case.quantized, case.head_dim)
-        if case.extreme_norms:
-            keys[:, :, 3] *= 0.01
-            keys[:, :, case.quantized // 2 + 1] *= 100.0
-        quantized = quantize_kv(keys, values, config, key_rotated)
-        if case.row_major:
-            quantized = QuantizedKV(*(None if t is None else t.contiguous() for t in quantized))
-        if case.views:
-            quantized = QuantizedKV(*(None if t is None else _capacity_view(t, 2, 48) for t in quantized))
-    residual_keys = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
-    residual_values = randn(case.batch, case.kv_heads, case.residual, case.head_dim)
-    if case.views:
-        residual_keys = _capacity_view(residual_keys, 2, 128 - case.residual)
-        residual_values = _capacity_view(residual_values, 2, 128 - case.residual)
-    mask = None
-    if case.left_pad:
-        mask = torch.ones(case.batch, case.quantized + case.residual, dtype=torch.bool, device=DEVICE)
-        mask[0, : case.left_pad] = False
-        if case.batch > 1:
-            mask[1, : case.left_pad // 2] = False
-    return query, quantized, residual_keys, residual_values, mask, 1.0 / math.sqrt(case.head_dim), config, key_rotated
-
-
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_decode_attention_matches_reference(case: Case):
-    inputs = make_inputs(case)
+def test_decode_attention_matches_reference(case: DecodeCase):
+    inputs = decode_inputs(case)
     out = decode_attention_triton(*inputs)
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
@@ -222,7 +108,7 @@ def test_merge_over_several_steps():
     """The merge kernel's per-slot running (m, l, acc) across steps: a merge tile of 4 partials over this case's 9
     splits + the residual program (a partial last step), with the first splits fully masked (m = -inf, l = 0)."""
     case = replace(BASE, quantized=544, batch=1, kv_heads=1, left_pad=200)
-    inputs = make_inputs(case)
+    inputs = decode_inputs(case)
     tuning = replace(default_tuning(case.head_dim, case.gqa, torch.float16), merge_tile=4 * case.head_dim)
     blocks = triton.cdiv(case.quantized, tuning.block_n)
     assert num_splits(1, blocks, DEVICE, tuning, few_heads(1, DEVICE)) + 1 > 8  # three steps of 4 partials
@@ -254,16 +140,16 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),
         (replace(BASE, quantized=640, residual=64, head_dim=128, row_major=True, value_bits=4, left_pad=90), 0, 384, 9),
     ],
-    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+    ids=lambda v: v.id if isinstance(v, DecodeCase) else str(v),
 )
-def test_device_length_reads_only_what_is_held(case: Case, sinks: int, held_quantized: int, held_exact: int):
+def test_device_length_reads_only_what_is_held(case: DecodeCase, sinks: int, held_quantized: int, held_exact: int):
     """Compiled decode's launch: the whole storage (`case.quantized` tokens of capacity) and the exact slots
     (`case.residual`: `sinks` sink slots, then a window of R = residual - sinks), the tokens held (sinks included) in a
     device tensor: the kernel reads L = max(length - sinks - 1, 0) // R * R quantized tokens and the first length - L
     exact slots (mask columns [0, L), then L + j for slot j). Everything past them holds random codes and values (and
     the mask past them attends), so reading any of it would change the output; the expectation is the reference over
     the held tokens alone."""
-    query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = make_inputs(case)
+    query, quantized, residual_keys, residual_values, mask, scaling, config, key_rotated = decode_inputs(case)
     window = case.residual - sinks
     assert held_quantized % window == 0 and 1 <= held_exact <= case.residual  # how the cache holds tokens
     assert held_quantized == 0 or held_exact > sinks  # the window holds 1..R once anything is quantized
@@ -289,7 +175,7 @@ def test_device_length_reads_only_what_is_held(case: Case, sinks: int, held_quan
 
 
 def test_quantized_none_equals_zero_tokens():
-    query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
+    query, quantized, rk, rv, mask, scaling, config, _ = decode_inputs(replace(BASE, quantized=32, batch=1))
     empty = QuantizedKV(*(None if t is None else t[..., :0, :] if t.dim() == 4 else t[..., :0] for t in quantized))
     a = decode_attention_triton(query, None, rk, rv, None, scaling, config)
     b = decode_attention_triton(query, empty, rk, rv, None, scaling, config)
@@ -297,7 +183,7 @@ def test_quantized_none_equals_zero_tokens():
 
 
 def test_rejects_bad_inputs():
-    query, quantized, rk, rv, mask, scaling, config, _ = make_inputs(replace(BASE, quantized=32, batch=1))
+    query, quantized, rk, rv, mask, scaling, config, _ = decode_inputs(replace(BASE, quantized=32, batch=1))
     with pytest.raises(ValueError, match="Tq"):
         decode_attention_triton(query.expand(-1, -1, 6, -1), quantized, rk, rv, None, scaling, config)
     with pytest.raises(ValueError, match="key_padding_mask"):
@@ -323,21 +209,21 @@ def test_rejects_bad_inputs():
 
 
 GPU_CASES = [
-    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
-    Case(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
-    Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, key_bits=4, value_bits=4),
-    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=4, value_bits=2),
-    Case(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=4),
-    Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
-    Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
-    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
+    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
+    DecodeCase(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
+    DecodeCase(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, key_bits=4, value_bits=4),
+    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=4, value_bits=2),
+    DecodeCase(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=4),
+    DecodeCase(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
+    DecodeCase(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
+    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_decode_attention_large(case: Case):
-    inputs = make_inputs(case, seed=1)
+def test_decode_attention_large(case: DecodeCase):
+    inputs = decode_inputs(case, seed=1)
     out = decode_attention_triton(*inputs)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(out, ref, case.dtype, case.id)
@@ -377,10 +263,10 @@ GLUON_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
-def test_gluon_full_blocks(case: Case):
+def test_gluon_full_blocks(case: DecodeCase):
     """The Gluon kernel reads every full 128-token block of these (kernels/decode_gluon.py; with a device
     length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
-    inputs = make_inputs(case, seed=2)
+    inputs = decode_inputs(case, seed=2)
     query, quantized, rk, rv, mask, scaling, config, key_rotated = inputs
     tuning = _gluon_tuning(case)
     plan = decode_plan(query, quantized, rk, rv, mask, config, key_rotated, tuning=tuning)
@@ -393,10 +279,10 @@ def test_gluon_full_blocks(case: Case):
 @pytest.mark.parametrize(
     "case", [replace(GLUON, scale_dtype="float32"), replace(GLUON, group_size=64)], ids=lambda c: c.id
 )
-def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kernel(case: Case):
+def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kernel(case: DecodeCase):
     """The Gluon kernel is compiled for fp16 scales in groups of 32: it declines others, naming why (asked to run: the
     default tuning for fp32 scales runs none), and the Triton kernel reads every quantized token instead."""
-    inputs = make_inputs(case, seed=2)
+    inputs = decode_inputs(case, seed=2)
     tuning = replace(_gluon_tuning(case), gluon_programs_per_sm=_gluon_tuning(GLUON).gluon_programs_per_sm)
     plan = decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=tuning)
     assert plan.gluon is None and "groups of 32, fp16 scales" in plan.why_not_gluon, plan.why_not_gluon
@@ -404,7 +290,7 @@ def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kerne
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
 
 
-def _gluon_tuning(case: Case) -> DecodeTuning:
+def _gluon_tuning(case: DecodeCase) -> DecodeTuning:
     """The launch choices that run the Gluon kernel for `case`: the long-context ones (these cases are short, and
     over few KV heads `default_tuning` picks the Triton kernel's 128-token steps for them, running no Gluon kernel)."""
     return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
@@ -461,14 +347,14 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=384 + 32, key_bits=4, left_pad=50), None),
         (replace(GLUON, quantized=384 + 64, key_bits=4, value_bits=4, batch=1), None),
     ],
-    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+    ids=lambda v: v.id if isinstance(v, DecodeCase) else str(v),
 )
-def test_gluon_partial_slots(case: Case, held, monkeypatch):
+def test_gluon_partial_slots(case: DecodeCase, held, monkeypatch):
     """The launch around the Gluon kernel, on any device (CPU: Triton's interpreter): a float64 stand-in for the
     Gluon kernel fills the first partial slots from the query operand the Triton kernel writes, whose one quantized
     program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
     The step must match the reference; a wrong query operand, slot or block offset would not."""
-    query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=3)
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = decode_inputs(case, seed=3)
     monkeypatch.setattr(launcher, "_PLANS", {})  # plans made here (with the stand-in) are not kept for other tests
     monkeypatch.setattr(launcher, "_gluon_splits", lambda *args: (2, ""))
     monkeypatch.setattr(launcher._gluon, "launch", _gluon_partials_in_torch)
@@ -484,72 +370,22 @@ def test_gluon_partial_slots(case: Case, held, monkeypatch):
     assert_close_to_reference(out, ref, case.dtype, case.id)
 
 
-def random_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv_heads: int = 8) -> Case:
-    """A random decode case (the kernel fuzzer's, benchmarks/fuzz_kernels.py; CI runs a seeded slice below).
-
-    Lengths are multiples of nothing but the group size the storage requires; `max_tokens` bounds
-    batch * KV heads * (quantized + residual) so the float64 reference fits. Compile-time choices (query tokens,
-    flags, dtypes) come from short lists so that a thousand cases need a few hundred compilations, not one each.
-    """
-    head_dim = rng.choice((64, 128, 256))
-    group_size = 64 if rng.random() < 0.2 else 32
-    gqa = rng.choice((1, 2, 4, 5, 8))
-    residual = rng.randint(1, 128)
-    q_len = rng.choice([t for t in (1, 1, 1, 3, 8) if t <= residual and gqa * t <= DECODE_MAX_QUERY_ROWS])
-    paper = rng.random() < 0.8  # rotation and token scaling both on: the default
-    kv_heads = rng.randint(1, max_kv_heads)
-    batch = min(max_batch, max(1, int(2 ** rng.uniform(0, 6))))  # 1 .. 64, log-uniform
-    per_row = max_tokens // (batch * kv_heads)
-    quantized = group_size * rng.randint(1, max(1, (per_row - residual) // group_size))
-    batch = max(1, min(batch, max_tokens // (kv_heads * (quantized + residual))))
-    key_bits = 4 if rng.random() < 0.25 else 2
-    return Case(
-        batch=batch,
-        kv_heads=kv_heads,
-        gqa=gqa,
-        q_len=q_len,
-        head_dim=head_dim,
-        quantized=quantized,
-        residual=residual,
-        dtype=rng.choice((torch.bfloat16, torch.float16)),
-        key_bits=key_bits,
-        value_bits=key_bits if rng.random() < 0.7 else 6 - key_bits,  # 2 and 4 bits, or 4 and 2
-        rotation=paper or rng.random() < 0.5,
-        token_scaling=paper or rng.random() < 0.5,
-        group_size=group_size,
-        scale_dtype="float32" if rng.random() < 0.05 else "float16",
-        left_pad=rng.randint(1, quantized + residual - q_len) if rng.random() < 0.3 else 0,
-        views=rng.random() < 0.3,
-        method="oscar" if rng.random() < 0.2 else "paper",
-        row_major=rng.random() < 0.5,
-    )
-
-
-def check_random_case(case: Case, seed: int) -> float:
-    """Run one case against the float64 reference; return the relative RMSE (raises on a tolerance breach)."""
-    inputs = make_inputs(case, seed=seed)
-    out = decode_attention_triton(*inputs)
-    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
-    assert_close_to_reference(out, ref, case.dtype, case.id)
-    return ((out.double() - ref).norm() / ref.norm()).item()
-
-
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_float32_scales_are_as_accurate_as_float16_scales(dtype):
     """float32 scales make the quantized dots' operands float32; one TF32 product truncated them on GPUs (fuzz case
     907: 2.1e-3 relative RMSE against 4e-4 with float16 scales, where the fp16 tolerance is 2e-3). Each against the
     float64 reference of its own stored codes, float32 scales must not be the less accurate (x 1.5: the two stores
     round differently)."""
-    case = Case(batch=2, kv_heads=3, gqa=2, head_dim=64, quantized=512, residual=40, dtype=dtype, value_bits=4)
+    case = DecodeCase(batch=2, kv_heads=3, gqa=2, head_dim=64, quantized=512, residual=40, dtype=dtype, value_bits=4)
     scale_dtypes = ("float16", "float32")
-    errors = {scales: check_random_case(replace(case, scale_dtype=scales), seed=907) for scales in scale_dtypes}
+    errors = {scales: check_decode_case(replace(case, scale_dtype=scales), seed=907) for scales in scale_dtypes}
     assert errors["float32"] <= 1.5 * errors["float16"], errors
 
 
 @pytest.mark.parametrize("seed", range(6))
 def test_fuzz_slice(seed: int):
     """A seeded slice of the GPU fuzzer, at interpreter-friendly sizes."""
-    check_random_case(random_case(random.Random(seed), max_tokens=640, max_batch=2, max_kv_heads=2), seed)
+    check_decode_case(random_decode_case(random.Random(seed), max_tokens=640, max_batch=2, max_kv_heads=2), seed)
 
 
 def _bad_inputs(inputs, kind: str):
@@ -580,12 +416,14 @@ BAD_INPUTS = {  # what the error names
 }
 
 
-def _fresh(seed: int, case: Case):
+def _fresh(seed: int, case: DecodeCase):
     """The inputs of another step of the same shapes: other tensors (other addresses), the same launch facts."""
-    return make_inputs(case, seed=seed)
+    return decode_inputs(case, seed=seed)
 
 
-def _check_plan_reuse_and_refusals(case: Case, monkeypatch, tuning: DecodeTuning | None = None) -> launcher.DecodePlan:
+def _check_plan_reuse_and_refusals(
+    case: DecodeCase, monkeypatch, tuning: DecodeTuning | None = None
+) -> launcher.DecodePlan:
     monkeypatch.setattr(launcher, "_PLANS", {})
     made = []
     make_plan = launcher._make_plan
@@ -617,7 +455,7 @@ def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [replace(GLUON, left_pad=70), replace(BASE, left_pad=7)], ids=lambda c: c.id)
-def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Case, monkeypatch):
+def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: DecodeCase, monkeypatch):
     """On the GPU the plan's kernels launch through their compiled launchers after the first step (`BoundKernel`): the
     later steps must still read their own tensors, and bad inputs must still be refused."""
     plan = _check_plan_reuse_and_refusals(case, monkeypatch, _gluon_tuning(case) if case.head_dim == 128 else None)
@@ -631,7 +469,7 @@ def test_the_steps_that_fill_a_residual_window_share_a_plan(monkeypatch):
     the window's views and the mask's dtype, batch and alignment) takes the tokens held and the mask's width and row
     stride per call, each step reading exactly its own; a window the plan cannot read is still refused."""
     case = replace(BASE, views=True, quantized=160, q_len=2, residual=9, left_pad=7)
-    query, quantized, rk, rv, mask, scaling, config, key_rotated = make_inputs(case, seed=5)
+    query, quantized, rk, rv, mask, scaling, config, key_rotated = decode_inputs(case, seed=5)
     monkeypatch.setattr(launcher, "_PLANS", {})
     made = []
     make_plan = launcher._make_plan
@@ -659,7 +497,7 @@ def test_the_workspace_is_per_stream_and_captured_graphs_have_their_own(monkeypa
     of the eager calls' buffers."""
     case = replace(GLUON, left_pad=70)
     tuning = _gluon_tuning(case)
-    steps = [make_inputs(case, seed=seed) for seed in range(3)]
+    steps = [decode_inputs(case, seed=seed) for seed in range(3)]
     refs = [decode_attention_reference(*step, compute_dtype=torch.float64, out_dtype=torch.float64) for step in steps]
     monkeypatch.setattr(decode_workspace, "WORKSPACES", {})
     decode_attention_triton(*steps[0], tuning=tuning)  # compiles and binds the plan's kernels
@@ -698,7 +536,7 @@ def test_eager_calls_share_a_workspace_and_compiled_ones_do_not(monkeypatch):
     case = replace(BASE, quantized=128, residual=8, left_pad=7)  # a device length reads (length - 1) // R * R tokens
     monkeypatch.setattr(decode_workspace, "WORKSPACES", {})
     for seed in range(2):
-        inputs = make_inputs(case, seed=seed)
+        inputs = decode_inputs(case, seed=seed)
         ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
         assert_close_to_reference(decode_attention_triton(*inputs), ref, case.dtype, f"{case.id} eager {seed}")
     (buffers,) = decode_workspace.WORKSPACES.values()
