@@ -10,8 +10,7 @@ from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
-from oscar_hf.config import DEFAULT_AVG_BITS
-from oscar_hf.config import SUPPORTED_WIDTHS
+from oscar_hf.config import DEFAULT_AVG_BITS, SUPPORTED_WIDTHS
 from oscar_hf.layer_widths import add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
 from oscar_hf.reference import (
     dequantize_kv,

@@ -12,11 +12,11 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
-from oscar_hf.cache.backends import query_tokens
 from oscar_hf.kernels import DECODE_MAX_QUERY_ROWS
 from transformers import LlamaConfig
 
 from oscar_hf import OscarCache, OscarLayer
+from oscar_hf.cache.backends import query_tokens
 from oscar_hf.reference import token_norms
 
 WORLD = 2
