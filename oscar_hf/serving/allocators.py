@@ -11,10 +11,12 @@ it). Reads and writes go through `OscarPagedCache.update`; the per-token index p
 
 from __future__ import annotations
 
+import math
+
 import torch
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, CacheAllocator, CachePool
 
-from .pages import PageLayout, TailLayout
+from .pages import PAGE_ALIGN, PageLayout, TailLayout, round_up
 
 _INDEX_PATHS = "the 2-bit pool reads and writes its pages in OscarPagedCache.update, not through per-token indices"
 
@@ -26,7 +28,8 @@ def quantized_pages(length: int, sinks: int, page_tokens: int) -> int:
 
 
 class _PoolAllocator(CacheAllocator):
-    """What both allocators share: no per-token index path, no kernel block table (yet)."""
+    """What both allocators share: blocks of one padded size (one transformers "page" each: `pages_per_block` 1), no
+    per-token index path, no kernel block table (yet)."""
 
     supports_block_table = False
     rows_per_token = 1  # transformers' stride of token rows: the pool has none, its blocks are addressed by views
@@ -61,19 +64,28 @@ class _PoolAllocator(CacheAllocator):
 
 class PageAllocator(_PoolAllocator):
     """Page blocks of the full-attention layers `layer_indices`: block b holds, for each of them in order, its page
-    (`PageLayout`) of the same R tokens. Complete pages are shared between requests with the same prefix (transformers'
-    block hashing), when the pool allows it (`OscarPagedCache`)."""
+    (`PageLayout`) of the same R tokens, in `block_bytes` (at least the pages' bytes). Complete pages are shared
+    between requests with the same prefix (transformers' block hashing), when the pool allows it (`OscarPagedCache`)."""
 
     supports_block_sharing = True
     layer_type = FULL_ATTENTION
 
-    def __init__(self, index: int, layer_indices: list[int], page: PageLayout, sinks: int, allow_block_sharing: bool):
+    def __init__(
+        self,
+        index: int,
+        layer_indices: list[int],
+        page: PageLayout,
+        block_bytes: int,
+        sinks: int,
+        allow_block_sharing: bool,
+    ):
         self.page, self.sinks = page, sinks
-        self._before_cache_tensor_init(index, layer_indices, page.tokens, page.bytes, allow_block_sharing)
+        self._before_cache_tensor_init(index, layer_indices, page.tokens, block_bytes, allow_block_sharing)
+        self.pages_per_block, self.bytes_per_block = 1, block_bytes  # the layers' pages, padded (`sector_geometry`)
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         self._register(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
-        self.views = [self.page.views(cache_tensor, self.bytes_per_block, i) for i in range(self.pages_per_block)]
+        self.views = [self.page.views(cache_tensor, self.bytes_per_block, i) for i in range(len(self.layer_indices))]
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         held = len(self.block_table.get(request_id, []))
@@ -81,8 +93,8 @@ class PageAllocator(_PoolAllocator):
 
 
 class TailAllocator(_PoolAllocator):
-    """One tail block per running request (`TailLayout`), padded to a whole number of page blocks so that sectors hold
-    both kinds without waste beyond that padding. Never shared."""
+    """One tail block per running request (`TailLayout`), padded to divide the sector (`sector_geometry`). Never
+    shared."""
 
     supports_block_sharing = False
     layer_type = "oscar_tail"  # never one of the model's layer types: transformers' batch inputs skip it
@@ -101,3 +113,35 @@ class TailAllocator(_PoolAllocator):
 
     def block_of(self, request_id: str) -> int:
         return self.block_table[request_id][0]
+
+
+def _divisors(number: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(number) + 1) if number % d == 0]
+    return sorted({*small, *(number // d for d in small)})
+
+
+def sector_geometry(page_block: int, tail_block: int, sliding_block: int | None) -> tuple[int, int, int]:
+    """(sector, page block, tail block) bytes: the blocks padded (to multiples of `PAGE_ALIGN`) so that both divide
+    the sector, which `sliding_block` (transformers' sliding-window blocks, fixed) must divide too.
+
+    Without sliding-window layers the tail is padded to a whole number of page blocks, and the sector is one tail.
+    With them, the sector is a small multiple of the sliding block and each block the smallest of its divisors that
+    holds it, the multiple chosen to waste the least of a page block first (a request holds many pages, one tail),
+    then of a tail: the least common multiple of arbitrary sizes could be gigabytes."""
+    page_block = round_up(page_block, PAGE_ALIGN)
+    if sliding_block is None:
+        tail_block = round_up(tail_block, page_block)
+        return tail_block, page_block, tail_block
+    base = math.lcm(sliding_block, PAGE_ALIGN)
+    best = None
+    for multiple in range(1, -(-max(page_block, tail_block) // base) + 16):
+        sector = base * multiple
+        sizes = [PAGE_ALIGN * d for d in _divisors(sector // PAGE_ALIGN)]
+        page = next((size for size in sizes if size >= page_block), None)
+        tail = next((size for size in sizes if size >= tail_block), None)
+        if page is None or tail is None:
+            continue
+        key = (round(page / page_block, 3), round(tail / tail_block, 2), sector)
+        if best is None or key < best[0]:
+            best = key, (sector, page, tail)
+    return best[1]

@@ -31,6 +31,7 @@ from packaging.specifiers import SpecifierSet
 from transformers.utils.generic import is_flash_attention_requested
 
 from ..config import OscarConfig
+from .pool import OscarPagedCache, layer_groups
 
 try:  # the names the hooks replace (continuous batching may be laid out otherwise on an unsupported version)
     from transformers import ContinuousBatchingConfig
@@ -106,6 +107,7 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
             "The 2-bit pool quantizes per-head keys and values; latent attention (MLA: kv_lora_rank) caches latents. "
             "Use continuous batching without cache_implementation='oscar' for this model."
         )
+    layer_groups(text_config)  # refuses a model without full-attention layers
     window = oscar.residual_length
     if cb_config.page_size not in (ContinuousBatchingConfig.page_size, window):
         raise ValueError(
@@ -208,8 +210,6 @@ def _wrap_add_request(original):
 def paged_cache(*args, continuous_batching_config, **kwargs):
     """What continuous batching builds its cache with: the 2-bit pool for a config marked by the manager, transformers'
     `PagedAttentionCache` otherwise."""
-    from .pool import OscarPagedCache
-
     oscar = getattr(continuous_batching_config, POOL_CONFIG, None)
     if oscar is None:
         return PagedAttentionCache(*args, continuous_batching_config=continuous_batching_config, **kwargs)

@@ -3,8 +3,8 @@ history in 2-bit pages.
 
 Memory: one flat buffer cut into sectors, as transformers does, shared by three allocators: the 2-bit page blocks
 (`PageAllocator`), one tail per running request (`TailAllocator`: its sinks and window, exact), and, on a hybrid model,
-transformers' own sliding-window allocator (exact, pages of R tokens). A sector is a multiple of every block size;
-a tail is padded to a whole number of page blocks, so sectors stay small. The memory handler is transformers'
+transformers' own sliding-window allocator (exact, pages of R tokens). Every block size divides the sector, the
+pool's blocks padded so that sectors stay small (`allocators.sector_geometry`). The memory handler is transformers'
 (`PagedAttentionMemoryHandler`): it sizes the sectors from free memory (or `num_blocks`: page blocks of R tokens), with
 the real bytes of a page block, and charges each readable token the dense read-back and mask that sdpa/eager
 attention costs (the portable path; kernels reading pages in place will not need them).
@@ -18,8 +18,6 @@ transformers' own update. Every quantize/dequantize call is `PageCodec`'s (`code
 
 from __future__ import annotations
 
-from math import lcm
-
 import torch
 from transformers.generation.continuous_batching.cache import (
     PagedAttentionCache,
@@ -28,6 +26,7 @@ from transformers.generation.continuous_batching.cache import (
 )
 from transformers.generation.continuous_batching.cache_allocators import (
     FULL_ATTENTION,
+    SLIDING_ATTENTION,
     CachePool,
     SlidingAttentionCacheAllocator,
 )
@@ -36,9 +35,20 @@ from transformers.generation.continuous_batching.utils import find_head_dim, fin
 
 from ..config import OscarConfig
 from ..reference import check_head_dim
-from .allocators import PageAllocator, TailAllocator
-from .pages import PAGE_ALIGN, PageCodec, PageLayout, TailLayout, round_up
+from .allocators import PageAllocator, TailAllocator, sector_geometry
+from .pages import PageCodec, PageLayout, TailLayout
 from .plan import BatchPlan, RequestStep
+
+
+def layer_groups(config) -> dict[str, list[int]]:
+    """transformers' layer groups by attention type, refusing a model without full-attention layers."""
+    groups = group_layers_by_attn_type(config)
+    if FULL_ATTENTION not in groups:
+        raise ValueError(
+            "The 2-bit pool quantizes full-attention layers, and this model has none (sliding-window layers only); "
+            "use continuous batching without cache_implementation='oscar'."
+        )
+    return groups
 
 
 class OscarPagedCache(PagedAttentionCache):
@@ -73,34 +83,29 @@ class OscarPagedCache(PagedAttentionCache):
         # prefix never computes its first tokens, which the pool keeps only in the finished request's tail).
         sharing = continuous_batching_config.allow_block_sharing and sinks == 0
 
-        self.cache_allocators = {}
-        for index, (attn_type, layers) in enumerate(group_layers_by_attn_type(config).items()):
-            if attn_type == FULL_ATTENTION:
-                page = PageLayout.of(oscar_config, heads, head_dim)
-                allocator = PageAllocator(index, layers, page, sinks, sharing)
-            else:
-                allocator = SlidingAttentionCacheAllocator(
-                    index=index,
-                    config=config,
-                    num_key_value_heads=heads,
-                    cache_dtype=dtype,
-                    page_size=window,
-                    layer_indices=layers,
-                    allow_block_sharing=sharing,
-                )
-            self.cache_allocators[attn_type] = allocator
-        if FULL_ATTENTION not in self.cache_allocators:
-            raise ValueError(
-                "The 2-bit pool quantizes full-attention layers, and this model has none (sliding-window layers "
-                "only); use continuous batching without cache_implementation='oscar'."
+        groups = layer_groups(config)
+        page = PageLayout.of(oscar_config, heads, head_dim)
+        sliding = None
+        if SLIDING_ATTENTION in groups:
+            sliding = SlidingAttentionCacheAllocator(
+                index=list(groups).index(SLIDING_ATTENTION),
+                config=config,
+                num_key_value_heads=heads,
+                cache_dtype=dtype,
+                page_size=window,
+                layer_indices=groups[SLIDING_ATTENTION],
+                allow_block_sharing=sharing,
             )
-        self.pages: PageAllocator = self.cache_allocators[FULL_ATTENTION]
+        full = groups[FULL_ATTENTION]
+        tail = TailLayout(len(full), sinks, window, heads, head_dim, dtype)
+        self.bytes_per_sector, page_block, tail_block = sector_geometry(
+            len(full) * page.bytes, tail.bytes, None if sliding is None else sliding.bytes_per_block
+        )
+        self.pages = PageAllocator(list(groups).index(FULL_ATTENTION), full, page, page_block, sinks, sharing)
+        self.cache_allocators = {t: self.pages if t == FULL_ATTENTION else sliding for t in groups}
+        self.tails = TailAllocator(len(groups), tail, tail_block)
         self.layer_to_allocator = {i: a for a in self.cache_allocators.values() for i in a.layer_indices}
-        tail = TailLayout(len(self.pages.layer_indices), sinks, window, heads, head_dim, dtype)
-        self.tails = TailAllocator(len(self.cache_allocators), tail, round_up(tail.bytes, self.pages.bytes_per_block))
         allocators = [*self.cache_allocators.values(), self.tails]
-
-        self.bytes_per_sector = lcm(*(a.bytes_per_block for a in allocators), PAGE_ALIGN)
         self.tokens_per_sector = max(
             self.bytes_per_sector // a.bytes_per_block * a.tokens_per_page for a in self.cache_allocators.values()
         )
