@@ -31,7 +31,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
     SlidingAttentionCacheAllocator,
 )
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
-from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads
+from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads, logger
 
 from ..config import OscarConfig
 from ..reference import check_head_dim
@@ -142,6 +142,12 @@ class OscarPagedCache(PagedAttentionCache):
         # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
         # when they are submitted (`hooks`), since transformers' scheduler could never place them.
         self.max_request_tokens = infer_max_single_request_tokens(self)
+        logger.info(
+            f"OScaR 2-bit pool: {self.num_sectors} sectors of {self.bytes_per_sector / 2**20:.2f} MiB, each "
+            f"{self.bytes_per_sector // self.pages.bytes_per_block} page blocks of {self.pages.tokens_per_page} tokens "
+            f"or {self.bytes_per_sector // self.tails.bytes_per_block} request tails; one request up to "
+            f"{self.max_request_tokens} tokens"
+        )
 
     # ---------------------------------------------------------------------------------------------------------
     # blocks: transformers' bookkeeping, with the tails beside the model's allocators
