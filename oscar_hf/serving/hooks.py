@@ -31,7 +31,7 @@ from packaging.specifiers import SpecifierSet
 from transformers.utils.generic import is_flash_attention_requested
 
 from ..config import OscarConfig
-from .pool import OscarPagedCache, layer_groups
+from .pool import OscarPagedCache, layer_groups, refuse_tensor_parallel
 
 try:  # the names the hooks replace (continuous batching may be laid out otherwise on an unsupported version)
     from transformers import ContinuousBatchingConfig
@@ -124,11 +124,7 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
 def _refuse_after(manager) -> None:
     """Refuse what the resolved continuous-batching config asks and the pool cannot do."""
     cb_config = manager.continuous_batching_config
-    if manager.distributed_helper.tp_size > 1:
-        raise ValueError(
-            "The 2-bit pool does not support tensor parallelism yet (its token norms span every KV head); run "
-            "continuous batching on one device, or drop cache_implementation='oscar'."
-        )
+    refuse_tensor_parallel(manager.distributed_helper.tp_size)
     if any(cb_config.cuda_graph_booleans):
         raise ValueError("The 2-bit pool does not run under CUDA graphs yet; pass use_cuda_graph=False.")
     if cb_config.use_async_batching:

@@ -40,6 +40,14 @@ from .pages import PageCodec, PageLayout, TailLayout
 from .plan import BatchPlan, RequestStep
 
 
+def refuse_tensor_parallel(tp_size: int) -> None:
+    if tp_size > 1:
+        raise ValueError(
+            "The 2-bit pool does not support tensor parallelism yet (its token norms span every KV head); run "
+            "continuous batching on one device, or drop cache_implementation='oscar'."
+        )
+
+
 def layer_groups(config) -> dict[str, list[int]]:
     """transformers' layer groups by attention type, refusing a model without full-attention layers."""
     groups = group_layers_by_attn_type(config)
@@ -68,11 +76,7 @@ class OscarPagedCache(PagedAttentionCache):
         dtype: torch.dtype = torch.float16,
         model_supports_logits_to_keep: bool = False,
     ) -> None:
-        if distributed_helper.tp_size > 1:
-            raise ValueError(
-                "The 2-bit pool does not support tensor parallelism yet (its token norms span every KV head); run "
-                "continuous batching on one device, or drop cache_implementation='oscar'."
-            )
+        refuse_tensor_parallel(distributed_helper.tp_size)
         self.config, self.dtype, self.device = config, dtype, device
         self.oscar_config = oscar_config
         self.max_blocks_per_request = continuous_batching_config.max_blocks_per_request or 0
