@@ -14,6 +14,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.serving import OscarPagedCache, pool_config
+from oscar_hf.serving import pool as pool_module
 from oscar_hf.serving.pages import PageLayout
 
 HEADS, HEAD_DIM, LAYERS = 2, 32, 2
@@ -103,9 +104,11 @@ class Driver:
         {"rotation": False, "scale_dtype": "float32"},
     ],
 )
-def test_pool_returns_what_an_oscar_cache_returns(options):
+def test_pool_returns_what_an_oscar_cache_returns(options, monkeypatch):
     """Random schedules: 1-3 requests join at once or while others decode, prompts of 1-700 tokens (below, at and past
-    a page, several pages) fed whole or in chunks, 1-token decode steps; every update of every layer compared."""
+    a page, several pages) fed whole or in chunks, 1-token decode steps; every update of every layer compared. Pages
+    are read two at a time (the pool's bound on its dequantization transients, made small enough to matter here)."""
+    monkeypatch.setattr(pool_module, "DEQUANTIZE_PAGES", 2)
     rng = random.Random(len(str(options)))
     random.seed(rng.random())
     oscar = pool_config(options)
@@ -113,7 +116,7 @@ def test_pool_returns_what_an_oscar_cache_returns(options):
     window = oscar.residual_length
     prompts: dict[str, list[int]] = {}  # request -> its remaining prompt chunks
     decodes: dict[str, int] = {}
-    for step in range(60):
+    for step in range(100):
         if len(prompts) + len(decodes) < 3 and rng.random() < 0.4:
             length = rng.choice([1, 3, window - 1, window, window + 1, window + oscar.sink_tokens, 2 * window + 5])
             length = rng.randint(1, 700) if rng.random() < 0.3 else length

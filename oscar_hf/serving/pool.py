@@ -59,6 +59,10 @@ def layer_groups(config) -> dict[str, list[int]]:
     return groups
 
 
+# Pages dequantized per read: bounds the float32 transients of the portable path (64 pages: 8192 tokens of a layer).
+DEQUANTIZE_PAGES = 64
+
+
 class OscarPagedCache(PagedAttentionCache):
     """The 2-bit paged pool (see the module docstring). Built by continuous batching when its generation config says
     `cache_implementation="oscar"` (`oscar_hf.serving.hooks`), with `oscar_config` resolved for the pool
@@ -271,24 +275,21 @@ class OscarPagedCache(PagedAttentionCache):
                 _gather(stage, plan.stage_new, states)
                 staged.append(stage.view(pages, page_tokens, heads, dim).transpose(1, 2))
             self.codec.write(layer, plan.quantize_blocks, *staged)
-        dequantized = [None, None]
-        if len(plan.dequantize_blocks):  # 2. the history before the update, dequantized
-            dequantized = [
-                states.transpose(1, 2).reshape(-1, heads, dim)
-                for states in self.codec.read(layer, plan.dequantize_blocks, key_states.dtype)
-            ]
-        dense = []
-        for states, tail, history in zip(new, tails, dequantized):
-            out = states.new_empty(plan.tokens, heads, dim)
+        dense = [states.new_empty(plan.tokens, heads, dim) for states in new]
+        for out, states, tail in zip(dense, new, tails):
             _gather(out, plan.out_tail, tail)
-            if history is not None:
-                _gather(out, plan.out_deq, history)
             _gather(out, plan.out_new, states)
-            dense.append(out.transpose(0, 1).unsqueeze(0))
+        # 2. the history before the update, dequantized a bounded number of pages at a time into the dense K/V
+        rows = plan.out_deq[0]  # the pages' rows of the dense K/V, in page order
+        for start in range(0, len(plan.dequantize_blocks), DEQUANTIZE_PAGES):
+            blocks = plan.dequantize_blocks[start : start + DEQUANTIZE_PAGES]
+            into = rows[start * page_tokens : (start + len(blocks)) * page_tokens]
+            for out, pages in zip(dense, self.codec.read(layer, blocks, key_states.dtype)):
+                out[into] = pages.transpose(1, 2).reshape(-1, heads, dim)
         for states, tail in zip(new, tails):  # 3. the new tokens that stay exact
             destination, source, blocks = plan.tail_writes
             tail[blocks, destination] = states[source]
-        return dense[0], dense[1]
+        return tuple(out.transpose(0, 1).unsqueeze(0) for out in dense)
 
 
 def _gather(out: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor, torch.Tensor], source: torch.Tensor) -> None:
