@@ -4,6 +4,9 @@ Gemma 3 sliding/full hybrid; prompts below, at and past a page and over several;
 prompts the scheduler splits; shared prefixes); with lossless quantization they equal stock continuous batching's;
 what the pool cannot serve is refused with an error naming what to do."""
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import transformers
@@ -12,8 +15,9 @@ from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 import oscar_hf
-from oscar_hf.serving import OscarPagedCache, pool_config
+from oscar_hf.serving import pool_config
 from oscar_hf.serving.pages import PageCodec
+from oscar_hf.serving.pool import OscarPagedCache
 
 NEW_TOKENS = 24
 # Lengths around a page (128 tokens) with the default 4 sinks: below, at, past it, and over several pages.
@@ -279,6 +283,29 @@ def test_unsupported_transformers_is_refused(llama, monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
     with pytest.raises(ValueError, match="needs transformers .*5\\.25.*this is 5\\.24\\.0"):
         llama.init_continuous_batching(generation_config=_generation_config({}))
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~5-10 s
+def test_an_unsupported_transformers_imports_no_pool():
+    """On another transformers version, `import oscar_hf` leaves continuous batching as it is (the pool, built on 5.25's
+    internals, is not even imported) and refuses cache_implementation="oscar" there, naming the supported versions."""
+    code = """
+import sys, transformers
+transformers.__version__ = "5.23.0"
+import oscar_hf
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.continuous_batching import cache, continuous_api
+assert "oscar_hf.serving.pool" not in sys.modules
+assert continuous_api.PagedAttentionCache is cache.PagedAttentionCache
+model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2))
+try:
+    model.init_continuous_batching(generation_config=GenerationConfig(cache_implementation="oscar"))
+except ValueError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "needs transformers" in result.stdout and "this is 5.23.0" in result.stdout
 
 
 def test_register_is_undone(llama):

@@ -13,9 +13,10 @@ from transformers.generation.continuous_batching.distributed import DistributedH
 from transformers.generation.continuous_batching.requests import RequestState
 
 from oscar_hf import OscarCache, OscarConfig
-from oscar_hf.serving import OscarPagedCache, pool_config
 from oscar_hf.serving import pool as pool_module
+from oscar_hf.serving import pool_config
 from oscar_hf.serving.pages import PageLayout
+from oscar_hf.serving.pool import OscarPagedCache
 
 HEADS, HEAD_DIM, LAYERS = 2, 32, 2
 

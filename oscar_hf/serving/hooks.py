@@ -28,10 +28,8 @@ import time
 
 import transformers
 from packaging.specifiers import SpecifierSet
-from transformers.utils.generic import is_flash_attention_requested
 
 from ..config import OscarConfig
-from .pool import OscarPagedCache, layer_groups, refuse_tensor_parallel
 
 try:  # the names the hooks replace (continuous batching may be laid out otherwise on an unsupported version)
     from transformers import ContinuousBatchingConfig
@@ -40,6 +38,8 @@ try:  # the names the hooks replace (continuous batching may be laid out otherwi
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingManager
 except ImportError:  # no continuous batching to hook
     continuous_api = ContinuousBatchingManager = None
+# The pool itself (`.pool`, built on the supported release's internals) is imported where it is used, on a supported
+# version only: `import oscar_hf` must work with any transformers `generate` supports.
 
 CACHE_IMPLEMENTATION = "oscar"
 SUPPORTED_TRANSFORMERS = SpecifierSet(">=5.25,<5.26")
@@ -91,6 +91,10 @@ def pool_config(cache_config: dict | OscarConfig | None) -> OscarConfig:
 
 def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> None:
     """Refuse what the pool cannot serve, from the manager's arguments."""
+    from transformers.utils.generic import is_flash_attention_requested
+
+    from .pool import layer_groups
+
     if getattr(generation_config, "num_return_sequences", None) not in (None, 1):
         raise ValueError(
             "The 2-bit pool cannot fork a request into several sequences (num_return_sequences > 1) yet: submit the "
@@ -123,6 +127,8 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
 
 def _refuse_after(manager) -> None:
     """Refuse what the resolved continuous-batching config asks and the pool cannot do."""
+    from .pool import refuse_tensor_parallel
+
     cb_config = manager.continuous_batching_config
     refuse_tensor_parallel(manager.distributed_helper.tp_size)
     if any(cb_config.cuda_graph_booleans):
@@ -206,6 +212,8 @@ def _wrap_add_request(original):
 def paged_cache(*args, continuous_batching_config, **kwargs):
     """What continuous batching builds its cache with: the 2-bit pool for a config marked by the manager, transformers'
     `PagedAttentionCache` otherwise."""
+    from .pool import OscarPagedCache
+
     oscar = getattr(continuous_batching_config, POOL_CONFIG, None)
     if oscar is None:
         return PagedAttentionCache(*args, continuous_batching_config=continuous_batching_config, **kwargs)
