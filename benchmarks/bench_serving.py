@@ -119,7 +119,8 @@ def run_cache(model, cache: str, prompts, args, bandwidth: float | None) -> dict
     device = model.device
     oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache == "oscar" else {}
     generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, **oscar)
-    options = {"max_batch_tokens": args.max_batch_tokens, "use_cuda_graph": False}
+    # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa)
+    options = {"max_batch_tokens": args.max_batch_tokens, "use_cuda_graph": False, "auto_switch_to_flash": False}
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     if args.max_memory_percent is not None:
