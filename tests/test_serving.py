@@ -35,7 +35,7 @@ def _generation_config(options: dict, new_tokens: int = NEW_TOKENS, **extra) -> 
 
 
 def _cb_config(**options) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(**{"num_blocks": 96, "max_batch_tokens": 1024, **options})
+    return ContinuousBatchingConfig(**{"num_blocks": 96, "max_batch_tokens": 2048, **options})
 
 
 def generate_batch(model, prompts, options: dict | None, new_tokens: int = NEW_TOKENS, **cb_options) -> list:
@@ -102,9 +102,18 @@ def gemma():
     ids=["2bit", "nosinks", "k4v2"],
 )
 def test_llama_tokens_equal_generate(llama, options):
+    """All prompts fit one batch's token budget (no prompt is split: split prompts have a test of their own)."""
     prompts = _prompts(PROMPTS)
     batched = generate_batch(llama, prompts, options)
     assert batched == [generate(llama, p, options) for p in prompts]
+
+
+def test_bfloat16_tokens_equal_generate(tiny_llama):
+    """In bfloat16 too (where a prompt split differently from generate's would change tokens: none is split here)."""
+    torch.manual_seed(0)
+    model = tiny_llama(dtype=torch.bfloat16, eos_token_id=None)
+    prompts = _prompts(PROMPTS)
+    assert generate_batch(model, prompts, {}) == [generate(model, p, {}) for p in prompts]
 
 
 def test_eager_attention_tokens_equal_generate(tiny_llama):
