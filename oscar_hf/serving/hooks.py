@@ -54,7 +54,10 @@ def supported(version: str | None = None) -> bool:
 
 
 def pool_config(cache_config: dict | OscarConfig | None) -> OscarConfig:
-    """`cache_config` (a dict of `OscarConfig` fields, or an `OscarConfig`) as the pool runs it.
+    """`cache_config` as the pool runs it.
+
+    Args:
+        cache_config (`dict`, `OscarConfig` or None): the generation config's `cache_config`: `OscarConfig` fields.
 
     Two defaults differ from `generate`'s, because the pool stores fixed layouts: no width given means `bits=2` (the
     paper's setting; `generate`'s default, bits="auto", chooses each layer's widths from its prompt, so a layer's pages

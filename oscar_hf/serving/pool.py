@@ -65,8 +65,14 @@ DEQUANTIZE_PAGES = 64
 
 class OscarPagedCache(PagedAttentionCache):
     """The 2-bit paged pool (see the module docstring). Built by continuous batching when its generation config says
-    `cache_implementation="oscar"` (`oscar_hf.serving.hooks`), with `oscar_config` resolved for the pool
-    (`hooks.pool_config`); the other arguments are transformers'."""
+    `cache_implementation="oscar"` (`oscar_hf.serving.hooks`).
+
+    Args:
+        oscar_config (`OscarConfig`): the pool's options, fixed widths (`hooks.pool_config` resolves them).
+        config, continuous_batching_config, device, distributed_helper, dtype, model_supports_logits_to_keep:
+            transformers' `PagedAttentionCache` arguments (the model's text config, the resolved continuous-batching
+            config, ...); `dtype` is the model's, that of the tails and of the dense K/V returned.
+    """
 
     codec_class = PageCodec  # the pool's quantize/dequantize backend (tests swap in a lossless one)
 
