@@ -6,6 +6,6 @@ from setuptools import setup
 
 setup(
     py_modules=["oscar_eval"],
-    packages=["oscar_hf", "oscar_hf.cache", "oscar_hf.integrations", "oscar_hf.kernels"],
+    packages=["oscar_hf", "oscar_hf.cache", "oscar_hf.integrations", "oscar_hf.kernels", "oscar_hf.serving"],
     package_dir={"oscar_hf": "oscar_hf", "oscar_hf.kernels": "kernels"},
 )

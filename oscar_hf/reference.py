@@ -61,7 +61,10 @@ def token_norms(keys: torch.Tensor, group=None) -> torch.Tensor:
     all-reduce of the squared norms.
     """
     k = keys.float() if keys.dtype != torch.float64 else keys
-    squares = k.square().sum(dim=(1, 3))
+    # Channels first, then heads: the same float sum whatever the memory layout of `keys` (a prefill's keys are
+    # token-major, a cache's window head-major; one reduction over both dims sums in a layout-dependent order), so a
+    # token's norm, and so its codes, do not depend on where the token was held when its block was quantized.
+    squares = k.square().sum(-1).sum(1)
     if group is not None:
         torch.distributed.all_reduce(squares, group=group)
     norms = squares.sqrt().unsqueeze(1)

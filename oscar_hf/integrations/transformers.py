@@ -29,6 +29,7 @@ from transformers.generation import configuration_utils
 from transformers.generation.utils import ALL_CACHE_NAMES, GenerationMixin
 
 from ..cache import OscarCache
+from ..serving import hooks as continuous_batching
 from . import fused_attention
 
 CACHE_IMPLEMENTATION = "oscar"
@@ -125,9 +126,10 @@ _WRAPPERS = {"_prepare_cache_for_generation": _wrap, "_prefill": _wrap_prefill}
 
 
 def register() -> None:
-    """Make `cache_implementation="oscar"` available to `generate` and install the fused `sdpa` entry (idempotent;
-    `import oscar_hf` calls it)."""
+    """Make `cache_implementation="oscar"` available to `generate` and to continuous batching (the 2-bit pool,
+    `oscar_hf.serving`), and install the fused `sdpa` entry (idempotent; `import oscar_hf` calls it)."""
     fused_attention.register()
+    continuous_batching.register()
     if CACHE_IMPLEMENTATION not in configuration_utils.ALL_CACHE_IMPLEMENTATIONS:
         configuration_utils.ALL_CACHE_IMPLEMENTATIONS += (CACHE_IMPLEMENTATION,)
     for name, wrap in _WRAPPERS.items():
@@ -143,4 +145,5 @@ def unregister() -> None:
         original = getattr(getattr(GenerationMixin, name), _WRAPPED_MARK, None)
         if original is not None:
             setattr(GenerationMixin, name, original)
+    continuous_batching.unregister()
     fused_attention.unregister()

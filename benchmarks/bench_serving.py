@@ -1,0 +1,250 @@
+"""Serving through transformers' continuous batching (`generate_batch`): the stock bf16 pool against the 2-bit pool.
+
+    python -P benchmarks/bench_serving.py                                   # Llama-3.1-8B shape, the issue's load
+    python -P benchmarks/bench_serving.py --requests 32 --min-prompt 2048 --max-prompt 8192 --new-tokens 64
+    python -P benchmarks/bench_serving.py --quick --model tiny-llama --device cpu --num-blocks 64
+
+One process runs every cache of `--caches` (rows of one run, one `run` id) on the same seeded request set: `--requests`
+prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random token ids), `--new-tokens` new tokens
+each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
+(the model's dtype, sdpa attention); `oscar`: `cache_implementation="oscar"` (the 2-bit pool, `--cache-config`). Both
+pools are sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or `--num-blocks`
+blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700
+tokens and 8 new tokens, to check the path (no timing means anything there).
+
+Per cache, a row: `pool_tokens` (the tokens its pages can hold: transformers' `max_tokens_read`), `peak_concurrent`
+(the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
+`ttft_p50_s`/`ttft_p99_s` (first token's time after submission, every request submitted at once), `peak_gib`, and
+over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
+must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
+`roof_fraction` (their sums' ratio: the steps' share of their byte roof). Ratios: the 2-bit pool's over bf16's.
+
+Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`), the header bench_generate's
+(`record_header`, `new_run`): switching to a shared records module means replacing `bench.new_run`,
+`bench.record_header` and `copy_bandwidth`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+from transformers import ContinuousBatchingConfig, GenerationConfig
+from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+
+sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
+import bench_generate as bench  # noqa: E402  (models, records)
+
+CACHES = ("bf16", "oscar")
+QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
+
+
+@dataclasses.dataclass
+class Step:
+    """One `generate_batch` step as the instrumentation saw it."""
+
+    seconds: float
+    decode: bool  # every request in the batch brought one token
+    used_bytes: int  # the pool's bytes in use
+    active: int  # requests active (holding cache)
+
+
+def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float | None:
+    """Bytes per second of a device-to-device copy (read + write), best of 5; None off CUDA."""
+    if device.type != "cuda":
+        return None
+    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
+    target = torch.empty_like(source)
+    best = float("inf")
+    for _ in range(5):
+        torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        target.copy_(source)
+        torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * source.numel() / best
+
+
+def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int = 0) -> list[list[int]]:
+    """`count` random prompts of lengths uniform in [shortest, longest] (seeded)."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(shortest, longest + 1, (count,), generator=generator).tolist()
+    return [torch.randint(0, vocab, (n,), generator=generator).tolist() for n in lengths]
+
+
+class StepClock:
+    """Times every continuous-batching step (device synchronised) while it is entered: wraps
+    `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.steps, self.pool_tokens = device, [], None
+
+    def _sync(self):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def __enter__(self):
+        original = self.original = ContinuousBatchProcessor._generation_step
+        clock = self
+
+        def timed(processor, model):
+            cache = processor.cache
+            clock.pool_tokens = cache.max_tokens_read
+            batch = processor.inputs_and_outputs.requests_in_batch
+            used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
+            clock._sync()
+            start = time.perf_counter()
+            original(processor, model)
+            clock._sync()
+            decode = all(future.query_length == 1 for future in batch)
+            clock.steps.append(
+                Step(time.perf_counter() - start, decode, int(used), len(processor.scheduler.active_requests))
+            )
+
+        ContinuousBatchProcessor._generation_step = timed
+        return self
+
+    def __exit__(self, *exc):
+        ContinuousBatchProcessor._generation_step = self.original
+
+
+def run_cache(model, cache: str, prompts, args, bandwidth: float | None) -> dict:
+    """One `generate_batch` of the request set with `cache`; its row's measurements."""
+    device = model.device
+    oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache == "oscar" else {}
+    generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, **oscar)
+    # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa)
+    options = {"max_batch_tokens": args.max_batch_tokens, "use_cuda_graph": False, "auto_switch_to_flash": False}
+    if args.num_blocks is not None:
+        options["num_blocks"] = args.num_blocks
+    if args.max_memory_percent is not None:
+        options["max_memory_percent"] = args.max_memory_percent
+    bench.release(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    with StepClock(device) as clock, torch.inference_mode():
+        start = time.perf_counter()
+        outputs = model.generate_batch(
+            prompts,
+            generation_config=generation,
+            continuous_batching_config=ContinuousBatchingConfig(**options),
+            record_timestamps=True,
+        )
+        wall = time.perf_counter() - start
+    failed = [o.error for o in outputs.values() if o.error is not None]
+    if len(outputs) != len(prompts) or failed:
+        raise RuntimeError(f"{len(prompts) - len(outputs)} requests missing, {len(failed)} failed: {failed[:1]}")
+    ttft = sorted(o.timestamps[0] - o.created_time for o in outputs.values())
+    decode = [s for s in clock.steps if s.decode]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    roofs = [(weights + s.used_bytes) / bandwidth for s in decode] if bandwidth and decode else None
+    return {
+        "pool_tokens": clock.pool_tokens,
+        "peak_concurrent": max(s.active for s in clock.steps),
+        "output_tokens_per_s": sum(len(o.generated_tokens) for o in outputs.values()) / wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
+        "decode_step_ms": 1000 * statistics.median(s.seconds for s in decode) if decode else None,
+        "roof_ms": 1000 * statistics.median(roofs) if roofs else None,
+        "roof_fraction": sum(roofs) / sum(s.seconds for s in decode) if roofs else None,
+        "steps": len(clock.steps),
+        "decode_steps": len(decode),
+        "wall_s": wall,
+    }
+
+
+RATIO_FIELDS = {
+    "pool_tokens": "pool_tokens_ratio",
+    "output_tokens_per_s": "tokens_per_s_ratio",
+    "ttft_p99_s": "ttft_p99_ratio",
+    "peak_concurrent": "concurrent_ratio",
+}
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", choices=list(bench.MODELS), default="llama-3.1-8b")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--min-prompt", type=int, default=8192)
+    parser.add_argument("--max-prompt", type=int, default=32768)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--quick", action="store_true", help="a few short requests: " + str(QUICK))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-batch-tokens", type=int, default=8192, help="tokens per batch (transformers' default)")
+    parser.add_argument("--max-memory-percent", type=float, default=None, help="of free memory, for each pool")
+    parser.add_argument("--num-blocks", type=int, default=None, help="blocks per pool instead (CPU runs)")
+    parser.add_argument("--cache-config", type=bench_json, default={"bits": 2}, help="the 2-bit pool's cache_config")
+    parser.add_argument("--budget-s", type=float, default=480, help="no cache starts after this many seconds")
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="the records' folder")
+    args = parser.parse_args(argv)
+    if args.quick:
+        vars(args).update(QUICK)
+    started = time.perf_counter()
+    device = torch.device(args.device)
+    model = bench.build_model(args.model, args.device)
+    prompts = request_set(args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size, args.seed)
+    bandwidth = copy_bandwidth(device)
+    run = bench.new_run()
+    header = bench.record_header("serving", device)
+    path = args.out / f"serving_{bench.gpu_slug(header['device'])}.json"
+    record = bench.open_record(path, "serving")
+    keys = ("model", "requests", "min_prompt", "max_prompt", "new_tokens", "max_batch_tokens")
+    record["runs"][run] = {
+        **header,
+        **{k: getattr(args, k) for k in keys},
+        "max_memory_percent": args.max_memory_percent,
+        "num_blocks": args.num_blocks,
+        "cache_config": args.cache_config,
+        "copy_bandwidth_gb_s": None if bandwidth is None else bandwidth / 1e9,
+    }
+    rows = []
+    for cache in args.caches:
+        row = {"run": run, "cache": cache, "variant": cache, **{k: getattr(args, k) for k in keys}}
+        if time.perf_counter() - started > args.budget_s:
+            row["error"] = f"not started: --budget-s {args.budget_s} passed"
+        else:
+            try:
+                row.update(run_cache(model, cache, prompts, args, bandwidth))
+            except Exception as error:  # a row says what failed, and the run goes on
+                row.update(bench.failure(error))
+        rows.append(row)
+        record["rows"].append(row)
+        bench.write_record(path, record)
+        print(summary(row), flush=True)
+    ratios = bench.oscar_ratios(rows, ("model", "requests"), RATIO_FIELDS)
+    record["ratios"].extend(ratios)
+    bench.write_record(path, record)
+    print(f"run {run} on {header['device']} -> {path}")
+    return path
+
+
+def bench_json(text: str) -> dict:
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError("a JSON object of OscarConfig fields")
+    return value
+
+
+def summary(row: dict) -> str:
+    if row.get("error"):
+        return f"{row['cache']}: {row['error']}"
+    peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.1f} GiB"
+    roof = "" if row["roof_fraction"] is None else f", {100 * row['roof_fraction']:.0f} % of roof"
+    return (
+        f"{row['cache']}: {row['output_tokens_per_s']:.1f} tokens/s, pool {row['pool_tokens']} tokens, "
+        f"{row['peak_concurrent']} at once, first token p50 {row['ttft_p50_s']:.2f} s, "
+        f"p99 {row['ttft_p99_s']:.2f} s{peak}{roof}"
+    )
+
+
+if __name__ == "__main__":
+    main()

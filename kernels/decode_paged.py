@@ -1,0 +1,312 @@
+"""Decode attention over the 2-bit pool's pages in place, through a block table (`oscar_hf.serving`: the pool's kernel
+backend, stage 2; nothing calls it yet).
+
+`paged_decode_attention(query, pages, tail_keys, tail_values, block_table, page_counts, tail_blocks, exact_tokens,
+scaling, config)`, one decode token per request:
+
+    query          [B, Hq, 1, D]                   bf16 / fp16 / fp32, Hq = g * Hkv
+    pages          QuantizedKV of [blocks, ...]    one layer's page of every page block (`PageLayout.views`): fields
+                                                    [blocks, Hkv, R / W, D] codes, [blocks, Hkv, R / G, D] key
+                                                    parameters, [blocks, 1, R] norms, [blocks, Hkv, R, D / G] value
+                                                    parameters (the last two axes contiguous), any block stride
+    tail_keys      [tail blocks, S + R, Hkv, D]    the same layer's exact tokens (`TailLayout.views`), model dtype
+    tail_values    [tail blocks, S + R, Hkv, D]
+    block_table    [B, max pages] int32            request b's page blocks, in position order; page_counts [B] int32
+    tail_blocks    [B] int32, exact_tokens [B] int32: request b's tail block, and its exact tokens (slots
+                   0 .. exact_tokens - 1: the sinks, then the window, the query's own token last)
+    returns        [B, Hq, 1, D]                   query dtype
+
+Grid (B * Hkv, splits + 1): program (bh, s < splits) runs the online softmax of the g query rows of KV head bh over
+pages [s * P, (s + 1) * P) of its request (P pages per split; a request with fewer pages leaves its later programs
+empty), each page's tiles read from the block the table names, with the split kernel's tile step
+(`decode_tiles._quantized_block`: codes unpacked in registers, the rotated query, token norms on the scores); program
+(bh, splits) runs it over the tail's exact tokens (`decode_triton._residual_part`). The merge kernel (decode_merge.py)
+then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the cache's own decode. A page is R
+tokens of a complete block, so no tile step is partial and no padding mask applies. Every key is rotated (the pool's
+method="paper"; `rotation=False`: none).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from oscar_hf.config import OscarConfig
+from oscar_hf.layout import QuantizedKV
+
+from .decode_merge import merge_kernel
+from .decode_tiles import _quantized_block, query_operand, tile_tokens
+from .decode_triton import _residual_part
+from .decode_tuning import default_tuning
+
+_LOG2E = 1.4426950408889634
+
+
+@triton.jit(do_not_specialize=["pages_per_split", "num_splits"])
+def paged_split_kernel(
+    # pointers
+    q_ptr,
+    kc_ptr,
+    ks_ptr,
+    km_ptr,
+    kn_ptr,
+    vc_ptr,
+    vs_ptr,
+    vm_ptr,
+    tk_ptr,
+    tv_ptr,
+    table_ptr,
+    count_ptr,
+    tail_ptr,
+    exact_ptr,
+    part_o_ptr,
+    part_ml_ptr,
+    # sizes
+    num_kv_heads,
+    pages_per_split,
+    num_splits,
+    qk_scale,
+    # strides
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kcp,
+    stride_kch,
+    stride_kcr,
+    stride_kcd,
+    stride_ksp,
+    stride_ksh,
+    stride_ksg,
+    stride_ksd,
+    stride_kmp,
+    stride_kmh,
+    stride_kmg,
+    stride_kmd,
+    stride_knp,
+    stride_knt,
+    stride_vcp,
+    stride_vch,
+    stride_vcr,
+    stride_vcd,
+    stride_vsp,
+    stride_vsh,
+    stride_vmp,
+    stride_vmh,
+    stride_tkp,
+    stride_tks,
+    stride_tkh,
+    stride_tkd,
+    stride_tvp,
+    stride_tvs,
+    stride_tvh,
+    stride_tvd,
+    stride_table,
+    # meta-parameters
+    GQA: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    LOG2_D: tl.constexpr,
+    KEY_BITS: tl.constexpr,
+    VALUE_BITS: tl.constexpr,
+    GROUP: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    ROTATION: tl.constexpr,
+    TOKEN_SCALING: tl.constexpr,
+):
+    pid_bh = tl.program_id(0).to(tl.int64)
+    pid_s = tl.program_id(1)
+    b = pid_bh // num_kv_heads
+    h = pid_bh % num_kv_heads
+    o_m = tl.arange(0, BLOCK_M)
+    m_m = o_m < GQA
+    o_d = tl.arange(0, HEAD_DIM)
+    p_q = q_ptr + b * stride_qb + (h * GQA + o_m) * stride_qh
+    q = tl.load(p_q[:, None] + o_d[None, :] * stride_qd, mask=m_m[:, None], other=0.0)
+
+    if pid_s == num_splits:  # the tail: sinks, window and the query's own token, one contiguous run of slots
+        tail = tl.load(tail_ptr + b).to(tl.int64)
+        acc, m_i, l_i = _residual_part(
+            q,
+            tk_ptr + tail * stride_tkp + h * stride_tkh,
+            tv_ptr + tail * stride_tvp + h * stride_tvh,
+            tk_ptr,  # no padding mask
+            tl.load(exact_ptr + b),
+            qk_scale,
+            stride_tks,
+            stride_tkd,
+            stride_tvs,
+            stride_tvd,
+            0,
+            1,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_R,
+            False,
+        )
+    else:
+        KW: tl.constexpr = 32 // KEY_BITS
+        VW: tl.constexpr = 32 // VALUE_BITS
+        NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1
+        NVG: tl.constexpr = HEAD_DIM // GROUP
+        b_q, q_scale = query_operand(
+            q, False, qk_scale, ks_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM, LOG2_D, ROTATION, False
+        )
+        # offsets inside a tile, as `decode_tiles.quantized_blocks` lays them out
+        o_dc = tl.arange(0, HEAD_DIM)[:, None]
+        o_c = tl.arange(0, BLOCK_N)
+        off_kw = tl.arange(0, BLOCK_N // KW)[None, :] * stride_kcr + o_dc * stride_kcd
+        off_vw = tl.arange(0, BLOCK_N // VW)[None, :] * stride_vcr + o_dc * stride_vcd
+        o_kg = tl.arange(0, NKG)[None, :, None]
+        off_ks = o_kg * stride_ksg + o_dc[:, :, None] * stride_ksd
+        off_km = o_kg * stride_kmg + o_dc[:, :, None] * stride_kmd
+        off_vparams = tile_tokens(o_c, VW)[None, None, :] * NVG + tl.arange(0, NVG)[:, None, None]
+        off_kn = tile_tokens(o_c, KW) * stride_knt
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.full([BLOCK_M], 0.0, tl.float32)
+        acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+        page_lo = pid_s * pages_per_split
+        page_hi = tl.minimum(page_lo + pages_per_split, tl.load(count_ptr + b))
+        for page in range(page_lo, page_hi):
+            block = tl.load(table_ptr + b * stride_table + page).to(tl.int64)
+            kc = kc_ptr + block * stride_kcp + h * stride_kch
+            ks = ks_ptr + block * stride_ksp + h * stride_ksh
+            km = km_ptr + block * stride_kmp + h * stride_kmh
+            kn = kn_ptr + block * stride_knp
+            vc = vc_ptr + block * stride_vcp + h * stride_vch
+            vs = vs_ptr + block * stride_vsp + h * stride_vsh
+            vm = vm_ptr + block * stride_vmp + h * stride_vmh
+            for t0 in tl.static_range(0, PAGE, BLOCK_N):
+                acc, m_i, l_i = _quantized_block(
+                    acc, m_i, l_i, b_q, q_scale,
+                    kc + (t0 // KW) * stride_kcr + off_kw,
+                    ks + (t0 // GROUP) * stride_ksg + off_ks,
+                    km + (t0 // GROUP) * stride_kmg + off_km,
+                    kn + t0 * stride_knt + off_kn,
+                    vc + (t0 // VW) * stride_vcr + off_vw,
+                    vs + t0 * NVG + off_vparams,
+                    vm + t0 * NVG + off_vparams,
+                    kn,  # no padding mask
+                    BLOCK_N, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, False,
+                )  # fmt: skip
+
+    # partials: part_o [B * Hkv, num_splits + 1, GQA, D], part_ml [..., 2] (m, l), fp32
+    o_part = (pid_bh * (num_splits + 1) + pid_s) * GQA + o_m
+    tl.store(part_o_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], acc, mask=m_m[:, None])
+    tl.store(part_ml_ptr + o_part * 2, m_i, mask=m_m)
+    tl.store(part_ml_ptr + o_part * 2 + 1, l_i, mask=m_m)
+
+
+def paged_decode_attention(
+    query: torch.Tensor,
+    pages: QuantizedKV,
+    tail_keys: torch.Tensor,
+    tail_values: torch.Tensor,
+    block_table: torch.Tensor,
+    page_counts: torch.Tensor,
+    tail_blocks: torch.Tensor,
+    exact_tokens: torch.Tensor,
+    scaling: float,
+    config: OscarConfig,
+    pages_per_split: int = 4,
+) -> torch.Tensor:
+    """Attention of each request's decode query over its pages and its tail (see the module docstring)."""
+    batch, q_heads, q_len, head_dim = query.shape
+    kv_heads = pages.key_codes.shape[1]
+    if q_len != 1 or q_heads % kv_heads:
+        raise ValueError(f"paged_decode_attention: one query token per request, heads a multiple of {kv_heads}")
+    if config.method == "oscar" and config.rotation:
+        raise ValueError("paged_decode_attention: every key is rotated in the pool (method='paper')")
+    for name in ("value_scale", "value_min"):
+        tensor = getattr(pages, name)
+        if tensor.stride()[-2:] != (head_dim // config.group_size, 1):
+            raise ValueError(f"paged_decode_attention: pages.{name} must be contiguous over its last two axes")
+    gqa = q_heads // kv_heads
+    tuning = default_tuning(head_dim, gqa, config.scale_torch_dtype)
+    block_n = tuning.block_n
+    if config.residual_length % block_n:
+        block_n = config.group_size  # a divisor of the page (residual_length is a multiple of group_size)
+    block_m = max(tuning.block_m, triton.next_power_of_2(gqa))
+    splits = triton.cdiv(block_table.shape[1], pages_per_split)
+    part_o = query.new_empty(batch * kv_heads, splits + 1, gqa, head_dim, dtype=torch.float32)
+    part_ml = query.new_empty(batch * kv_heads, splits + 1, gqa, 2, dtype=torch.float32)
+    strides = {}
+    for prefix, tensor, axes in (
+        ("q", query[:, :, 0], "bhd"),
+        ("kc", pages.key_codes, "phrd"),
+        ("ks", pages.key_scale, "phgd"),
+        ("km", pages.key_min, "phgd"),
+        ("vc", pages.value_codes, "phrd"),
+        ("tk", tail_keys, "pshd"),
+        ("tv", tail_values, "pshd"),
+    ):
+        strides.update({f"stride_{prefix}{axis}": stride for axis, stride in zip(axes, tensor.stride())})
+    norms = pages.key_norms if config.token_scaling else pages.key_codes  # a placeholder pointer without scaling
+    strides.update(
+        stride_knp=norms.stride(0),
+        stride_knt=norms.stride(-1) if config.token_scaling else 0,
+        stride_vsp=pages.value_scale.stride(0),
+        stride_vsh=pages.value_scale.stride(1),
+        stride_vmp=pages.value_min.stride(0),
+        stride_vmh=pages.value_min.stride(1),
+        stride_table=block_table.stride(0),
+    )
+    paged_split_kernel[(batch * kv_heads, splits + 1)](
+        query,
+        pages.key_codes,
+        pages.key_scale,
+        pages.key_min,
+        norms,
+        pages.value_codes,
+        pages.value_scale,
+        pages.value_min,
+        tail_keys,
+        tail_values,
+        block_table,
+        page_counts,
+        tail_blocks,
+        exact_tokens,
+        part_o,
+        part_ml,
+        kv_heads,
+        pages_per_split,
+        splits,
+        scaling * _LOG2E,
+        **strides,
+        GQA=gqa,
+        HEAD_DIM=head_dim,
+        LOG2_D=head_dim.bit_length() - 1,
+        KEY_BITS=config.key_bits,
+        VALUE_BITS=config.value_bits,
+        GROUP=config.group_size,
+        PAGE=config.residual_length,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_R=tuning.residual_block,
+        ROTATION=config.rotation,
+        TOKEN_SCALING=config.token_scaling,
+        num_warps=tuning.num_warps,
+    )
+    out = torch.empty_like(query)
+    merge_slots = min(triton.next_power_of_2(max(splits, 1)), max(1, tuning.merge_tile // head_dim))
+    merge_kernel[(batch * kv_heads * gqa,)](
+        part_o,
+        part_ml,
+        out,
+        kv_heads,
+        splits + 1,
+        *out[:, :, 0].stride()[:2],
+        0,
+        out.stride(-1),
+        GQA=gqa,
+        TQ=1,
+        HEAD_DIM=head_dim,
+        LOG2_D=head_dim.bit_length() - 1,
+        ROTATION=config.rotation,
+        BLOCK_S=merge_slots,
+        WAIT_FOR_PARTIALS=False,
+        num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
+    )
+    return out

@@ -1,0 +1,118 @@
+"""One forward's moves through the 2-bit pool, planned once for all its full-attention layers.
+
+For a request whose update brings tokens [P, P + T) (S sinks, pages of R tokens), as an `OscarLayer` does it:
+
+1. quantize the pages that are complete and not yet quantized: the window if it filled in an earlier update (the
+   flush), then every page the new tokens complete but the newest (from the window's exact tokens and the new ones);
+2. attend to: the sinks (exact), the pages complete before this update (dequantized), the window (exact), the new
+   tokens (exact), in position order: the dense K/V transformers' mask expects (`P + T` keys per request);
+3. write the new tokens that stay exact: into the sink slots, and into the window (the newest page's tokens).
+
+Every move is a gather or a scatter with index tensors built here, vectorized over the batch (no per-token Python).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .allocators import quantized_pages
+
+
+@dataclass(frozen=True)
+class RequestStep:
+    """One request's part of a forward: `past` tokens held, `new` tokens arriving; its tail block, the pages it had
+    quantized before (`quantized`) and its page blocks (allocated for `past + new` tokens)."""
+
+    past: int
+    new: int
+    tail: int
+    quantized: int
+    pages: list[int]
+
+
+def _ranges(starts: list[int], lengths: list[int]) -> torch.Tensor:
+    """cat(arange(start, start + length)) over the pairs, vectorized."""
+    lengths_t = torch.tensor(lengths, dtype=torch.long)
+    total = int(lengths_t.sum())
+    if not total:
+        return torch.zeros(0, dtype=torch.long)
+    offsets = torch.cumsum(lengths_t, 0) - lengths_t
+    shift = torch.tensor(starts, dtype=torch.long) - offsets
+    return torch.arange(total) + torch.repeat_interleave(shift, lengths_t)
+
+
+def _repeat(values: list[int], lengths: list[int]) -> torch.Tensor:
+    return torch.repeat_interleave(torch.tensor(values, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
+
+
+class _Moves:
+    """Gathers and scatters of one kind: rows `dst` of the destination take rows `src` of the source; for a tail,
+    `block` and `slot` address it (source or destination)."""
+
+    def __init__(self):
+        self.dst_start, self.src_start, self.block, self.length = [], [], [], []
+
+    def add(self, dst: int, src: int, length: int, block: int = 0) -> None:
+        if length > 0:
+            self.dst_start.append(dst)
+            self.src_start.append(src)
+            self.block.append(block)
+            self.length.append(length)
+
+    def tensors(self, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(dst rows, src rows, blocks), on `device`."""
+        dst = _ranges(self.dst_start, self.length)
+        src = _ranges(self.src_start, self.length)
+        return dst.to(device), src.to(device), _repeat(self.block, self.length).to(device)
+
+
+class BatchPlan:
+    """The index tensors of one forward (see the module docstring) and the pages each request holds after it."""
+
+    def __init__(self, steps: list[RequestStep], sinks: int, page_tokens: int, device: torch.device):
+        S, R = sinks, page_tokens
+        out_tail, out_deq, out_new = _Moves(), _Moves(), _Moves()
+        stage_tail, stage_new, tail_writes = _Moves(), _Moves(), _Moves()
+        dequantized, quantized = [], []
+        self.quantized_after: list[int] = []
+        out_at = new_at = stage_at = 0
+        for step in steps:
+            P, T, L = step.past, step.new, step.past + step.new
+            sinks_held = min(P, S)
+            complete = max(P - S, 0) // R  # pages complete before this update: quantized before it attends
+            window = max(P - S, 0) - complete * R
+            after = quantized_pages(L, S, R)
+            first = step.quantized  # the first page not quantized yet (the flushed window, or a new one)
+            # 1. pages [first, after): the window's exact tokens, then new ones
+            quantized += step.pages[first:after]
+            span = S + first * R  # the first position to quantize
+            from_tail = max(min(P, S + after * R) - span, 0)
+            stage_tail.add(stage_at, S, from_tail, step.tail)
+            from_new = max(S + after * R - max(P, span), 0)
+            stage_new.add(stage_at + from_tail, new_at + max(P, span) - P, from_new)
+            stage_at += (after - first) * R
+            # 2. the dense K/V: sinks, pages complete before the update, window, new tokens
+            out_tail.add(out_at, 0, sinks_held, step.tail)
+            out_deq.add(out_at + sinks_held, len(dequantized) * R, complete * R)
+            dequantized += step.pages[:complete]
+            out_tail.add(out_at + sinks_held + complete * R, S, window, step.tail)
+            out_new.add(out_at + P, new_at, T)
+            # 3. the new tokens that stay exact: sinks, then the newest page's
+            tail_writes.add(P, new_at, min(L, S) - P, step.tail)
+            start = max(P, S + after * R)
+            tail_writes.add(S + (start - S - after * R), new_at + start - P, L - start, step.tail)
+            self.quantized_after.append(after)
+            out_at, new_at = out_at + L, new_at + T
+
+        def blocks(ids: list[int]) -> torch.Tensor:
+            return torch.tensor(ids, dtype=torch.long, device=device)
+
+        self.requests = len(steps)
+        self.tokens = out_at  # dense K/V rows of the batch
+        self.quantize_blocks, self.dequantize_blocks = blocks(quantized), blocks(dequantized)
+        self.stage_tail, self.stage_new = stage_tail.tensors(device), stage_new.tensors(device)
+        self.out_tail, self.out_deq = out_tail.tensors(device), out_deq.tensors(device)
+        self.out_new = out_new.tensors(device)
+        self.tail_writes = tail_writes.tensors(device)

@@ -1,0 +1,307 @@
+"""`OscarPagedCache`: transformers' continuous-batching cache (`PagedAttentionCache`) with the full-attention layers'
+history in 2-bit pages.
+
+Memory: one flat buffer cut into sectors, as transformers does, shared by three allocators: the 2-bit page blocks
+(`PageAllocator`), one tail per running request (`TailAllocator`: its sinks and window, exact), and, on a hybrid model,
+transformers' own sliding-window allocator (exact, pages of R tokens). Every block size divides the sector, the
+pool's blocks padded so that sectors stay small (`allocators.sector_geometry`). The memory handler is transformers'
+(`PagedAttentionMemoryHandler`): it sizes the sectors from free memory (or `num_blocks`: page blocks of R tokens), with
+the real bytes of a page block, and charges each readable token the dense read-back and mask that sdpa/eager
+attention costs (the portable path; kernels reading pages in place will not need them).
+
+Updates: a forward's requests are recorded as transformers prepares the batch (`extend_read_and_write_indices`); the
+first full-attention layer's `update` plans the forward's moves once (`plan.BatchPlan`), and each full-attention
+layer then quantizes the pages that complete, returns dense K/V (exact sinks and window, dequantized pages, exact new
+tokens) for the model's attention, and stores the new exact tokens in the tails. Sliding-window layers go to
+transformers' own update. Every quantize/dequantize call is `PageCodec`'s (`codec_class`: the test hook).
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers.generation.continuous_batching.cache import (
+    PagedAttentionCache,
+    PagedAttentionMemoryHandler,
+    group_layers_by_attn_type,
+)
+from transformers.generation.continuous_batching.cache_allocators import (
+    FULL_ATTENTION,
+    SLIDING_ATTENTION,
+    CachePool,
+    SlidingAttentionCacheAllocator,
+)
+from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
+from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads, logger
+
+from ..config import OscarConfig
+from ..reference import check_head_dim
+from .allocators import PageAllocator, TailAllocator, sector_geometry
+from .pages import PageCodec, PageLayout, TailLayout
+from .plan import BatchPlan, RequestStep
+
+
+def refuse_tensor_parallel(tp_size: int) -> None:
+    if tp_size > 1:
+        raise ValueError(
+            "The 2-bit pool does not support tensor parallelism yet (its token norms span every KV head); run "
+            "continuous batching on one device, or drop cache_implementation='oscar'."
+        )
+
+
+def layer_groups(config) -> dict[str, list[int]]:
+    """transformers' layer groups by attention type, refusing a model without full-attention layers."""
+    groups = group_layers_by_attn_type(config)
+    if FULL_ATTENTION not in groups:
+        raise ValueError(
+            "The 2-bit pool quantizes full-attention layers, and this model has none (sliding-window layers only); "
+            "use continuous batching without cache_implementation='oscar'."
+        )
+    return groups
+
+
+# Pages dequantized per read: bounds the float32 transients of the portable path (64 pages: 8192 tokens of a layer).
+DEQUANTIZE_PAGES = 64
+
+
+class OscarPagedCache(PagedAttentionCache):
+    """The 2-bit paged pool (see the module docstring). Built by continuous batching when its generation config says
+    `cache_implementation="oscar"` (`oscar_hf.serving.hooks`).
+
+    Args:
+        oscar_config (`OscarConfig`): the pool's options, fixed widths (`hooks.pool_config` resolves them).
+        config, continuous_batching_config, device, distributed_helper, dtype, model_supports_logits_to_keep:
+            transformers' `PagedAttentionCache` arguments (the model's text config, the resolved continuous-batching
+            config, ...); `dtype` is the model's, that of the tails and of the dense K/V returned.
+    """
+
+    codec_class = PageCodec  # the pool's quantize/dequantize backend (tests swap in a lossless one)
+
+    def __init__(
+        self,
+        oscar_config: OscarConfig,
+        config,
+        continuous_batching_config,
+        device,
+        distributed_helper,
+        dtype: torch.dtype = torch.float16,
+        model_supports_logits_to_keep: bool = False,
+    ) -> None:
+        refuse_tensor_parallel(distributed_helper.tp_size)
+        self.config, self.dtype, self.device = config, dtype, device
+        self.oscar_config = oscar_config
+        self.max_blocks_per_request = continuous_batching_config.max_blocks_per_request or 0
+        heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+        check_head_dim(head_dim, oscar_config)
+        sinks, window = oscar_config.sink_tokens, oscar_config.residual_length
+        # Sharing a page is exact when it is a function of the prefix alone: without sinks (a request that matches a
+        # prefix never computes its first tokens, which the pool keeps only in the finished request's tail).
+        sharing = continuous_batching_config.allow_block_sharing and sinks == 0
+
+        groups = layer_groups(config)
+        page = PageLayout.of(oscar_config, heads, head_dim)
+        sliding = None
+        if SLIDING_ATTENTION in groups:
+            sliding = SlidingAttentionCacheAllocator(
+                index=list(groups).index(SLIDING_ATTENTION),
+                config=config,
+                num_key_value_heads=heads,
+                cache_dtype=dtype,
+                page_size=window,
+                layer_indices=groups[SLIDING_ATTENTION],
+                allow_block_sharing=sharing,
+            )
+        full = groups[FULL_ATTENTION]
+        tail = TailLayout(len(full), sinks, window, heads, head_dim, dtype)
+        self.bytes_per_sector, page_block, tail_block = sector_geometry(
+            len(full) * page.bytes, tail.bytes, None if sliding is None else sliding.bytes_per_block
+        )
+        self.pages = PageAllocator(list(groups).index(FULL_ATTENTION), full, page, page_block, sinks, sharing)
+        self.cache_allocators = {t: self.pages if t == FULL_ATTENTION else sliding for t in groups}
+        self.tails = TailAllocator(len(groups), tail, tail_block)
+        self.layer_to_allocator = {i: a for a in self.cache_allocators.values() for i in a.layer_indices}
+        allocators = [*self.cache_allocators.values(), self.tails]
+        self.tokens_per_sector = max(
+            self.bytes_per_sector // a.bytes_per_block * a.tokens_per_page for a in self.cache_allocators.values()
+        )
+        bytes_per_block = sum(a.bytes_per_block for a in self.cache_allocators.values())  # R tokens of every layer
+        self.max_batch_tokens, self.num_sectors = PagedAttentionMemoryHandler(
+            config=config,
+            cb_config=continuous_batching_config,
+            dtype=dtype,
+            bytes_per_sector=self.bytes_per_sector,
+            tokens_per_sector=self.tokens_per_sector,
+            bytes_per_block=bytes_per_block,
+            attn_types=list(self.cache_allocators),
+            model_supports_logits_to_keep=model_supports_logits_to_keep,
+        ).infer_max_batch_tokens_and_num_sectors()
+        non_trash_bytes = self.num_sectors * self.bytes_per_sector
+        # two trash sectors first, as transformers lays it out (the sliding allocator writes padding there)
+        self.cache_tensor = torch.zeros(non_trash_bytes + 2 * self.bytes_per_sector, dtype=torch.uint8, device=device)
+        self.pool = CachePool(self.num_sectors, len(allocators))
+        for allocator in allocators:
+            allocator.register_cache_tensor(self.bytes_per_sector, non_trash_bytes, self.cache_tensor, self.pool)
+
+        self.allow_block_sharing = sharing
+        self.use_prefix_sharing = sharing and all(a.use_block_sharing for a in self.cache_allocators.values())
+        self.num_blocks = non_trash_bytes // bytes_per_block
+        self.read_cache_limit = self._infer_read_cache_limit()
+        self.max_decode_fast_path_length = self._infer_max_decode_fast_path_length()
+        self.max_tokens_read = max(a.tokens_per_page * a.num_blocks for a in self.cache_allocators.values())
+
+        self.codec = self.codec_class(oscar_config, self.pages.views)
+        self._layer_position = {layer: i for i, layer in enumerate(self.pages.layer_indices)}
+        self._quantized: dict[str, int] = {}  # request id -> pages quantized so far
+        self._steps: list[tuple[str, int, int]] = []  # the requests of the forward being prepared, not planned yet
+        self._plan: BatchPlan | None = None
+        # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
+        # when they are submitted (`hooks`), since transformers' scheduler could never place them.
+        self.max_request_tokens = infer_max_single_request_tokens(self)
+        logger.info(
+            f"OScaR 2-bit pool: {self.num_sectors} sectors of {self.bytes_per_sector / 2**20:.2f} MiB, each "
+            f"{self.bytes_per_sector // self.pages.bytes_per_block} page blocks of {self.pages.tokens_per_page} tokens "
+            f"or {self.bytes_per_sector // self.tails.bytes_per_block} request tails; one request up to "
+            f"{self.max_request_tokens} tokens"
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # blocks: transformers' bookkeeping, with the tails beside the model's allocators
+    def _allocators(self) -> list:
+        return [*self.cache_allocators.values(), self.tails]
+
+    def can_store_request_tokens(self, state, request_len: int, dry_run: bool = False) -> bool:
+        """transformers' check-and-allocate, for the tail of a request that has none as well as its blocks."""
+        past = state.current_len()
+        needed = [(a, a.needs_new_sectors(state.request_id, past, request_len)) for a in self._allocators()]
+        enough = self.pool.num_free_sectors >= sum(sectors for _, sectors in needed)
+        if dry_run or not enough:
+            return enough
+        for allocator, sectors in needed:
+            for _ in range(sectors):
+                self.pool.allocate_sector(allocator.index)
+        for allocator in self._allocators():
+            allocator.allocate_cache_to_request(state.request_id, past, request_len)
+        return True
+
+    def free_blocks(self, request_id: str, no_cache: bool = False) -> None:
+        super().free_blocks(request_id, no_cache)
+        self.tails.free_blocks(request_id, no_cache)
+        self._quantized.pop(request_id, None)
+        # A forward's requests are freed only after it ran (finished, cancelled, offloaded before the next batch is
+        # prepared) or when it failed: requests recorded and not planned belong to a forward that never reached the
+        # pool.
+        self._steps = []
+
+    def free_all_requests(self, clear_ledgers: bool = False) -> None:
+        super().free_all_requests(clear_ledgers)
+        self.tails.free_all_requests()
+        self._quantized.clear()
+        self._steps, self._plan = [], None
+
+    def compute_free_capacity(self, relative: bool = True) -> int | float:
+        free = super().compute_free_capacity(relative=False)
+        free += self.pool.count_free_blocks(self.tails.index) * self.tails.bytes_per_block
+        return free / (self.num_sectors * self.bytes_per_sector) if relative else free
+
+    def search_prefix_match(self, request_id: str, prompt_ids: list[int]) -> int:
+        """transformers' prefix match; the shared pages are quantized already."""
+        prefix = super().search_prefix_match(request_id, prompt_ids)
+        if prefix:
+            self._quantized[request_id] = prefix // self.pages.tokens_per_page  # no sinks when sharing
+        return prefix
+
+    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
+        raise ValueError(
+            "The 2-bit pool cannot fork a request (num_return_sequences > 1) yet: submit the prompt once per sequence."
+        )
+
+    # ---------------------------------------------------------------------------------------------------------
+    # a forward
+    def extend_read_and_write_indices(self, request_id, past_length, query_length, read_index, write_index) -> None:
+        """Record the request for the forward's plan; transformers' allocators (sliding window) get their indices."""
+        if self._plan is not None:  # the first request of a new forward
+            self._plan = None
+        self._steps.append((request_id, past_length, query_length))
+        lists = zip(self.cache_allocators.values(), write_index, read_index or [None] * len(write_index))
+        for allocator, writes, reads in lists:
+            if allocator is self.pages:
+                continue
+            writes.extend(allocator.get_write_indices(request_id, past_length, query_length))
+            if reads is not None:
+                reads.extend(allocator.get_read_indices(request_id, past_length, query_length))
+
+    def fill_block_table(self, request_id, past_length, query_length, block_table) -> None:
+        raise NotImplementedError("The 2-bit pool has no kernel block table yet (the decode fast path is off for it).")
+
+    def _batch_plan(self, cu_seq_lens_q: torch.Tensor) -> BatchPlan:
+        """The forward's plan, made at its first full-attention layer from the recorded requests."""
+        if self._steps:
+            steps = [
+                RequestStep(
+                    past,
+                    new,
+                    self.tails.block_of(request_id),
+                    self._quantized.get(request_id, 0),
+                    self.pages.block_table.get(request_id, []),
+                )
+                for request_id, past, new in self._steps
+            ]
+            self._plan = BatchPlan(steps, self.oscar_config.sink_tokens, self.pages.tokens_per_page, self.device)
+            for (request_id, _, _), after in zip(self._steps, self._plan.quantized_after):
+                self._quantized[request_id] = after
+            self._steps = []
+        if self._plan is None or self._plan.requests != len(cu_seq_lens_q) - 1:
+            raise RuntimeError(
+                "OscarPagedCache: a forward reached the pool without the batch transformers prepared for it (its "
+                "requests were not recorded through extend_read_and_write_indices)."
+            )
+        return self._plan
+
+    @torch.compiler.disable  # index ops on views of the pool, as transformers' own update
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Store the new tokens of layer `layer_idx` and return the dense K/V its attention reads (`[1, heads,
+        sum over requests of past + new, head_dim]`, each request's history then its new tokens)."""
+        if self.layer_to_allocator[layer_idx] is not self.pages:
+            return super().update(key_states, value_states, layer_idx, kwargs)
+        kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION].to(torch.int32)
+        kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
+        plan = self._batch_plan(kwargs["cu_seq_lens_q"])
+        layer = self._layer_position[layer_idx]
+        tails = self.tails.views[layer]
+        new = [states[0].transpose(0, 1) for states in (key_states, value_states)]  # [tokens, heads, head_dim]
+        heads, dim, page_tokens = new[0].shape[1], new[0].shape[2], self.pages.tokens_per_page
+
+        pages = len(plan.quantize_blocks)
+        if pages:  # 1. the pages that complete, from the window's exact tokens and the new ones
+            staged = []
+            for states, tail in zip(new, tails):
+                stage = states.new_empty(pages * page_tokens, heads, dim)
+                _gather(stage, plan.stage_tail, tail)
+                _gather(stage, plan.stage_new, states)
+                staged.append(stage.view(pages, page_tokens, heads, dim).transpose(1, 2))
+            self.codec.write(layer, plan.quantize_blocks, *staged)
+        dense = [states.new_empty(plan.tokens, heads, dim) for states in new]
+        for out, states, tail in zip(dense, new, tails):
+            _gather(out, plan.out_tail, tail)
+            _gather(out, plan.out_new, states)
+        # 2. the history before the update, dequantized a bounded number of pages at a time into the dense K/V
+        rows = plan.out_deq[0]  # the pages' rows of the dense K/V, in page order
+        for start in range(0, len(plan.dequantize_blocks), DEQUANTIZE_PAGES):
+            blocks = plan.dequantize_blocks[start : start + DEQUANTIZE_PAGES]
+            into = rows[start * page_tokens : (start + len(blocks)) * page_tokens]
+            for out, pages in zip(dense, self.codec.read(layer, blocks, key_states.dtype)):
+                out[into] = pages.transpose(1, 2).reshape(-1, heads, dim)
+        for states, tail in zip(new, tails):  # 3. the new tokens that stay exact
+            destination, source, blocks = plan.tail_writes
+            tail[blocks, destination] = states[source]
+        return tuple(out.transpose(0, 1).unsqueeze(0) for out in dense)
+
+
+def _gather(out: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor, torch.Tensor], source: torch.Tensor) -> None:
+    """out[dst] = source[src] (a tail source `[blocks, slots, ...]`: source[block, src])."""
+    destination, rows, blocks = moves
+    if source.dim() == out.dim() + 1:
+        out[destination] = source[blocks, rows]
+    else:
+        out[destination] = source[rows]

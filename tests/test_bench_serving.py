@@ -1,0 +1,54 @@
+"""benchmarks/bench_serving.py on the CPU with a tiny model (`--quick`): a row per cache naming its run, with every
+measured field, and the 2-bit pool's ratios over bf16's. (Its timings need a GPU; they are records, not tests.)"""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+MEASURED = ("pool_tokens", "peak_concurrent", "output_tokens_per_s", "ttft_p50_s", "ttft_p99_s", "peak_gib")
+
+
+@pytest.fixture(scope="module")
+def serving():
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("bench_serving", ROOT / "benchmarks" / "bench_serving.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["bench_serving"] = module  # its dataclass looks its module up there
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        for name in ("bench_serving", "bench_generate"):
+            sys.modules.pop(name, None)
+        sys.path.remove(str(ROOT / "benchmarks"))
+
+
+def test_quick_run_records_both_pools(serving, tmp_path):
+    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--out", str(tmp_path)]
+    path = serving.main(args)
+    assert path == tmp_path / "serving_cpu.json"
+    record = json.loads(path.read_text())
+    [(run, header)] = record["runs"].items()
+    assert header["benchmark"] == "serving" and header["device"] == "cpu" and header["commit"] is not None
+    assert header["requests"] == 8 and header["cache_config"] == {"bits": 2} and "versions" in header
+    assert [row["cache"] for row in record["rows"]] == ["bf16", "oscar"]
+    for row in record["rows"]:
+        assert row["run"] == run and "error" not in row, row
+        assert all(field in row for field in (*MEASURED, "roof_ms", "roof_fraction")), row
+        assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 1 <= row["peak_concurrent"] <= 8
+        assert row["decode_steps"] >= serving.QUICK["new_tokens"] - 1  # at least the last request's own steps
+        assert row["roof_ms"] is None  # no copy bandwidth measured off CUDA
+    rows = {row["cache"]: row for row in record["rows"]}
+    [ratio] = record["ratios"]
+    assert ratio["run"] == run and (ratio["oscar"], ratio["baseline"]) == ("oscar", "bf16")
+    assert ratio["pool_tokens_ratio"] == rows["oscar"]["pool_tokens"] / rows["bf16"]["pool_tokens"]
+
+
+def test_request_set_is_seeded(serving):
+    first = serving.request_set(5, 10, 20, vocab=50, seed=3)
+    assert first == serving.request_set(5, 10, 20, vocab=50, seed=3) != serving.request_set(5, 10, 20, 50, seed=4)
+    assert all(10 <= len(p) <= 20 and max(p) < 50 for p in first)

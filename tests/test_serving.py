@@ -1,0 +1,332 @@
+"""`cache_implementation="oscar"` in transformers' continuous batching: every request's greedy tokens equal
+`generate(cache_implementation="oscar")`'s for the same prompt and options (tiny random models, CPU: a GQA Llama and a
+Gemma 3 sliding/full hybrid; prompts below, at and past a page and over several; requests joining while others decode;
+prompts the scheduler splits; shared prefixes); with lossless quantization they equal stock continuous batching's;
+what the pool cannot serve is refused with an error naming what to do."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import transformers
+from transformers import ContinuousBatchingConfig, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+from transformers.generation.continuous_batching import continuous_api
+from transformers.generation.continuous_batching.cache import PagedAttentionCache
+
+import oscar_hf
+from oscar_hf.serving import pool_config
+from oscar_hf.serving.pages import PageCodec
+from oscar_hf.serving.pool import OscarPagedCache
+
+NEW_TOKENS = 24
+# Lengths around a page (128 tokens) with the default 4 sinks: below, at, past it, and over several pages.
+PROMPTS = (5, 127, 132, 133, 300, 700)
+
+
+def _prompts(lengths, seed=0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in lengths]
+
+
+def _generation_config(options: dict, new_tokens: int = NEW_TOKENS, **extra) -> GenerationConfig:
+    settings = {"max_new_tokens": new_tokens, "do_sample": False, **extra}
+    return GenerationConfig(cache_implementation="oscar", cache_config=options, **settings)
+
+
+def _cb_config(**options) -> ContinuousBatchingConfig:
+    return ContinuousBatchingConfig(**{"num_blocks": 96, "max_batch_tokens": 2048, **options})
+
+
+def generate_batch(model, prompts, options: dict | None, new_tokens: int = NEW_TOKENS, **cb_options) -> list:
+    """Greedy tokens of each prompt through continuous batching (the 2-bit pool unless `options` is None)."""
+    if options is None:
+        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False)
+    else:
+        config = _generation_config(options, new_tokens)
+    outputs = model.generate_batch(
+        prompts, generation_config=config, continuous_batching_config=_cb_config(**cb_options)
+    )
+    assert len(outputs) == len(prompts) and all(o.error is None for o in outputs.values()), outputs
+    return [o.generated_tokens for o in outputs.values()]
+
+
+def generate(model, prompt: list[int], options: dict, new_tokens: int = NEW_TOKENS, **kwargs) -> list[int]:
+    """Greedy tokens through `generate(cache_implementation="oscar")` with the options the pool runs."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="oscar",
+        cache_config=pool_config(options),
+        pad_token_id=0,
+        **kwargs,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    """A tiny GQA Llama with no end-of-sequence token (every request generates all its tokens)."""
+    torch.manual_seed(0)
+    return tiny_llama(eos_token_id=None)
+
+
+def _gemma(layer_types: list[str]) -> Gemma3ForCausalLM:
+    config = Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(layer_types),
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=layer_types,
+        eos_token_id=None,
+    )
+    return Gemma3ForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    """A tiny Gemma 3: sliding-window (16 tokens) and full-attention layers alternate."""
+    torch.manual_seed(0)
+    return _gemma(["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sink_tokens": 0}, {"key_bits": 4, "value_bits": 2, "sink_tokens": 2}],
+    ids=["2bit", "nosinks", "k4v2"],
+)
+def test_llama_tokens_equal_generate(llama, options):
+    """All prompts fit one batch's token budget (no prompt is split: split prompts have a test of their own)."""
+    prompts = _prompts(PROMPTS)
+    batched = generate_batch(llama, prompts, options)
+    assert batched == [generate(llama, p, options) for p in prompts]
+
+
+def test_bfloat16_tokens_equal_generate(tiny_llama):
+    """In bfloat16 too (where a prompt split differently from generate's would change tokens: none is split here)."""
+    torch.manual_seed(0)
+    model = tiny_llama(dtype=torch.bfloat16, eos_token_id=None)
+    prompts = _prompts(PROMPTS)
+    assert generate_batch(model, prompts, {}) == [generate(model, p, {}) for p in prompts]
+
+
+def test_eager_attention_tokens_equal_generate(tiny_llama):
+    """A model loaded with eager attention runs on transformers' paged eager attention, switched back afterwards."""
+    torch.manual_seed(0)
+    model = tiny_llama(eos_token_id=None, attn_implementation="eager")
+    prompts = _prompts((40, 260), seed=5)
+    batched = generate_batch(model, prompts, {})
+    assert model.config._attn_implementation == "eager"
+    assert batched == [generate(model, p, {}) for p in prompts]
+    with pytest.raises(ValueError, match="use_async_batching=False"):
+        model.init_continuous_batching(
+            generation_config=_generation_config({}), continuous_batching_config=_cb_config(use_async_batching=True)
+        )
+    assert model.config._attn_implementation == "eager"  # switched to paged|eager, then back when refused
+
+
+def test_gemma3_hybrid_tokens_equal_generate(gemma):
+    """Sliding-window layers stay exact (transformers' allocator), full-attention ones go to 2-bit pages."""
+    prompts = _prompts((3, 130, 260))
+    batched = generate_batch(gemma, prompts, {})
+    assert batched == [generate(gemma, p, {}) for p in prompts]
+
+
+def test_quantization_changes_tokens(llama):
+    """The equalities above are not vacuous: on these prompts 2-bit pages change tokens against exact attention."""
+    prompts = _prompts(PROMPTS)
+    assert generate_batch(llama, prompts, {"sink_tokens": 0}) != generate_batch(llama, prompts, None)
+
+
+def test_lossless_pool_equals_stock_continuous_batching(llama, monkeypatch):
+    """With pages that read back exactly what was written, the pool's plumbing (tails, sinks, page boundaries, the
+    plan's gathers) gives stock continuous batching's tokens."""
+    written = []
+
+    class ExactPageCodec(PageCodec):
+        """Pages are quantized and stored as usual, and read back as the exact K/V that went in."""
+
+        def __init__(self, config, pages):
+            super().__init__(config, pages)
+            self.exact = {}
+
+        def write(self, layer, blocks, keys, values):
+            super().write(layer, blocks, keys, values)
+            for i, block in enumerate(blocks.tolist()):
+                self.exact[layer, block] = keys[i].clone(), values[i].clone()
+            written.append(len(blocks))
+
+        def read(self, layer, blocks, dtype):
+            super().read(layer, blocks, dtype)
+            pages = [self.exact[layer, block] for block in blocks.tolist()]
+            return tuple(torch.stack(kv).to(dtype) for kv in zip(*pages))
+
+    monkeypatch.setattr(OscarPagedCache, "codec_class", ExactPageCodec)
+    prompts = _prompts(PROMPTS, seed=1)
+    assert generate_batch(llama, prompts, {}) == generate_batch(llama, prompts, None)
+    assert sum(written) > 0
+
+
+def test_prompts_split_by_the_scheduler_equal_chunked_generate(llama):
+    """A prompt longer than the batch's token budget is prefilled in chunks; each chunk attends to the pages the earlier
+    ones left, as generate's chunked prefill does (`prefill_chunk_size`)."""
+    prompts = _prompts((700,), seed=2)
+    batched = generate_batch(llama, prompts, {}, max_batch_tokens=256)
+    assert batched == [generate(llama, prompts[0], {}, prefill_chunk_size=256)]
+
+
+def test_requests_joining_while_others_decode(llama):
+    """Requests submitted while earlier ones decode join the running batch."""
+    prompts = _prompts((300, 5, 140, 70), seed=3)
+    manager = llama.init_continuous_batching(
+        generation_config=_generation_config({}), continuous_batching_config=_cb_config()
+    )
+    manager.start()
+    try:
+        first = manager.add_request(prompts[0], streaming=True)
+        while True:  # until the first request decodes
+            output = manager.get_result(first, timeout=10)
+            if output is not None and output.generated_tokens:
+                break
+        ids = [first] + [manager.add_request(p) for p in prompts[1:]]
+        results = {}
+        while len(results) < len(ids):
+            output = manager.get_result(timeout=10)
+            assert output is not None and output.error is None, output
+            if output.is_finished():
+                results[output.request_id] = output.generated_tokens
+    finally:
+        manager.stop(block=True)
+    assert [results[i] for i in ids] == [generate(llama, p, {}) for p in prompts]
+
+
+def test_shared_prefix_pages(llama, monkeypatch):
+    """Without sinks, a request starting with a finished one's complete pages shares them; its suffix attends to them
+    as generate's chunked prefill attends to its first chunk."""
+    matches = []
+    search = OscarPagedCache.search_prefix_match
+
+    def spy(self, request_id, prompt_ids):
+        matches.append(search(self, request_id, prompt_ids))
+        return matches[-1]
+
+    monkeypatch.setattr(OscarPagedCache, "search_prefix_match", spy)
+    options = {"sink_tokens": 0}
+    prefix, first, second = _prompts((256, 40, 60), seed=4)
+    manager = llama.init_continuous_batching(
+        generation_config=_generation_config(options), continuous_batching_config=_cb_config()
+    )
+    manager.start()
+    try:
+        tokens = []
+        for suffix in (first, second):
+            request = manager.add_request(prefix + suffix)
+            output = manager.get_result(request, timeout=30)
+            assert output is not None and output.error is None, output
+            tokens.append(output.generated_tokens)
+    finally:
+        manager.stop(block=True)
+    assert matches == [0, 256]
+    assert tokens[0] == generate(llama, prefix + first, options)
+    assert tokens[1] == generate(llama, prefix + second, options, prefill_chunk_size=256)
+
+
+def test_request_longer_than_the_pool_is_refused(llama):
+    manager = llama.init_continuous_batching(
+        generation_config=_generation_config({}), continuous_batching_config=_cb_config(num_blocks=8)
+    )
+    manager.warmup()  # builds the pool, as generate_batch and transformers serve do before any request
+    manager.start()
+    try:
+        limit = manager.batch_processor.cache.max_request_tokens
+        with pytest.raises(ValueError, match=f"more than the 2-bit pool holds for one request \\({limit}\\)"):
+            manager.add_request(list(range(3, 3 + limit)), max_new_tokens=1)
+        request = manager.add_request(_prompts((10,))[0], max_new_tokens=4)
+        assert len(manager.get_result(request, timeout=30).generated_tokens) == 4  # still serving
+    finally:
+        manager.stop(block=True)
+
+
+@pytest.mark.parametrize(
+    "options, cb_options, generation, match",
+    [
+        ({"bits": "auto"}, {}, {}, "bits=2 \\(the pool's default\\)"),
+        ({"avg_bits": 3.6}, {}, {}, "pass fixed widths"),
+        ({"method": "oscar"}, {}, {}, "pass method='paper'"),
+        ({"attention": "fused"}, {}, {}, "no fused kernels yet"),
+        ({}, {"page_size": 64}, {}, "page_size=64 cannot apply"),
+        ({}, {"cpu_offload_space": 1.0}, {}, "cpu_offload_space=0"),
+        ({}, {"use_async_batching": True}, {}, "use_async_batching=False"),
+        ({}, {"default_compile_level": 1}, {}, "default_compile_level at 0"),
+        ({}, {}, {"num_return_sequences": 2, "do_sample": True}, "once per sequence"),
+    ],
+)
+def test_refusals(llama, options, cb_options, generation, match):
+    config = _generation_config(options, **generation)
+    with pytest.raises(ValueError, match=match):
+        llama.init_continuous_batching(generation_config=config, continuous_batching_config=_cb_config(**cb_options))
+    assert llama.config._attn_implementation == "sdpa"  # a refused manager leaves the model as it was
+
+
+def test_refused_models(tiny_llama):
+    flash = tiny_llama()
+    flash.config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ValueError, match="Load it with attn_implementation='sdpa'"):
+        flash.init_continuous_batching(generation_config=_generation_config({}))
+    latent = tiny_llama()
+    latent.config.kv_lora_rank = 16
+    with pytest.raises(ValueError, match="latent attention"):
+        latent.init_continuous_batching(generation_config=_generation_config({}))
+    sliding = _gemma(["sliding_attention"] * 2)
+    with pytest.raises(ValueError, match="has none"):
+        sliding.init_continuous_batching(generation_config=_generation_config({}))
+
+
+def test_unsupported_transformers_is_refused(llama, monkeypatch):
+    monkeypatch.setattr(transformers, "__version__", "5.24.0")
+    with pytest.raises(ValueError, match="needs transformers .*5\\.25.*this is 5\\.24\\.0"):
+        llama.init_continuous_batching(generation_config=_generation_config({}))
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~5-10 s
+def test_an_unsupported_transformers_imports_no_pool():
+    """On another transformers version, `import oscar_hf` leaves continuous batching as it is (the pool, built on 5.25's
+    internals, is not even imported) and refuses cache_implementation="oscar" there, naming the supported versions."""
+    code = """
+import sys, transformers
+transformers.__version__ = "5.23.0"
+import oscar_hf
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
+from transformers.generation.continuous_batching import cache, continuous_api
+assert "oscar_hf.serving.pool" not in sys.modules
+assert continuous_api.PagedAttentionCache is cache.PagedAttentionCache
+model = LlamaForCausalLM(LlamaConfig(num_hidden_layers=1, hidden_size=32, intermediate_size=32, num_attention_heads=2))
+try:
+    model.init_continuous_batching(generation_config=GenerationConfig(cache_implementation="oscar"))
+except ValueError as error:
+    print(error)
+"""
+    result = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "needs transformers" in result.stdout and "this is 5.23.0" in result.stdout
+
+
+def test_register_is_undone(llama):
+    """`unregister()` gives transformers its cache class and manager back; other caches never see the pool."""
+    try:
+        oscar_hf.unregister()
+        assert continuous_api.PagedAttentionCache is PagedAttentionCache
+        assert not hasattr(continuous_api.ContinuousBatchingManager.__init__, "_oscar_original")
+    finally:
+        oscar_hf.register()
+    assert continuous_api.PagedAttentionCache is not PagedAttentionCache
+    stock = llama.init_continuous_batching(
+        generation_config=GenerationConfig(), continuous_batching_config=_cb_config()
+    )
+    assert type(stock._create_batch_processor().cache) is PagedAttentionCache
