@@ -1,8 +1,8 @@
 """Serving through transformers' continuous batching (`generate_batch`): the stock bf16 pool against the 2-bit pool.
 
-    python -P benchmarks/bench_serving.py                                   # Llama-3.1-8B shape, the issue's load
-    python -P benchmarks/bench_serving.py --requests 32 --min-prompt 2048 --max-prompt 8192 --new-tokens 64
-    python -P benchmarks/bench_serving.py --quick --model tiny-llama --device cpu --num-blocks 64
+    python benchmarks/bench_serving.py                                   # Llama-3.1-8B shape, the issue's load
+    python benchmarks/bench_serving.py --requests 32 --min-prompt 2048 --max-prompt 8192 --new-tokens 64
+    python benchmarks/bench_serving.py --quick --model tiny-llama --device cpu --num-blocks 64
 
 One process runs every cache of `--caches` (rows of one run, one `run` id) on the same seeded request set: `--requests`
 prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random token ids), `--new-tokens` new tokens
@@ -17,11 +17,10 @@ Per cache, a row: `pool_tokens` (the tokens its pages can hold: transformers' `m
 `ttft_p50_s`/`ttft_p99_s` (first token's time after submission, every request submitted at once), `peak_gib`, and
 over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
 must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
-`roof_fraction` (their sums' ratio: the steps' share of their byte roof). Ratios: the 2-bit pool's over bf16's.
+`roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
+them). Ratios: the 2-bit pool's over bf16's.
 
-Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`), the header bench_generate's
-(`record_header`, `new_run`): switching to a shared records module means replacing `bench.new_run`,
-`bench.record_header` and `copy_bandwidth`.
+Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`; records.py's layout).
 """
 
 from __future__ import annotations
@@ -30,16 +29,14 @@ import argparse
 import dataclasses
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import bench_generate as bench
+import records
 import torch
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
-
-sys.path.insert(0, str(Path(__file__).parent))  # `python -P` leaves the script's folder off sys.path
-import bench_generate as bench  # noqa: E402  (models, records)
 
 CACHES = ("bf16", "oscar")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
@@ -53,22 +50,6 @@ class Step:
     decode: bool  # every request in the batch brought one token
     used_bytes: int  # the pool's bytes in use
     active: int  # requests active (holding cache)
-
-
-def copy_bandwidth(device: torch.device, gib: float = 1.0) -> float | None:
-    """Bytes per second of a device-to-device copy (read + write), best of 5; None off CUDA."""
-    if device.type != "cuda":
-        return None
-    source = torch.empty(int(gib * 2**30), dtype=torch.uint8, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(5):
-        torch.cuda.synchronize(device)
-        start = time.perf_counter()
-        target.copy_(source)
-        torch.cuda.synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * source.numel() / best
 
 
 def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -114,7 +95,7 @@ class StepClock:
         ContinuousBatchProcessor._generation_step = self.original
 
 
-def run_cache(model, cache: str, prompts, args, bandwidth: float | None) -> dict:
+def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     """One `generate_batch` of the request set with `cache`; its row's measurements."""
     device = model.device
     oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache == "oscar" else {}
@@ -142,8 +123,8 @@ def run_cache(model, cache: str, prompts, args, bandwidth: float | None) -> dict
         raise RuntimeError(f"{len(prompts) - len(outputs)} requests missing, {len(failed)} failed: {failed[:1]}")
     ttft = sorted(o.timestamps[0] - o.created_time for o in outputs.values())
     decode = [s for s in clock.steps if s.decode]
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    roofs = [(weights + s.used_bytes) / bandwidth for s in decode] if bandwidth and decode else None
+    weights, bytes_per_s = records.weight_bytes(model), bandwidth["GBps"] * 1e9
+    roofs = [(weights + s.used_bytes) / bytes_per_s for s in decode]
     return {
         "pool_tokens": clock.pool_tokens,
         "peak_concurrent": max(s.active for s in clock.steps),
@@ -152,8 +133,8 @@ def run_cache(model, cache: str, prompts, args, bandwidth: float | None) -> dict
         "ttft_p99_s": ttft[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
         "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
         "decode_step_ms": 1000 * statistics.median(s.seconds for s in decode) if decode else None,
-        "roof_ms": 1000 * statistics.median(roofs) if roofs else None,
-        "roof_fraction": sum(roofs) / sum(s.seconds for s in decode) if roofs else None,
+        "roof_ms": 1000 * statistics.median(roofs) if decode else None,
+        "roof_fraction": sum(roofs) / sum(s.seconds for s in decode) if decode else None,
         "steps": len(clock.steps),
         "decode_steps": len(decode),
         "wall_s": wall,
@@ -190,22 +171,22 @@ def main(argv: list[str] | None = None) -> Path:
         vars(args).update(QUICK)
     started = time.perf_counter()
     device = torch.device(args.device)
+    bandwidth = records.copy_bandwidth(device)  # before the model: an empty GPU
     model = bench.build_model(args.model, args.device)
     prompts = request_set(args.requests, args.min_prompt, args.max_prompt, model.config.vocab_size, args.seed)
-    bandwidth = copy_bandwidth(device)
-    run = bench.new_run()
-    header = bench.record_header("serving", device)
-    path = args.out / f"serving_{bench.gpu_slug(header['device'])}.json"
-    record = bench.open_record(path, "serving")
+    header = records.header("serving", device)
+    run = header["run"]
+    path = args.out / f"serving_{records.gpu_slug(header['device'])}.json"
     keys = ("model", "requests", "min_prompt", "max_prompt", "new_tokens", "max_batch_tokens")
-    record["runs"][run] = {
-        **header,
+    record = records.start_run(
+        path,
+        header,
         **{k: getattr(args, k) for k in keys},
-        "max_memory_percent": args.max_memory_percent,
-        "num_blocks": args.num_blocks,
-        "cache_config": args.cache_config,
-        "copy_bandwidth_gb_s": None if bandwidth is None else bandwidth / 1e9,
-    }
+        max_memory_percent=args.max_memory_percent,
+        num_blocks=args.num_blocks,
+        cache_config=args.cache_config,
+        copy_bandwidth=bandwidth,
+    )
     rows = []
     for cache in args.caches:
         row = {"run": run, "cache": cache, "variant": cache, **{k: getattr(args, k) for k in keys}}
@@ -218,11 +199,11 @@ def main(argv: list[str] | None = None) -> Path:
                 row.update(bench.failure(error))
         rows.append(row)
         record["rows"].append(row)
-        bench.write_record(path, record)
+        records.write_record(path, record)
         print(summary(row), flush=True)
     ratios = bench.oscar_ratios(rows, ("model", "requests"), RATIO_FIELDS)
     record["ratios"].extend(ratios)
-    bench.write_record(path, record)
+    records.write_record(path, record)
     print(f"run {run} on {header['device']} -> {path}")
     return path
 

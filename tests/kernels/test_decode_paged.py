@@ -11,12 +11,12 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from oscar_hf.kernels.decode_paged import paged_decode_attention
-from reference_checks import assert_close_to_reference
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 from oscar_hf.reference import decode_attention, quantize_kv
 from oscar_hf.serving.pages import PageLayout, TailLayout, round_up
+from oscar_hf.testing import assert_close_to_reference
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS = 2  # pages of two layers per block: the kernel reads the second, at an offset inside each block
