@@ -22,13 +22,14 @@ def test_quick_run_records_both_pools(serving, tmp_path):
     [(run, header)] = record["runs"].items()
     assert record["benchmark"] == "serving" and header["device"] == "cpu" and header["commit"] is not None
     assert header["requests"] == 8 and header["cache_config"] == {"bits": 2} and "versions" in header
+    assert header["copy_bandwidth"]["GBps"] > 0
     assert [row["cache"] for row in record["rows"]] == ["bf16", "oscar"]
     for row in record["rows"]:
         assert row["run"] == run and "error" not in row, row
         assert all(field in row for field in (*MEASURED, "roof_ms", "roof_fraction")), row
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 1 <= row["peak_concurrent"] <= 8
         assert row["decode_steps"] >= serving.QUICK["new_tokens"] - 1  # at least the last request's own steps
-        assert row["roof_ms"] is None  # no copy bandwidth measured off CUDA
+        assert row["roof_ms"] > 0 and row["roof_fraction"] > 0  # the CPU's own copy bandwidth (records.py)
     rows = {row["cache"]: row for row in record["rows"]}
     [ratio] = record["ratios"]
     assert ratio["run"] == run and (ratio["oscar"], ratio["baseline"]) == ("oscar", "bf16")
