@@ -152,8 +152,8 @@ def test_lossless_pool_equals_stock_continuous_batching(llama, monkeypatch):
     class ExactPageCodec(PageCodec):
         """Pages are quantized and stored as usual, and read back as the exact K/V that went in."""
 
-        def __init__(self, config, pages):
-            super().__init__(config, pages)
+        def __init__(self, config, pages, backend):
+            super().__init__(config, pages, backend)
             self.exact = {}
 
         def write(self, layer, blocks, keys, values):

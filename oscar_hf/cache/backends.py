@@ -202,23 +202,23 @@ def fused_blockers(
     oscar_config: OscarConfig,
     text_config: PretrainedConfig,
     offloading: bool,
-    key_states: torch.Tensor,
-    value_states: torch.Tensor,
+    device: torch.device,
+    head_dims: tuple[int, int],
 ) -> list[str]:
-    """Why a layer seeing these K/V cannot use the Triton backend (empty: it can). attention='portable' is not a
-    reason: it is a choice (`choose_backend`)."""
+    """Why K/V on `device` with these (key, value) head dims cannot use the Triton backend (empty: they can).
+    attention='portable' is not a reason: it is a choice (`choose_backend`)."""
     interpreting = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's interpreter runs kernels on CPU tensors
     implementation = _implementation(text_config)
     return _failed(
         (offloading, "cache offloading is on"),
         (implementation != "sdpa", f"the model's attn_implementation is {implementation!r}, not 'sdpa'"),
         (
-            not (key_states.is_cuda or (oscar_config.attention == "fused" and interpreting)),
-            f"K/V are on {key_states.device} (CUDA needed; CPU only under TRITON_INTERPRET=1)",
+            not (device.type == "cuda" or (oscar_config.attention == "fused" and interpreting)),
+            f"K/V are on {device} (CUDA needed; CPU only under TRITON_INTERPRET=1)",
         ),
         (
-            not key_states.shape[-1] == value_states.shape[-1] in DECODE_HEAD_DIMS,
-            f"head dims {key_states.shape[-1]}/{value_states.shape[-1]} are not one of {DECODE_HEAD_DIMS}",
+            not head_dims[0] == head_dims[1] in DECODE_HEAD_DIMS,
+            f"head dims {head_dims[0]}/{head_dims[1]} are not one of {DECODE_HEAD_DIMS}",
         ),
         (not HAS_TRITON, "triton is not installed"),
     )
@@ -228,20 +228,22 @@ def choose_backend(
     oscar_config: OscarConfig,
     text_config: PretrainedConfig,
     offloading: bool,
-    key_states: torch.Tensor,
-    value_states: torch.Tensor,
+    device: torch.device,
+    head_dims: tuple[int, int],
+    kv_heads: int,
 ) -> PortableBackend:
-    """The backend of a layer whose first update brings these K/V. With attention="auto" the portable one runs where
-    the kernels do not apply (same storage, same results up to rounding); attention="fused" demands the kernels."""
+    """The backend of a layer storing K/V of `kv_heads` heads and these (key, value) head dims on `device` (the cache
+    chooses at a layer's first update, the serving pool at its creation). With attention="auto" the portable one runs
+    where the kernels do not apply (same storage, same results up to rounding); attention="fused" demands them."""
     if oscar_config.attention == "portable":
         return PortableBackend()
-    reasons = fused_blockers(oscar_config, text_config, offloading, key_states, value_states)
+    reasons = fused_blockers(oscar_config, text_config, offloading, device, head_dims)
     if reasons and oscar_config.attention == "fused":
         raise ValueError(
             f"OscarConfig(attention='fused') cannot use the Triton kernels: {'; '.join(reasons)}. "
             "Use attention='auto' (kernels where they apply) or 'portable'."
         )
-    return PortableBackend() if reasons else TritonBackend(query_tokens(text_config, key_states.shape[1]))
+    return PortableBackend() if reasons else TritonBackend(query_tokens(text_config, kv_heads))
 
 
 def config_compile_blockers(

@@ -115,7 +115,10 @@ class OscarCache(DynamicCache):
             if (key_states.shape[-2] == 1 and held) or held >= CHOICE_TOKENS:
                 self.choose_bits()
         if isinstance(layer, OscarLayer) and not layer.is_initialized:
-            backend = choose_backend(self.oscar_config, self._text_config, self.offloading, key_states, value_states)
+            head_dims = (key_states.shape[-1], value_states.shape[-1])
+            backend = choose_backend(
+                self.oscar_config, self._text_config, self.offloading, key_states.device, head_dims, key_states.shape[1]
+            )
             layer.configure(backend, self._head_shard_group(key_states))
         # Eager code only: a compiled forward (one graph, sdpa, no KV sharing: `compile_blockers`) always
         # attends through the sdpa entry, and reading this state there would make dynamo guard on it per step.

@@ -7,9 +7,9 @@ full-attention layer for the same R tokens (transformers' "block": the unit the 
 request's exact tokens, the sinks then the window of 1..R newest tokens, keys and values, for every full-attention
 layer, in the model dtype (`TailLayout`).
 
-`PageCodec` is the pool's backend: the only code that turns exact keys and values into pages and back (the reference
-`quantize_kv` / `dequantize_kv`, with their finite check). A faster backend (Triton kernels reading pages in place) is
-a `PageCodec` with the same two methods.
+`PageCodec` is the only code that turns exact keys and values into pages and back, through the backend a cache layer
+would use on the same device (`oscar_hf.cache.backends`: the reference, or the Triton quantizer and dequantizer), with
+its finite check. Kernels reading pages in place (kernels/decode_paged.py) are the next step: docs/serving.md.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
+from ..cache.backends import PortableBackend
+from ..cache.finite import FiniteCheck
 from ..config import OscarConfig
 from ..layout import QuantizedKV, StorageLayout
-from ..reference import dequantize_kv, finite_flags, quantize_kv, raise_unless_finite
 
 FIELD_ALIGN = 16  # bytes: every field starts at a multiple (int32, float16 and float32 views need 4)
 PAGE_ALIGN = 128  # bytes: the page size is a multiple (transformers aligns its sectors to 128 bytes too)
@@ -126,29 +127,26 @@ class TailLayout:
 
 
 class PageCodec:
-    """The pool's quantize/dequantize backend (portable: the reference, in PyTorch): writes pages from exact K/V and
-    reads them back as dense K/V. `pages[i]`: the field views of full-attention layer i (`PageLayout.views`).
+    """Writes pages from exact K/V and reads them back as dense K/V, through `backend` (`PortableBackend` or
+    `TritonBackend`). `pages[i]`: the field views of full-attention layer i (`PageLayout.views`).
 
     Every key is rotated (method="paper"; with `rotation=False` none is): the pool holds no per-page rotation choice.
     """
 
-    def __init__(self, config: OscarConfig, pages: list[QuantizedKV]):
-        self.config = config
-        self.pages = pages
+    def __init__(self, config: OscarConfig, pages: list[QuantizedKV], backend: PortableBackend):
+        self.config, self.pages, self.backend = config, pages, backend
+        self.finite = FiniteCheck(config)  # outside its `gathered` scope: each write checked at once
 
     def write(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize `keys`/`values` (`[n, heads, R, head_dim]`, model dtype) into layer `layer`'s pages of the `n`
-        page blocks `blocks`, refusing non-finite K/V or scales (`reference.raise_unless_finite`)."""
-        page = quantize_kv(keys, values, self.config)
-        raise_unless_finite(finite_flags(page, keys, values), self.config)
+        page blocks `blocks`, refusing non-finite K/V or scales (`FiniteCheck`)."""
+        page = self.backend.quantize(keys, values, self.config, None, None, None, self.finite)
         for view, field in zip(self.pages[layer], page):
             if view is not None:
                 view[blocks] = field
 
     def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Dense keys and values (`[n, heads, R, head_dim]`, `dtype`) of layer `layer`'s pages of `blocks`, computed in
-        float32 (float64 for a float64 model) as the cache's portable path computes them."""
+        """Dense keys and values (`[n, heads, R, head_dim]`, `dtype`) of layer `layer`'s pages of `blocks`, as a cache
+        layer on the same backend dequantizes them."""
         page = QuantizedKV(*(None if view is None else view[blocks] for view in self.pages[layer]))
-        math_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        keys, values = dequantize_kv(page, self.config, math_dtype)
-        return keys.to(dtype), values.to(dtype)
+        return self.backend.dequantize(page, self.config, None, dtype)

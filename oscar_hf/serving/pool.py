@@ -33,6 +33,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads, logger
 
+from ..cache.backends import choose_backend
 from ..config import OscarConfig
 from ..reference import check_head_dim
 from .allocators import PageAllocator, TailAllocator, sector_geometry
@@ -148,7 +149,8 @@ class OscarPagedCache(PagedAttentionCache):
         self.max_decode_fast_path_length = self._infer_max_decode_fast_path_length()
         self.max_tokens_read = max(a.tokens_per_page * a.num_blocks for a in self.cache_allocators.values())
 
-        self.codec = self.codec_class(oscar_config, self.pages.views)
+        backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
+        self.codec = self.codec_class(oscar_config, self.pages.views, backend)
         self._layer_position = {layer: i for i, layer in enumerate(self.pages.layer_indices)}
         self._quantized: dict[str, int] = {}  # request id -> pages quantized so far
         self._steps: list[tuple[str, int, int]] = []  # the requests of the forward being prepared, not planned yet
