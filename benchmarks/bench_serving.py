@@ -12,7 +12,7 @@ pools are sized by transformers' memory handler from the same free memory (`--ma
 blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700
 tokens and 8 new tokens, to check the path (no timing means anything there).
 
-Per cache, a row: `pool_tokens` (the tokens its pages can hold: transformers' `max_tokens_read`), `peak_concurrent`
+Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
 (the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
 `ttft_p50_s`/`ttft_p99_s` (first token's time after submission, every request submitted at once), `peak_gib`, and
 over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
@@ -76,7 +76,7 @@ class StepClock:
 
         def timed(processor, model):
             cache = processor.cache
-            clock.pool_tokens = cache.max_tokens_read
+            clock.pool_tokens = pool_tokens(cache)
             batch = processor.inputs_and_outputs.requests_in_batch
             used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
             clock._sync()
@@ -93,6 +93,12 @@ class StepClock:
 
     def __exit__(self, *exc):
         ContinuousBatchProcessor._generation_step = self.original
+
+
+def pool_tokens(cache) -> int:
+    """The tokens a pool's pages can hold: its blocks, all of one kind (transformers' `max_tokens_read` for its own
+    pool; the 2-bit pool, read in place, sets that to what a batch reads through transformers' indices)."""
+    return max(allocator.tokens_per_page * allocator.num_blocks for allocator in cache.cache_allocators.values())
 
 
 def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:

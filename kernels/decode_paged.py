@@ -1,5 +1,5 @@
-"""Decode attention over the 2-bit pool's pages in place, through a block table (`oscar_hf.serving`: the pool's kernel
-backend, stage 2; nothing calls it yet).
+"""Decode attention over the 2-bit pool's pages in place, through a block table (`oscar_hf.serving.history`: the
+decode steps of a continuous-batching forward).
 
 `paged_decode_attention(query, pages, tail_keys, tail_values, block_table, page_counts, tail_blocks, exact_tokens,
 scaling, config)`, one decode token per request:
@@ -17,13 +17,14 @@ scaling, config)`, one decode token per request:
     returns        [B, Hq, 1, D]                   query dtype
 
 Grid (B * Hkv, splits + 1): program (bh, s < splits) runs the online softmax of the g query rows of KV head bh over
-pages [s * P, (s + 1) * P) of its request (P pages per split; a request with fewer pages leaves its later programs
-empty), each page's tiles read from the block the table names, with the split kernel's tile step
-(`decode_tiles._quantized_block`: codes unpacked in registers, the rotated query, token norms on the scores); program
-(bh, splits) runs it over the tail's exact tokens (`decode_triton._residual_part`). The merge kernel (decode_merge.py)
-then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the cache's own decode. A page is R
-tokens of a complete block, so no tile step is partial and no padding mask applies. Every key is rotated (the pool's
-method="paper"; `rotation=False`: none).
+pages [s * P, (s + 1) * P) of its request (P pages per split; by default the longest request's pages in as many splits
+as the cache's decode kernel makes, `decode_tuning.num_splits`, so that the partials stay a few programs per SM; a
+request with fewer pages leaves its later programs empty), each page's tiles read from the block the table names, with
+the split kernel's tile step (`decode_tiles._quantized_block`: codes unpacked in registers, the rotated query, token
+norms on the scores); program (bh, splits) runs it over the tail's exact tokens (`decode_triton._residual_part`). The
+merge kernel (decode_merge.py) then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the
+cache's own decode. A page is R tokens of a complete block, so no tile step is partial and no padding mask applies.
+Every key is rotated (the pool's method="paper"; `rotation=False`: none).
 """
 
 from __future__ import annotations
@@ -35,10 +36,11 @@ import triton.language as tl
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 
+from .common import on_device
 from .decode_merge import merge_kernel
 from .decode_tiles import _quantized_block, query_operand, tile_tokens
 from .decode_triton import _residual_part
-from .decode_tuning import default_tuning
+from .decode_tuning import default_tuning, few_heads, num_splits
 
 _LOG2E = 1.4426950408889634
 
@@ -210,9 +212,10 @@ def paged_decode_attention(
     exact_tokens: torch.Tensor,
     scaling: float,
     config: OscarConfig,
-    pages_per_split: int = 4,
+    pages_per_split: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each request's decode query over its pages and its tail (see the module docstring)."""
+    """Attention of each request's decode query over its pages and its tail (see the module docstring);
+    `pages_per_split`: pages per program, else chosen from the batch and the device."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = pages.key_codes.shape[1]
     if q_len != 1 or q_heads % kv_heads:
@@ -229,7 +232,13 @@ def paged_decode_attention(
     if config.residual_length % block_n:
         block_n = config.group_size  # a divisor of the page (residual_length is a multiple of group_size)
     block_m = max(tuning.block_m, triton.next_power_of_2(gqa))
-    splits = triton.cdiv(block_table.shape[1], pages_per_split)
+    max_pages = block_table.shape[1]
+    if pages_per_split is None:  # the longest request's pages in as many splits as the cache's decode would make
+        heads = batch * kv_heads
+        tiles = max_pages * (config.residual_length // block_n)
+        splits = num_splits(heads, tiles, query.device, tuning, few_heads(heads, query.device))
+        pages_per_split = max(1, triton.cdiv(max_pages, max(splits, 1)))
+    splits = triton.cdiv(max_pages, pages_per_split)
     part_o = query.new_empty(batch * kv_heads, splits + 1, gqa, head_dim, dtype=torch.float32)
     part_ml = query.new_empty(batch * kv_heads, splits + 1, gqa, 2, dtype=torch.float32)
     strides = {}
@@ -253,60 +262,61 @@ def paged_decode_attention(
         stride_vmh=pages.value_min.stride(1),
         stride_table=block_table.stride(0),
     )
-    paged_split_kernel[(batch * kv_heads, splits + 1)](
-        query,
-        pages.key_codes,
-        pages.key_scale,
-        pages.key_min,
-        norms,
-        pages.value_codes,
-        pages.value_scale,
-        pages.value_min,
-        tail_keys,
-        tail_values,
-        block_table,
-        page_counts,
-        tail_blocks,
-        exact_tokens,
-        part_o,
-        part_ml,
-        kv_heads,
-        pages_per_split,
-        splits,
-        scaling * _LOG2E,
-        **strides,
-        GQA=gqa,
-        HEAD_DIM=head_dim,
-        LOG2_D=head_dim.bit_length() - 1,
-        KEY_BITS=config.key_bits,
-        VALUE_BITS=config.value_bits,
-        GROUP=config.group_size,
-        PAGE=config.residual_length,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n,
-        BLOCK_R=tuning.residual_block,
-        ROTATION=config.rotation,
-        TOKEN_SCALING=config.token_scaling,
-        num_warps=tuning.num_warps,
-    )
     out = torch.empty_like(query)
     merge_slots = min(triton.next_power_of_2(max(splits, 1)), max(1, tuning.merge_tile // head_dim))
-    merge_kernel[(batch * kv_heads * gqa,)](
-        part_o,
-        part_ml,
-        out,
-        kv_heads,
-        splits + 1,
-        *out[:, :, 0].stride()[:2],
-        0,
-        out.stride(-1),
-        GQA=gqa,
-        TQ=1,
-        HEAD_DIM=head_dim,
-        LOG2_D=head_dim.bit_length() - 1,
-        ROTATION=config.rotation,
-        BLOCK_S=merge_slots,
-        WAIT_FOR_PARTIALS=False,
-        num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
-    )
+    with on_device(query.device):  # Triton launches on the current device
+        paged_split_kernel[(batch * kv_heads, splits + 1)](
+            query,
+            pages.key_codes,
+            pages.key_scale,
+            pages.key_min,
+            norms,
+            pages.value_codes,
+            pages.value_scale,
+            pages.value_min,
+            tail_keys,
+            tail_values,
+            block_table,
+            page_counts,
+            tail_blocks,
+            exact_tokens,
+            part_o,
+            part_ml,
+            kv_heads,
+            pages_per_split,
+            splits,
+            scaling * _LOG2E,
+            **strides,
+            GQA=gqa,
+            HEAD_DIM=head_dim,
+            LOG2_D=head_dim.bit_length() - 1,
+            KEY_BITS=config.key_bits,
+            VALUE_BITS=config.value_bits,
+            GROUP=config.group_size,
+            PAGE=config.residual_length,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_R=tuning.residual_block,
+            ROTATION=config.rotation,
+            TOKEN_SCALING=config.token_scaling,
+            num_warps=tuning.num_warps,
+        )
+        merge_kernel[(batch * kv_heads * gqa,)](
+            part_o,
+            part_ml,
+            out,
+            kv_heads,
+            splits + 1,
+            *out[:, :, 0].stride()[:2],
+            0,
+            out.stride(-1),
+            GQA=gqa,
+            TQ=1,
+            HEAD_DIM=head_dim,
+            LOG2_D=head_dim.bit_length() - 1,
+            ROTATION=config.rotation,
+            BLOCK_S=merge_slots,
+            WAIT_FOR_PARTIALS=False,
+            num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
+        )
     return out

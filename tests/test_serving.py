@@ -259,7 +259,6 @@ def test_request_longer_than_the_pool_is_refused(llama):
         ({"bits": "auto"}, {}, {}, "bits=2 \\(the pool's default\\)"),
         ({"avg_bits": 3.6}, {}, {}, "pass fixed widths"),
         ({"method": "oscar"}, {}, {}, "pass method='paper'"),
-        ({"attention": "fused"}, {}, {}, "no fused kernels yet"),
         ({}, {"page_size": 64}, {}, "page_size=64 cannot apply"),
         ({}, {"cpu_offload_space": 1.0}, {}, "cpu_offload_space=0"),
         ({}, {"use_async_batching": True}, {}, "use_async_batching=False"),

@@ -44,7 +44,7 @@ class _PoolAllocator(CacheAllocator):
         self.block_table.setdefault(request_id, []).extend(self.pool.get_free_blocks(self.index, needed))
 
     def get_seqlen_k(self, past_length: int, query_length: int) -> int:
-        return past_length + query_length  # attention reads the whole history, then the new tokens
+        raise NotImplementedError(_INDEX_PATHS)
 
     def get_read_indices(self, request_id: str, past_length: int, query_length: int) -> list[int]:
         raise NotImplementedError(_INDEX_PATHS)
@@ -65,7 +65,9 @@ class _PoolAllocator(CacheAllocator):
 class PageAllocator(_PoolAllocator):
     """Page blocks of the full-attention layers `layer_indices`: block b holds, for each of them in order, its page
     (`PageLayout`) of the same R tokens, in `block_bytes` (at least the pages' bytes). Complete pages are shared
-    between requests with the same prefix (transformers' block hashing), when the pool allows it (`OscarPagedCache`)."""
+    between requests with the same prefix (transformers' block hashing), when the pool allows it (`OscarPagedCache`).
+    `in_place`: attention reads the pages in place (`history.PagedHistory`), so transformers' masks for these layers
+    span each request's new tokens only (`get_seqlen_k`)."""
 
     supports_block_sharing = True
     layer_type = FULL_ATTENTION
@@ -78,14 +80,20 @@ class PageAllocator(_PoolAllocator):
         block_bytes: int,
         sinks: int,
         allow_block_sharing: bool,
+        in_place: bool,
     ):
-        self.page, self.sinks = page, sinks
+        self.page, self.sinks, self.in_place = page, sinks, in_place
         self._before_cache_tensor_init(index, layer_indices, page.tokens, block_bytes, allow_block_sharing)
         self.pages_per_block, self.bytes_per_block = 1, block_bytes  # the layers' pages, padded (`sector_geometry`)
 
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         self._register(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
         self.views = [self.page.views(cache_tensor, self.bytes_per_block, i) for i in range(len(self.layer_indices))]
+
+    def get_seqlen_k(self, past_length: int, query_length: int) -> int:
+        """The keys transformers' mask gives a request: its whole history then its new tokens (the dense K/V
+        `OscarPagedCache.update` returns), or, read in place, its new tokens only."""
+        return query_length if self.in_place else past_length + query_length
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         held = len(self.block_table.get(request_id, []))

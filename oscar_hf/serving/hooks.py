@@ -6,7 +6,7 @@ supports one release line (`SUPPORTED_TRANSFORMERS`) and `register()` (run by `i
 
 * a wrapper of `ContinuousBatchingManager.__init__`: for a generation config with `cache_implementation="oscar"`, it
   resolves `cache_config` for the pool (`pool_config`), refuses what the pool cannot serve (with an error naming what
-  to do instead), keeps the model off flash attention (the pool hands dense K/V to sdpa or eager attention), and marks
+  to do instead), keeps the model off flash attention (the pool is read through sdpa or eager attention), and marks
   the manager's resolved `ContinuousBatchingConfig` with the pool's config (`POOL_CONFIG`);
 * `continuous_api.PagedAttentionCache`, the name the manager builds its cache with, becomes `paged_cache`: the pool
   for a marked config, transformers' `PagedAttentionCache` otherwise;
@@ -62,8 +62,9 @@ def pool_config(cache_config: dict | OscarConfig | None) -> OscarConfig:
     Two defaults differ from `generate`'s, because the pool stores fixed layouts: no width given means `bits=2` (the
     paper's setting; `generate`'s default, bits="auto", chooses each layer's widths from its prompt, so a layer's pages
     would have a size per request), and method "auto" means "paper" (every key rotated; the query rule chooses a
-    rotation per request from its prompt's queries). An explicit bits="auto", `avg_bits` or method="oscar" is refused,
-    as is attention="fused" (the pool has no kernel backend yet)."""
+    rotation per request from its prompt's queries). An explicit bits="auto", `avg_bits` or method="oscar" is refused.
+    `attention` chooses the pool's backend as it chooses a cache layer's: "auto" reads pages in place where the
+    kernels apply (CUDA, sdpa), "fused" demands it (on a CPU, under TRITON_INTERPRET=1), "portable" never."""
     if isinstance(cache_config, OscarConfig):
         options = dataclasses.asdict(cache_config)
     else:
@@ -84,11 +85,6 @@ def pool_config(cache_config: dict | OscarConfig | None) -> OscarConfig:
             "The 2-bit pool does not support method='oscar' (a key-rotation choice per request, from its prompt's "
             "queries) yet; pass method='paper' (the pool's default: every key rotated) or rotation=False."
         )
-    if config.attention == "fused":
-        raise ValueError(
-            "The 2-bit pool has no fused kernels yet: it dequantizes pages for the model's sdpa or eager attention. "
-            "Pass attention='auto' or 'portable'."
-        )
     return config
 
 
@@ -105,7 +101,7 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
         )
     if is_flash_attention_requested(model.config):
         raise ValueError(
-            f"The 2-bit pool hands dense K/V to the model's attention, which must be 'sdpa' or 'eager'; this model "
+            f"The 2-bit pool is read through the model's attention, which must be 'sdpa' or 'eager'; this model "
             f"uses {model.config._attn_implementation!r}. Load it with attn_implementation='sdpa'."
         )
     text_config = model.config.get_text_config()
@@ -135,7 +131,10 @@ def _refuse_after(manager) -> None:
     cb_config = manager.continuous_batching_config
     refuse_tensor_parallel(manager.distributed_helper.tp_size)
     if any(cb_config.cuda_graph_booleans):
-        raise ValueError("The 2-bit pool does not run under CUDA graphs yet; pass use_cuda_graph=False.")
+        raise ValueError(
+            "The 2-bit pool does not run under CUDA graphs: it plans each forward on the host (block tables, page "
+            "counts, the moves of its update), which a replayed graph would skip; pass use_cuda_graph=False."
+        )
     if cb_config.use_async_batching:
         raise ValueError("The 2-bit pool does not support asynchronous batching yet; pass use_async_batching=False.")
     if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:

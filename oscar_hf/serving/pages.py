@@ -9,7 +9,8 @@ layer, in the model dtype (`TailLayout`).
 
 `PageCodec` is the only code that turns exact keys and values into pages and back, through the backend a cache layer
 would use on the same device (`oscar_hf.cache.backends`: the reference, or the Triton quantizer and dequantizer), with
-its finite check. Kernels reading pages in place (kernels/decode_paged.py) are the next step: docs/serving.md.
+its finite check. Attention reads pages in place (`history.PagedHistory`): a decode step through the block table
+(kernels/decode_paged.py), a prompt chunk over its pages gathered into one quantized region (`gather_pages`).
 """
 
 from __future__ import annotations
@@ -94,6 +95,13 @@ class PageLayout:
                 for offset, shape, dtype in zip(self.field_offsets, self.field_shapes, self.storage.dtypes)
             )
         )
+
+
+def gather_pages(pages: QuantizedKV, blocks: torch.Tensor) -> QuantizedKV:
+    """The pages of `blocks` (in position order) of one layer's field views (`PageLayout.views`) as one quantized
+    region of `len(blocks) * R` tokens in the storage contract (`oscar_hf.layout`, a batch of one): a page's groups
+    and packed words never cross its boundary, so the pages' rows follow each other."""
+    return QuantizedKV(*(None if view is None else view[blocks].transpose(0, 1).flatten(1, 2)[None] for view in pages))
 
 
 @dataclass(frozen=True)

@@ -9,6 +9,9 @@ For a request whose update brings tokens [P, P + T) (S sinks, pages of R tokens)
 3. write the new tokens that stay exact: into the sink slots, and into the window (the newest page's tokens).
 
 Every move is a gather or a scatter with index tensors built here, vectorized over the batch (no per-token Python).
+Where attention reads the pages in place (`history.PagedHistory`), each request's reads are a `RequestReads`: its page
+blocks, and its exact tokens, for a decode step in its tail after the update, for a chunk in a copy taken before it
+(the chunk's tail write may overwrite the window it attends to).
 """
 
 from __future__ import annotations
@@ -47,6 +50,25 @@ def _repeat(values: list[int], lengths: list[int]) -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(values, dtype=torch.long), torch.tensor(lengths, dtype=torch.long))
 
 
+@dataclass(frozen=True)
+class RequestReads:
+    """What one request's queries (rows `[query_at, query_at + new)` of the batch, at positions `past` on) attend to:
+    the pages `pages` (its page blocks complete before the update, quantized before it attends), and `exact` exact
+    tokens, the first `sinks` of them before the pages in position order, the rest after them. A decode step
+    (`new == 1`) finds them in slots `[0, exact)` of tail block `tail` after the update (its own token last); a chunk
+    in rows `[exact_at, exact_at + exact)` of the forward's copy (`BatchPlan.exact_tail`, `exact_new`), its own
+    tokens last."""
+
+    query_at: int
+    new: int
+    past: int
+    pages: list[int]
+    tail: int
+    sinks: int
+    exact: int
+    exact_at: int | None  # None: a decode step, read from its tail
+
+
 class _Moves:
     """Gathers and scatters of one kind: rows `dst` of the destination take rows `src` of the source; for a tail,
     `block` and `slot` address it (source or destination)."""
@@ -69,15 +91,18 @@ class _Moves:
 
 
 class BatchPlan:
-    """The index tensors of one forward (see the module docstring) and the pages each request holds after it."""
+    """The index tensors of one forward (see the module docstring) and the pages each request holds after it; step 2's
+    for dense K/V (`dense`), or for attention reading the pages in place (`reads`, and the chunks' exact copy)."""
 
-    def __init__(self, steps: list[RequestStep], sinks: int, page_tokens: int, device: torch.device):
+    def __init__(self, steps: list[RequestStep], sinks: int, page_tokens: int, device: torch.device, dense: bool):
         S, R = sinks, page_tokens
         out_tail, out_deq, out_new = _Moves(), _Moves(), _Moves()
         stage_tail, stage_new, tail_writes = _Moves(), _Moves(), _Moves()
+        exact_tail, exact_new = _Moves(), _Moves()
         dequantized, quantized = [], []
         self.quantized_after: list[int] = []
-        out_at = new_at = stage_at = 0
+        self.reads: list[RequestReads] = []
+        out_at = new_at = stage_at = exact_at = 0
         for step in steps:
             P, T, L = step.past, step.new, step.past + step.new
             sinks_held = min(P, S)
@@ -103,6 +128,18 @@ class BatchPlan:
             tail_writes.add(P, new_at, min(L, S) - P, step.tail)
             start = max(P, S + after * R)
             tail_writes.add(S + (start - S - after * R), new_at + start - P, L - start, step.tail)
+            # in-place reads: a decode step's exact tokens after the update, a chunk's copied before it
+            history = step.pages[:complete]
+            if T == 1:  # a decode step completes no page: `after == complete`
+                exact = min(L, S) + max(L - S - after * R, 0)
+                self.reads.append(RequestReads(new_at, T, P, history, step.tail, min(L, S), exact, None))
+            else:
+                exact = sinks_held + window + T
+                exact_tail.add(exact_at, 0, sinks_held, step.tail)
+                exact_tail.add(exact_at + sinks_held, S, window, step.tail)
+                exact_new.add(exact_at + sinks_held + window, new_at, T)
+                self.reads.append(RequestReads(new_at, T, P, history, step.tail, sinks_held, exact, exact_at))
+                exact_at += exact
             self.quantized_after.append(after)
             out_at, new_at = out_at + L, new_at + T
 
@@ -110,9 +147,14 @@ class BatchPlan:
             return torch.tensor(ids, dtype=torch.long, device=device)
 
         self.requests = len(steps)
-        self.tokens = out_at  # dense K/V rows of the batch
-        self.quantize_blocks, self.dequantize_blocks = blocks(quantized), blocks(dequantized)
+        self.quantize_blocks = blocks(quantized)
         self.stage_tail, self.stage_new = stage_tail.tensors(device), stage_new.tensors(device)
-        self.out_tail, self.out_deq = out_tail.tensors(device), out_deq.tensors(device)
-        self.out_new = out_new.tensors(device)
         self.tail_writes = tail_writes.tensors(device)
+        if dense:  # 2. as dense K/V for the model's attention
+            self.tokens = out_at  # dense K/V rows of the batch
+            self.dequantize_blocks = blocks(dequantized)
+            self.out_tail, self.out_deq = out_tail.tensors(device), out_deq.tensors(device)
+            self.out_new = out_new.tensors(device)
+        else:  # 2. in place: the chunks' exact tokens, copied before the tails are written
+            self.exact_tokens = exact_at  # rows of the copy
+            self.exact_tail, self.exact_new = exact_tail.tensors(device), exact_new.tensors(device)

@@ -6,17 +6,21 @@ Memory: one flat buffer cut into sectors, as transformers does, shared by three 
 transformers' own sliding-window allocator (exact, pages of R tokens). Every block size divides the sector, the
 pool's blocks padded so that sectors stay small (`allocators.sector_geometry`). The memory handler is transformers'
 (`PagedAttentionMemoryHandler`): it sizes the sectors from free memory (or `num_blocks`: page blocks of R tokens), with
-the real bytes of a page block, and charges each readable token the dense read-back and mask that sdpa/eager
-attention costs (the portable path; kernels reading pages in place will not need them).
+the real bytes of a page block; it charges each readable token the dense read-back and mask that sdpa/eager attention
+over dense K/V costs, unless attention reads the pages in place (`memory.InPlaceMemoryHandler`).
 
 Updates: a forward's requests are recorded as transformers prepares the batch (`extend_read_and_write_indices`); the
 first full-attention layer's `update` plans the forward's moves once (`plan.BatchPlan`), and each full-attention
-layer then quantizes the pages that complete, returns dense K/V (exact sinks and window, dequantized pages, exact new
-tokens) for the model's attention, and stores the new exact tokens in the tails. Sliding-window layers go to
-transformers' own update. Every quantize/dequantize call is `PageCodec`'s (`codec_class`: the test hook).
+layer then quantizes the pages that complete, stores the new exact tokens in the tails and returns what its attention
+reads: on the Triton backend (`in_place`) the new tokens, carrying the step that the sdpa entry answers by reading the
+pages in place (`history.PagedHistory`); else dense K/V (exact sinks and window, dequantized pages, exact new tokens)
+for the model's attention. Sliding-window layers go to transformers' own update. Every quantize/dequantize call is
+`PageCodec`'s (`codec_class`: the test hook).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from transformers.generation.continuous_batching.cache import (
@@ -33,10 +37,13 @@ from transformers.generation.continuous_batching.cache_allocators import (
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads, logger
 
-from ..cache.backends import choose_backend
+from ..cache.backends import TritonBackend, choose_backend
+from ..cache.step import FusedStep, hand_over
 from ..config import OscarConfig
 from ..reference import check_head_dim
 from .allocators import PageAllocator, TailAllocator, sector_geometry
+from .history import PagedBatch, PagedHistory, PoolLayer
+from .memory import READ_COLUMNS, InPlaceMemoryHandler
 from .pages import PageCodec, PageLayout, TailLayout
 from .plan import BatchPlan, RequestStep
 
@@ -62,6 +69,17 @@ def layer_groups(config) -> dict[str, list[int]]:
 
 # Pages dequantized per read: bounds the float32 transients of the portable path (64 pages: 8192 tokens of a layer).
 DEQUANTIZE_PAGES = 64
+UNATTENDED_STEP = (
+    "OscarPagedCache: the previous forward's attention of a full-attention layer did not run through the fused sdpa "
+    "entry (the model uses its own attention function, or an attention call raised), so it would have attended to the "
+    "new tokens only. Use cache_config attention='portable' for this model."
+)
+
+
+def reads_in_place(backend, config) -> bool:
+    """Whether the pool's attention reads its pages in place: on the Triton backend (CUDA, or the interpreter with
+    attention="fused"), for a model whose config shows no attention feature the kernels lack (logit soft-capping)."""
+    return isinstance(backend, TritonBackend) and getattr(config, "attn_logit_softcapping", None) is None
 
 
 class OscarPagedCache(PagedAttentionCache):
@@ -72,7 +90,7 @@ class OscarPagedCache(PagedAttentionCache):
         oscar_config (`OscarConfig`): the pool's options, fixed widths (`hooks.pool_config` resolves them).
         config, continuous_batching_config, device, distributed_helper, dtype, model_supports_logits_to_keep:
             transformers' `PagedAttentionCache` arguments (the model's text config, the resolved continuous-batching
-            config, ...); `dtype` is the model's, that of the tails and of the dense K/V returned.
+            config, ...); `dtype` is the model's, that of the tails and of the K/V returned.
     """
 
     codec_class = PageCodec  # the pool's quantize/dequantize backend (tests swap in a lossless one)
@@ -100,6 +118,11 @@ class OscarPagedCache(PagedAttentionCache):
 
         groups = layer_groups(config)
         page = PageLayout.of(oscar_config, heads, head_dim)
+        backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
+        self.in_place = reads_in_place(backend, config)
+        # Without sliding-window layers (read through transformers' own index tensors and masks), nothing is read as
+        # dense K/V: the memory handler charges what the in-place reads need.
+        lean = self.in_place and SLIDING_ATTENTION not in groups
         sliding = None
         if SLIDING_ATTENTION in groups:
             sliding = SlidingAttentionCacheAllocator(
@@ -116,7 +139,9 @@ class OscarPagedCache(PagedAttentionCache):
         self.bytes_per_sector, page_block, tail_block = sector_geometry(
             len(full) * page.bytes, tail.bytes, None if sliding is None else sliding.bytes_per_block
         )
-        self.pages = PageAllocator(list(groups).index(FULL_ATTENTION), full, page, page_block, sinks, sharing)
+        self.pages = PageAllocator(
+            list(groups).index(FULL_ATTENTION), full, page, page_block, sinks, sharing, self.in_place
+        )
         self.cache_allocators = {t: self.pages if t == FULL_ATTENTION else sliding for t in groups}
         self.tails = TailAllocator(len(groups), tail, tail_block)
         self.layer_to_allocator = {i: a for a in self.cache_allocators.values() for i in a.layer_indices}
@@ -125,7 +150,10 @@ class OscarPagedCache(PagedAttentionCache):
             self.bytes_per_sector // a.bytes_per_block * a.tokens_per_page for a in self.cache_allocators.values()
         )
         bytes_per_block = sum(a.bytes_per_block for a in self.cache_allocators.values())  # R tokens of every layer
-        self.max_batch_tokens, self.num_sectors = PagedAttentionMemoryHandler(
+        handler = PagedAttentionMemoryHandler
+        if lean:
+            handler = functools.partial(InPlaceMemoryHandler, gathered_bytes_per_token=-(-page.bytes // page.tokens))
+        self.max_batch_tokens, self.num_sectors = handler(
             config=config,
             cb_config=continuous_batching_config,
             dtype=dtype,
@@ -149,20 +177,26 @@ class OscarPagedCache(PagedAttentionCache):
         self.max_decode_fast_path_length = self._infer_max_decode_fast_path_length()
         self.max_tokens_read = max(a.tokens_per_page * a.num_blocks for a in self.cache_allocators.values())
 
-        backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
+        self.backend = backend
         self.codec = self.codec_class(oscar_config, self.pages.views, backend)
         self._layer_position = {layer: i for i, layer in enumerate(self.pages.layer_indices)}
+        self._layers = [PoolLayer() for _ in self.pages.layer_indices]  # their in-place steps, until attended
         self._quantized: dict[str, int] = {}  # request id -> pages quantized so far
         self._steps: list[tuple[str, int, int]] = []  # the requests of the forward being prepared, not planned yet
         self._plan: BatchPlan | None = None
+        self._batch: PagedBatch | None = None  # the forward's in-place reads
         # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
         # when they are submitted (`hooks`), since transformers' scheduler could never place them.
         self.max_request_tokens = infer_max_single_request_tokens(self)
+        if lean:
+            # transformers' scheduler charges each request its history against the batch's read budget
+            # (`max_tokens_read`, which also sizes its masks and index tensors); here it reads none of it
+            self.read_cache_limit, self.max_tokens_read = 0, READ_COLUMNS
         logger.info(
             f"OScaR 2-bit pool: {self.num_sectors} sectors of {self.bytes_per_sector / 2**20:.2f} MiB, each "
             f"{self.bytes_per_sector // self.pages.bytes_per_block} page blocks of {self.pages.tokens_per_page} tokens "
             f"or {self.bytes_per_sector // self.tails.bytes_per_block} request tails; one request up to "
-            f"{self.max_request_tokens} tokens"
+            f"{self.max_request_tokens} tokens; attention reads {'pages in place' if self.in_place else 'dense K/V'}"
         )
 
     # ---------------------------------------------------------------------------------------------------------
@@ -190,14 +224,20 @@ class OscarPagedCache(PagedAttentionCache):
         self._quantized.pop(request_id, None)
         # A forward's requests are freed only after it ran (finished, cancelled, offloaded before the next batch is
         # prepared) or when it failed: requests recorded and not planned belong to a forward that never reached the
-        # pool.
+        # pool. So is a step of such a forward left unattended.
         self._steps = []
+        self._drop_steps()
 
     def free_all_requests(self, clear_ledgers: bool = False) -> None:
         super().free_all_requests(clear_ledgers)
         self.tails.free_all_requests()
         self._quantized.clear()
-        self._steps, self._plan = [], None
+        self._steps, self._plan, self._batch = [], None, None
+        self._drop_steps()
+
+    def _drop_steps(self) -> None:
+        for layer in self._layers:
+            layer.fused_step = None
 
     def compute_free_capacity(self, relative: bool = True) -> int | float:
         free = super().compute_free_capacity(relative=False)
@@ -247,7 +287,10 @@ class OscarPagedCache(PagedAttentionCache):
                 )
                 for request_id, past, new in self._steps
             ]
-            self._plan = BatchPlan(steps, self.oscar_config.sink_tokens, self.pages.tokens_per_page, self.device)
+            sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
+            self._plan = BatchPlan(steps, sinks, page_tokens, self.device, dense=not self.in_place)
+            if self.in_place:
+                self._batch = PagedBatch(self._plan.reads, self.device)
             for (request_id, _, _), after in zip(self._steps, self._plan.quantized_after):
                 self._quantized[request_id] = after
             self._steps = []
@@ -262,8 +305,10 @@ class OscarPagedCache(PagedAttentionCache):
     def update(
         self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs: dict
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store the new tokens of layer `layer_idx` and return the dense K/V its attention reads (`[1, heads,
-        sum over requests of past + new, head_dim]`, each request's history then its new tokens)."""
+        """Store the new tokens of layer `layer_idx` (`[1, heads, tokens, head_dim]`) and return what its attention
+        reads: read in place (`in_place`), the new tokens, the keys carrying the step (`history.PagedHistory`); else
+        the dense K/V (`[1, heads, sum over requests of past + new, head_dim]`, each request's history then its new
+        tokens)."""
         if self.layer_to_allocator[layer_idx] is not self.pages:
             return super().update(key_states, value_states, layer_idx, kwargs)
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION].to(torch.int32)
@@ -283,6 +328,8 @@ class OscarPagedCache(PagedAttentionCache):
                 _gather(stage, plan.stage_new, states)
                 staged.append(stage.view(pages, page_tokens, heads, dim).transpose(1, 2))
             self.codec.write(layer, plan.quantize_blocks, *staged)
+        if self.in_place:
+            return self._in_place_step(plan, layer, key_states, value_states, new, kwargs)
         dense = [states.new_empty(plan.tokens, heads, dim) for states in new]
         for out, states, tail in zip(dense, new, tails):
             _gather(out, plan.out_tail, tail)
@@ -294,10 +341,34 @@ class OscarPagedCache(PagedAttentionCache):
             into = rows[start * page_tokens : (start + len(blocks)) * page_tokens]
             for out, pages in zip(dense, self.codec.read(layer, blocks, key_states.dtype)):
                 out[into] = pages.transpose(1, 2).reshape(-1, heads, dim)
-        for states, tail in zip(new, tails):  # 3. the new tokens that stay exact
-            destination, source, blocks = plan.tail_writes
-            tail[blocks, destination] = states[source]
+        self._write_tails(plan, new, tails)
         return tuple(out.transpose(0, 1).unsqueeze(0) for out in dense)
+
+    def _write_tails(self, plan: BatchPlan, new: list[torch.Tensor], tails: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """3. the new tokens that stay exact."""
+        destination, source, blocks = plan.tail_writes
+        for states, tail in zip(new, tails):
+            tail[blocks, destination] = states[source]
+
+    def _in_place_step(self, plan: BatchPlan, layer: int, key_states, value_states, new, kwargs: dict) -> tuple:
+        """2. and 3. read in place: the chunks' exact tokens copied before the tails are written, then the new tokens
+        returned carrying the step (handed to the attention call too, as `OscarCache.update` hands its steps)."""
+        if self._layers[layer].fused_step is not None and self._layers[layer].fused_step.unattended:
+            raise RuntimeError(UNATTENDED_STEP)
+        tails = self.tails.views[layer]
+        exact = None
+        if plan.exact_tokens:
+            exact = [states.new_empty(plan.exact_tokens, *states.shape[1:]) for states in new]
+            for out, states, tail in zip(exact, new, tails):
+                _gather(out, plan.exact_tail, tail)
+                _gather(out, plan.exact_new, states)
+        self._write_tails(plan, new, tails)
+        history = PagedHistory(
+            self._batch, self.pages.views[layer], tails, exact, self.codec, layer, self.backend, self.oscar_config
+        )
+        FusedStep.start(self._layers[layer], key_states, value_states, history)
+        hand_over(key_states, kwargs)
+        return key_states, value_states
 
 
 def _gather(out: torch.Tensor, moves: tuple[torch.Tensor, torch.Tensor, torch.Tensor], source: torch.Tensor) -> None:

@@ -1,0 +1,314 @@
+"""The 2-bit pool read in place (`oscar_hf.serving.history`), on the GPU where there is one; on a CPU the kernels run
+in Triton's interpreter, with cache_config attention="fused" (tests/conftest.py sets TRITON_INTERPRET=1).
+
+Driven as continuous batching drives it, the pool's in-place step for every request (decode steps through the block
+table, prompt chunks over their gathered pages, first chunks by sdpa) matches the float64 attention over the same
+history, which equals an `OscarCache`'s on the same backend bit for bit; through `generate_batch`, greedy tokens equal
+the dense path's and `generate(attention="fused")`'s; the memory handler charges what in-place reads need."""
+
+import pytest
+import torch
+from transformers import ContinuousBatchingConfig, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
+from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
+from transformers.generation.continuous_batching.distributed import DistributedHelper
+from transformers.generation.continuous_batching.requests import RequestState
+
+from oscar_hf import OscarCache, OscarConfig
+from oscar_hf.cache.backends import PortableBackend, TritonBackend
+from oscar_hf.cache.step import STEP, step_of
+from oscar_hf.integrations.fused_attention import fused_sdpa
+from oscar_hf.layout import QuantizedKV
+from oscar_hf.reference import decode_attention
+from oscar_hf.serving import pool as pool_module
+from oscar_hf.serving import pool_config
+from oscar_hf.serving.history import PagedHistory
+from oscar_hf.serving.memory import READ_COLUMNS
+from oscar_hf.serving.pages import gather_pages
+from oscar_hf.serving.pool import OscarPagedCache
+from oscar_hf.testing import assert_close_to_reference
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+FUSED = {"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": 64}  # a GPU needs no "fused"
+HEADS, GQA, HEAD_DIM, LAYERS = 2, 2, 64, 1  # two layers: the generate_batch tests
+
+
+def _model_config() -> LlamaConfig:
+    config = LlamaConfig(
+        num_hidden_layers=LAYERS,
+        num_attention_heads=HEADS * GQA,
+        num_key_value_heads=HEADS,
+        head_dim=HEAD_DIM,
+        hidden_size=64,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def _pool(oscar: OscarConfig) -> OscarPagedCache:
+    cb_config = ContinuousBatchingConfig(num_blocks=256, max_batch_tokens=1024, max_memory_percent=0.6)
+    return OscarPagedCache(
+        oscar,
+        config=_model_config(),
+        continuous_batching_config=cb_config,
+        device=DEVICE,
+        distributed_helper=DistributedHelper(None, None),
+        dtype=torch.float32,
+    )
+
+
+# Forwards of a schedule (request -> its tokens in the forward), pages of 64 tokens after 4 sinks: "a" prefills 131
+# tokens (one page quantized, a window of 63), then decodes into a full window and past it (the flush); "b" holds
+# fewer tokens than the sinks, then decodes into its first window token, and leaves; "c" is prefilled in two chunks,
+# the second over a page, the sinks and a window; "d" has a second chunk over its sinks only.
+SCHEDULE = [
+    {"a": 131, "b": 3},
+    {"a": 1, "b": 1, "c": 100},
+    {"a": 1, "b": 1, "c": 70},
+    {"a": 1, "c": 1, "d": 2},
+    {"d": 30, "c": 1},
+]
+
+
+def _assert_pool_holds_what_the_cache_holds(pool: OscarPagedCache, request_id: str, layer: int, cache: OscarCache):
+    """The request's pages in `pool` are the quantized region of `cache`'s layer, and its tail's exact tokens (sinks,
+    window) the layer's, bit for bit."""
+    storage = cache.layers[layer].storage
+    pages = storage.length // pool.pages.tokens_per_page
+    blocks = torch.tensor(pool.pages.block_table.get(request_id, [])[:pages], dtype=torch.long, device=DEVICE)
+    if pages:
+        for name, want, have in zip(
+            QuantizedKV._fields, storage.quantized(), gather_pages(pool.pages.views[layer], blocks)
+        ):
+            assert want is have is None or torch.equal(want, have), f"{name} of {request_id}, layer {layer}"
+    tail = pool.tails.block_of(request_id)
+    sinks = pool.oscar_config.sink_tokens
+    for want, view in zip(storage.exact_tokens(), pool.tails.views[pool._layer_position[layer]]):
+        have = torch.cat((view[tail, : storage.sinks_held], view[tail, sinks : sinks + storage.held]))
+        assert torch.equal(want[0], have.transpose(0, 1)), f"exact tokens of {request_id}, layer {layer}"
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, pytest.param({"sink_tokens": 0, "key_bits": 4}, marks=pytest.mark.slow)],  # ~3 s each in the interpreter
+    ids=["sinks", "nosinks-k4v2"],
+)
+def test_in_place_attention_matches_the_history(options):
+    """Every forward and layer of the schedule: the pool holds, request by request, what an `OscarCache` on the same
+    backend holds (pages and exact tokens, bit for bit); the step's attention over its pages in place, through the sdpa
+    entry, equals float64 attention over its dense history (the fallback for attention features the kernels lack),
+    under the mask that fallback builds."""
+    oscar = pool_config({**FUSED, **options})
+    pool = _pool(oscar)
+    assert pool.in_place and pool.max_tokens_read == READ_COLUMNS and isinstance(pool.backend, TritonBackend)
+    states, caches = {}, {}
+    scaling = HEAD_DIM**-0.5
+    for forward in SCHEDULE:
+        for request_id in [r for r in states if r not in forward]:  # finished
+            pool.free_blocks(request_id)
+            del states[request_id], caches[request_id]
+        steps = []
+        for request_id, tokens in forward.items():
+            state = states.setdefault(request_id, RequestState(request_id=request_id, initial_tokens=[0]))
+            caches.setdefault(request_id, OscarCache(_model_config(), oscar))
+            assert pool.can_store_request_tokens(state, tokens)
+            steps.append((request_id, state.position_offset, tokens))
+            pool.extend_read_and_write_indices(request_id, state.position_offset, tokens, None, [[]])
+        lengths = torch.tensor([0] + [tokens for *_, tokens in steps])
+        total = int(lengths.sum())
+        for layer in range(LAYERS):
+            kwargs = {
+                "cu_seq_lens_q": torch.cumsum(lengths, 0),
+                "cu_seq_lens_k": {FULL_ATTENTION: torch.cumsum(lengths, 0)},
+                "max_length_k": {FULL_ATTENTION: int(lengths.max())},
+            }
+            keys, values = torch.randn(2, 1, HEADS, total, HEAD_DIM, device=DEVICE).unbind(0)
+            query = torch.randn(1, HEADS * GQA, total, HEAD_DIM, device=DEVICE)
+            returned_keys, returned_values = pool.update(keys, values, layer, kwargs)
+            step = step_of(returned_keys)
+            assert returned_keys is keys and returned_values is values and kwargs[STEP] is step
+            assert isinstance(step.history, PagedHistory)
+            out = fused_sdpa(None, query, returned_keys, returned_values, None, scaling=scaling, **kwargs)
+            out = out[0].transpose(1, 2)
+            dense_keys, dense_values = step.dense_history()
+            mask = step.dense_mask(None, query)
+            at = new_at = 0
+            for request_id, past, tokens in steps:
+                rows, history = slice(new_at, new_at + tokens), slice(at, at + past + tokens)
+                cached = step_of(caches[request_id].update(keys[:, :, rows], values[:, :, rows], layer)[0])
+                if cached is not None:
+                    cached.attended = True  # the cache's own attention is not under test
+                _assert_pool_holds_what_the_cache_holds(pool, request_id, layer, caches[request_id])
+                label = f"{request_id} at {past} + {tokens}, layer {layer}, {options}"
+                reference = decode_attention(
+                    query[:, :, rows].double(), None, *(kv[:, :, history] for kv in (dense_keys, dense_values)),
+                    None, scaling, oscar, compute_dtype=torch.float64, out_dtype=torch.float64,
+                )  # fmt: skip
+                assert_close_to_reference(out[:, :, rows], reference, torch.float32, label)
+                allowed = torch.ones(tokens, past + tokens, dtype=torch.bool, device=DEVICE).tril(past)
+                assert torch.equal(mask[0, 0, rows, history] == 0, allowed), label
+                at, new_at = at + past + tokens, new_at + tokens
+            assert (mask[0, 0] == 0).sum() == sum(t * p + t * (t + 1) // 2 for _, p, t in steps)  # nothing else
+        for request_id, _, tokens in steps:
+            states[request_id].position_offset += tokens
+
+
+def test_memory_handler_charges_in_place_reads(monkeypatch):
+    """At Llama-3.1-8B's shape (8 KV heads of 128, 32 layers, bf16) and 60 GiB for the cache, the in-place pool holds
+    at least 4.5x the tokens of transformers' bf16 pool (sdpa, or flash attention: no mask, no repeated heads), where
+    the dense path holds less than 3x sdpa's: each readable token is charged its pages and one layer's gathered
+    copy, not a dense read-back and a mask column. Built on the meta device (sizes only)."""
+    monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 60 * 2**30)
+    config = LlamaConfig(
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=128,
+        vocab_size=128256,
+    )
+
+    def cb_config():
+        return ContinuousBatchingConfig(max_batch_tokens=8192, max_requests_per_batch=1024, max_blocks_per_request=0)
+
+    def tokens(cache) -> int:
+        return max(a.tokens_per_page * a.num_blocks for a in cache.cache_allocators.values())
+
+    helper = DistributedHelper(None, None)
+    bf16 = {}
+    for attention in ("sdpa", "flash_attention_2"):
+        config._attn_implementation = attention
+        bf16[attention] = tokens(PagedAttentionCache(config, cb_config(), "meta", helper, torch.bfloat16, True))
+    config._attn_implementation = "sdpa"
+    pools = {}
+    for backend in (TritonBackend(4), PortableBackend()):  # as on a GPU (the meta device gets the portable one)
+        monkeypatch.setattr(pool_module, "choose_backend", lambda *args, backend=backend: backend)
+        pool = OscarPagedCache(pool_config({}), config, cb_config(), "meta", helper, torch.bfloat16, True)
+        pools[pool.in_place] = tokens(pool)
+    assert pools[True] / bf16["sdpa"] > 6.4 and pools[True] / bf16["flash_attention_2"] > 5.2
+    assert 2.7 < pools[False] / bf16["sdpa"] < 2.9
+
+
+# ------------------------------------------------------------------------------------------------------------------
+# generate_batch
+
+
+def _generation_config(options: dict, new_tokens: int) -> GenerationConfig:
+    return GenerationConfig(
+        max_new_tokens=new_tokens, do_sample=False, cache_implementation="oscar", cache_config=options
+    )
+
+
+def generate_batch(model, prompts, options: dict, new_tokens: int, **cb_options) -> list:
+    cb_config = ContinuousBatchingConfig(**{"num_blocks": 48, "max_batch_tokens": 1024, **cb_options})
+    outputs = model.generate_batch(
+        prompts, generation_config=_generation_config(options, new_tokens), continuous_batching_config=cb_config
+    )
+    assert len(outputs) == len(prompts) and all(o.error is None for o in outputs.values()), outputs
+    return [o.generated_tokens for o in outputs.values()]
+
+
+def generate(model, prompt: list[int], options: dict, new_tokens: int, **kwargs) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt], device=DEVICE),
+        max_new_tokens=new_tokens,
+        do_sample=False,
+        cache_implementation="oscar",
+        cache_config=pool_config(options),
+        pad_token_id=0,
+        **kwargs,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
+def _prompts(lengths, seed=0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in lengths]
+
+
+@pytest.fixture(scope="module")
+def llama(tiny_llama):
+    """A tiny float32 Llama at a kernel head_dim (64), GQA 2:1, pages of 64 tokens in the tests' options."""
+    torch.manual_seed(0)
+    return tiny_llama(head_dim=64, eos_token_id=None).to(DEVICE)
+
+
+@pytest.fixture
+def in_place_calls(monkeypatch):
+    """Counts the in-place steps attended, and fails if any fell back to the dense history."""
+    calls = []
+    original = PagedHistory.attention
+    monkeypatch.setattr(PagedHistory, "attention", lambda self, *args: (calls.append(1), original(self, *args))[1])
+    monkeypatch.setattr(PagedHistory, "dense", lambda self: pytest.fail("the dense fallback ran"))
+    return calls
+
+
+def test_tokens_equal_dense_path_and_generate(llama, in_place_calls):
+    """A prompt shorter than the sinks, one over two pages (its decode steps attend to the pages in place)."""
+    prompts = _prompts((3, 140))
+    in_place = generate_batch(llama, prompts, FUSED, 4)
+    assert len(in_place_calls) == 2 * 4  # every forward's two full-attention layers
+    assert in_place == generate_batch(llama, prompts, {**FUSED, "attention": "portable"}, 4)
+    assert in_place == [generate(llama, p, FUSED, 4) for p in prompts]
+
+
+@pytest.mark.slow  # ~1 min in the interpreter
+def test_split_prompts_and_requests_joining(llama, in_place_calls):
+    """Prompts the scheduler splits (their later chunks over gathered pages), against chunked generate; requests
+    joining while others decode; no sinks."""
+    options = {**FUSED, "sink_tokens": 0}
+    prompts = _prompts((300,), seed=2)
+    split = generate_batch(llama, prompts, options, 4, max_batch_tokens=128)
+    assert split == [generate(llama, prompts[0], options, 4, prefill_chunk_size=128)]
+    prompts = _prompts((150, 5, 70), seed=3)
+    manager = llama.init_continuous_batching(
+        generation_config=_generation_config(FUSED, 6),
+        continuous_batching_config=ContinuousBatchingConfig(num_blocks=48, max_batch_tokens=1024),
+    )
+    manager.start()
+    try:
+        first = manager.add_request(prompts[0], streaming=True)
+        while True:  # until the first request decodes
+            output = manager.get_result(first, timeout=60)
+            if output is not None and output.generated_tokens:
+                break
+        ids = [first] + [manager.add_request(p) for p in prompts[1:]]
+        results = {}
+        while len(results) < len(ids):
+            output = manager.get_result(timeout=60)
+            assert output is not None and output.error is None, output
+            if output.is_finished():
+                results[output.request_id] = output.generated_tokens
+    finally:
+        manager.stop(block=True)
+    assert [results[i] for i in ids] == [generate(llama, p, FUSED, 6) for p in prompts]
+
+
+def test_gemma3_hybrid_tokens_equal_generate(in_place_calls):
+    """Sliding-window layers through transformers' own path, full-attention ones read in place."""
+    torch.manual_seed(0)
+    config = Gemma3TextConfig(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        sliding_window=16,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        eos_token_id=None,
+    )
+    model = Gemma3ForCausalLM(config).eval().to(DEVICE)
+    prompts = _prompts((3, 130))
+    assert generate_batch(model, prompts, FUSED, 4) == [generate(model, p, FUSED, 4) for p in prompts]
+    assert in_place_calls
+
+
+def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
+    """attention="fused" demands the kernels, as a cache layer does: a head_dim they lack is refused by name."""
+    model = tiny_llama().to(DEVICE)  # head_dim 32
+    manager = model.init_continuous_batching(generation_config=_generation_config({"attention": "fused"}, 2))
+    with pytest.raises(ValueError, match="head dims 32/32 are not one of"):
+        manager.warmup()
