@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from reference_checks import DEVICE
 from transformers import Gemma3nForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -14,7 +15,6 @@ from oscar_hf.cache.history import DecodeHistory
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture
