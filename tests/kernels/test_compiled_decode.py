@@ -6,7 +6,7 @@ compile (Inductor, CUDA graphs)."""
 import pytest
 import torch
 import torch._dynamo
-from reference_checks import DEVICE
+from reference_checks import DEVICE, slow_on_cpu
 from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextForCausalLM
 from transformers.generation import CompileConfig
 
@@ -183,7 +183,11 @@ def test_generate_auto_compiles_a_hybrid_model(request, family):
     _assert_auto_compile_matches_eager(model, prompt, options)
 
 
-@pytest.mark.parametrize("prompt_length", [10, 40], ids=["window-fills-in-decode", "window-full-from-prefill"])
+@pytest.mark.parametrize(
+    "prompt_length",  # on a CPU, a window filling in compiled steps: `test_generate_auto_compiles_a_hybrid_model`
+    [slow_on_cpu(10), 40],
+    ids=["window-fills-in-decode", "window-full-from-prefill"],
+)
 def test_compiled_hybrid_logits_match_eager_in_float32(teacher_forcing, prompt_length):
     """Gemma 3's layout in float32 (a sliding-window layer, then a full-attention one), generate's automatic compile
     (aot_eager on CPU, the kernels in Triton's interpreter) against eager OScaR on the same tokens (teacher forcing),
