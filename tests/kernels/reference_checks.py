@@ -26,10 +26,10 @@ class Case:
     """One kernel test's K/V: `batch` rows of `kv_heads` heads of `head_dim` in `dtype`, `quantized` tokens stored at
     the storage options below, then `residual` exact tokens, of which the last `q_len` are the step's own (a decode
     step: a few; a prefill chunk: many), read by `gqa` query heads per KV head; row 0's first `left_pad` positions
-    are padding. `views`: tensors as transformers and the cache hand them over (HF's [B, T, H, D] transposed,
-    capacity buffers); `row_major`: storage as the cache allocates it (the reference quantizer's is channel-major);
-    `extreme_norms`: one key token 100x smaller, one 100x larger. The quantizer's tests read the K/V of `quantized`
-    tokens alone."""
+    are padding (another row's fewer, as each test's inputs say). `views`: tensors as transformers and the cache
+    hand them over (HF's [B, T, H, D] transposed, capacity buffers); `row_major`: storage as the cache allocates it
+    (the reference quantizer's is channel-major); `extreme_norms`: one key token 100x smaller, one 100x larger. The
+    quantizer's tests read the K/V of `quantized` tokens alone."""
 
     batch: int = 2
     kv_heads: int = 2
