@@ -24,10 +24,10 @@ import records
 import torch
 from tqdm import tqdm
 
-from oscar_hf.testing import TOLERANCES, DecodeCase, check_decode_case, random_decode_case
+from oscar_hf.testing import TOLERANCES, Case, check_decode_case, random_decode_case
 
 
-def _run_cases(cases: list[tuple[int, DecodeCase]], seed: int, minutes: float) -> list[dict]:
+def _run_cases(cases: list[tuple[int, Case]], seed: int, minutes: float) -> list[dict]:
     """Worker: check (index, case) pairs until the deadline; one result per case run."""
     deadline = time.monotonic() + 60 * minutes
     results = []

@@ -49,8 +49,14 @@ def assert_close_to_reference(out: torch.Tensor, ref: torch.Tensor, dtype: torch
 
 
 @dataclass(frozen=True)
-class DecodeCase:
-    """One decode attention call's shapes, storage options and inputs' quirks (`id`: a readable test id)."""
+class Case:
+    """One kernel test's K/V: `batch` rows of `kv_heads` heads of `head_dim` in `dtype`, `quantized` tokens stored at
+    the storage options below, then `residual` exact tokens, of which the last `q_len` are the step's own (a decode
+    step: a few; a prefill chunk: many), read by `gqa` query heads per KV head; row 0's first `left_pad` positions
+    are padding (another row's fewer, as each test's inputs say). `views`: tensors as transformers and the cache
+    hand them over (HF's [B, T, H, D] transposed, capacity buffers); `row_major`: storage as the cache allocates it
+    (the reference quantizer's is channel-major); `extreme_norms`: one key token 100x smaller, one 100x larger. The
+    quantizer's tests read the K/V of `quantized` tokens alone. `id`: a readable test id."""
 
     batch: int = 2
     kv_heads: int = 2
@@ -70,7 +76,7 @@ class DecodeCase:
     extreme_norms: bool = False
     views: bool = False
     method: str = "paper"
-    row_major: bool = False  # storage as the cache allocates it (the reference quantizer's is channel-major)
+    row_major: bool = False
 
     @property
     def id(self) -> str:
@@ -95,6 +101,19 @@ class DecodeCase:
             f"R{self.residual}-{dtype}-K{self.key_bits}V{self.value_bits}{flags}"
         )
 
+    def config(self) -> OscarConfig:
+        """The storage options as the kernels take them (no sink slots: the tests that have sinks say so)."""
+        return OscarConfig(
+            key_bits=self.key_bits,
+            value_bits=self.value_bits,
+            rotation=self.rotation,
+            token_scaling=self.token_scaling,
+            group_size=self.group_size,
+            scale_dtype=self.scale_dtype,
+            method=self.method,
+            sink_tokens=0,
+        )
+
 
 def _capacity_view(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
     """`t` copied into a larger buffer (garbage beyond it) and returned as a view with the buffer's strides."""
@@ -109,7 +128,7 @@ def _capacity_view(t: torch.Tensor, dim: int, extra: int) -> torch.Tensor:
     return view
 
 
-def decode_inputs(case: DecodeCase, seed: int = 0, device: str | torch.device | None = None) -> tuple:
+def decode_inputs(case: Case, seed: int = 0, device: str | torch.device | None = None) -> tuple:
     """`decode_attention_triton`'s arguments for `case`, random (seeded) on `device` (default: CUDA where there is
     one): the query, K/V quantized by the reference quantizer (`reference.quantize_kv`), the residual window, the
     padding mask, the scaling, the config and the per-head key rotation flags."""
@@ -119,16 +138,7 @@ def decode_inputs(case: DecodeCase, seed: int = 0, device: str | torch.device | 
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device=device, dtype=case.dtype)
 
-    config = OscarConfig(
-        key_bits=case.key_bits,
-        value_bits=case.value_bits,
-        rotation=case.rotation,
-        token_scaling=case.token_scaling,
-        group_size=case.group_size,
-        scale_dtype=case.scale_dtype,
-        method=case.method,
-        sink_tokens=0,
-    )
+    config = case.config()
     # method="oscar": a random per-(row, head) choice, both kinds present whenever there are two heads
     key_rotated = None
     if case.rotation and case.method == "oscar":
@@ -166,7 +176,7 @@ def decode_inputs(case: DecodeCase, seed: int = 0, device: str | torch.device | 
     return query, quantized, residual_keys, residual_values, mask, 1.0 / math.sqrt(case.head_dim), config, key_rotated
 
 
-def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv_heads: int = 8) -> DecodeCase:
+def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64, max_kv_heads: int = 8) -> Case:
     """A random decode case (the kernel fuzzer's, benchmarks/fuzz_kernels.py; CI runs a seeded slice of it).
 
     Lengths are multiples of nothing but the group size the storage requires; `max_tokens` bounds
@@ -185,7 +195,7 @@ def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64,
     quantized = group_size * rng.randint(1, max(1, (per_row - residual) // group_size))
     batch = max(1, min(batch, max_tokens // (kv_heads * (quantized + residual))))
     key_bits = 4 if rng.random() < 0.25 else 2
-    return DecodeCase(
+    return Case(
         batch=batch,
         kv_heads=kv_heads,
         gqa=gqa,
@@ -207,7 +217,7 @@ def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64,
     )
 
 
-def check_decode_case(case: DecodeCase, seed: int) -> float:
+def check_decode_case(case: Case, seed: int) -> float:
     """Run one case against the float64 reference; return the relative RMSE (raises on a tolerance breach)."""
     inputs = decode_inputs(case, seed=seed)
     out = decode_attention_triton(*inputs)

@@ -27,6 +27,15 @@ from transformers import (  # noqa: E402
 from oscar_hf import OscarCache, OscarConfig, OscarLayer  # noqa: E402
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects
+def pytest_collection_modifyitems(items):
+    """`slow_on_cpu` tests are slow where the kernels run in Triton's interpreter, and default ones on a GPU."""
+    if not torch.cuda.is_available():
+        for item in items:
+            if item.get_closest_marker("slow_on_cpu"):
+                item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

@@ -5,11 +5,13 @@ import json
 from pathlib import Path
 
 import matplotlib
+import pytest
 import torch
 
 NOTEBOOK = Path(__file__).resolve().parents[1] / "examples" / "multimodal_token_norms.ipynb"
 
 
+@pytest.mark.slow  # loads SmolLM2 (fetched and converted on first use), as the README's notebook tests say
 def test_multimodal_notebook_code_cells_run(smollm2):  # smollm2: the model is installed and converted once
     matplotlib.use("Agg")  # no display: plt.show() is a no-op
     namespace: dict = {}

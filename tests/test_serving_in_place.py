@@ -8,6 +8,7 @@ the dense path's and `generate(attention="fused")`'s; the memory handler charges
 
 import pytest
 import torch
+from devices import DEVICE
 from transformers import ContinuousBatchingConfig, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
@@ -28,7 +29,6 @@ from oscar_hf.serving.pages import gather_pages
 from oscar_hf.serving.pool import OscarPagedCache
 from oscar_hf.testing import assert_close_to_reference
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FUSED = {"attention": "auto" if DEVICE.type == "cuda" else "fused", "residual_length": 64}  # a GPU needs no "fused"
 HEADS, GQA, HEAD_DIM, LAYERS = 2, 2, 64, 1  # two layers: the generate_batch tests
 

@@ -5,8 +5,6 @@ import pytest
 import torch
 from transformers import LogitsProcessor, LogitsProcessorList
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
 _INT_POISON = 0x5A5A5A5A
 
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import pytest
 import torch
+from devices import DEVICE, slow_on_cpu
 from oscar_hf.kernels.chunk_attention import (
     FLASH_MIN_QUERIES,
     ChunkTuning,
@@ -25,66 +26,33 @@ from oscar_hf.kernels.chunk_attention import (
 )
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 from oscar_hf.reference import decode_attention as attention_reference
 from oscar_hf.reference import quantize_kv
-from oscar_hf.testing import assert_close_to_reference
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+from oscar_hf.testing import Case, assert_close_to_reference
 
 
 # The decode kernel's tolerances (oscar_hf/testing.py): the chunk kernel's arithmetic is the same (fp16 operands
 # for the quantized part, the model dtype for the exact part and the probabilities that weigh it).
-@dataclass(frozen=True)
-class Case:
-    chunk: int = 37  # query tokens T
-    quantized: int = 96  # L, a multiple of the group size
-    window: int = 7  # exact tokens before the chunk (the residual window held)
-    gqa: int = 4
-    head_dim: int = 64
-    left_pad: int = 0
-    dtype: torch.dtype = torch.float16
-    method: str = "paper"
-    rotation: bool = True
-    token_scaling: bool = True
-    scale_dtype: str = "float16"
-    batch: int = 2
-    kv_heads: int = 2
-    key_bits: int = 2
-    value_bits: int = 2
-
-    @property
-    def id(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        extra = "".join(
-            f
-            for f, on in (
-                (f"-pad{self.left_pad}", self.left_pad),
-                ("-oscar", self.method == "oscar"),
-                ("-noRot", not self.rotation),
-                ("-noScale", not self.token_scaling),
-                ("-fp32scales", self.scale_dtype != "float16"),
-                (f"-K{self.key_bits}V{self.value_bits}", (self.key_bits, self.value_bits) != (2, 2)),
-            )
-            if on
-        )
-        return f"T{self.chunk}-L{self.quantized}-E{self.window}-g{self.gqa}-D{self.head_dim}-{dtype}{extra}"
+def chunk_case(chunk: int = 37, window: int = 7, **options) -> Case:
+    """A chunk of `chunk` query tokens after `window` exact tokens (the residual window held) and the quantized
+    history; float16 unless `options` say otherwise."""
+    return Case(q_len=chunk, residual=window + chunk, **{"dtype": torch.float16, **options})
 
 
-BASE = Case()
+BASE = chunk_case()
 CASES = [
     # chunk lengths 1 .. past a 64-token block and a 128-row tile, history lengths incl. none, partial windows
-    *(replace(BASE, chunk=t) for t in (1, 16, 70)),
-    replace(BASE, chunk=130, gqa=1, batch=1),
-    *(replace(BASE, quantized=n, window=e) for n, e in ((0, 0), (0, 31), (32, 32), (160, 1))),
+    *(chunk_case(t) for t in (1, 16, 70)),
+    chunk_case(130, gqa=1, batch=1),
+    *(chunk_case(window=e, quantized=n) for n, e in ((0, 0), (0, 31), (32, 32), (160, 1))),
     # GQA 1 and 4, head_dim 64 and 128, the model dtypes
     replace(BASE, gqa=1, head_dim=128, dtype=torch.bfloat16),
-    replace(BASE, head_dim=128, dtype=torch.bfloat16, chunk=20),
+    chunk_case(20, head_dim=128, dtype=torch.bfloat16),
     replace(BASE, dtype=torch.float32),
     # left padding: inside the quantized region, and past it into the window and the chunk
     replace(BASE, left_pad=45),
-    replace(BASE, left_pad=100, quantized=96, window=9, chunk=24),
+    chunk_case(24, window=9, left_pad=100, quantized=96),
     # method="oscar" (per-head key rotation), the method switches, fp32 scales
     replace(BASE, method="oscar", left_pad=13, head_dim=128),
     replace(BASE, rotation=False, token_scaling=False),
@@ -103,21 +71,13 @@ def make_inputs(case: Case, seed: int = 0):
     def randn(*shape):
         return torch.randn(*shape, generator=gen).to(device=DEVICE, dtype=case.dtype)
 
-    config = OscarConfig(
-        rotation=case.rotation,
-        token_scaling=case.token_scaling,
-        scale_dtype=case.scale_dtype,
-        method=case.method,
-        key_bits=case.key_bits,
-        value_bits=case.value_bits,
-        sink_tokens=0,
-    )
+    config = case.config()
     batch, kv_heads, dim = case.batch, case.kv_heads, case.head_dim
     key_rotated = None
     if case.rotation and case.method == "oscar":  # both kinds present
         key_rotated = (torch.arange(batch * kv_heads) % 2 == 0)[torch.randperm(batch * kv_heads, generator=gen)]
         key_rotated = key_rotated.view(batch, kv_heads).to(DEVICE)
-    query = randn(batch, case.chunk, kv_heads * case.gqa, dim).transpose(1, 2)
+    query = randn(batch, case.q_len, kv_heads * case.gqa, dim).transpose(1, 2)
     quantized = None
     if case.quantized:
         stored = quantize_kv(
@@ -127,11 +87,10 @@ def make_inputs(case: Case, seed: int = 0):
             key_rotated,
         )
         quantized = QuantizedKV(*(None if t is None else _capacity_view(t.contiguous()) for t in stored))
-    exact = case.window + case.chunk
-    exact_keys, exact_values = randn(batch, kv_heads, exact, dim), randn(batch, kv_heads, exact, dim)
+    exact_keys, exact_values = randn(batch, kv_heads, case.residual, dim), randn(batch, kv_heads, case.residual, dim)
     mask = None
     if case.left_pad:
-        mask = torch.ones(batch, case.quantized + exact, dtype=torch.bool, device=DEVICE)
+        mask = torch.ones(batch, case.quantized + case.residual, dtype=torch.bool, device=DEVICE)
         mask[0, : case.left_pad] = False
         mask[-1, : case.left_pad // 3] = False
     return query, quantized, exact_keys, exact_values, mask, 1.0 / math.sqrt(dim), config, key_rotated
@@ -167,7 +126,7 @@ def test_chunk_attention_fuzzed():
     for seed in range(6):
         quantized = 32 * rng.randrange(0, 5)
         window = rng.randrange(0 if quantized == 0 else 1, 33)
-        case = Case(
+        case = chunk_case(
             chunk=rng.randrange(1, 50),
             quantized=quantized,
             window=window,
@@ -196,7 +155,7 @@ def test_chunk_attention_refuses_a_mask_of_the_wrong_width():
 def test_chunk_attention_bf16_on_cuda_at_scale(gqa: int):
     """Llama-like heads (D=128), default tiles, a history of 2048 quantized tokens and a 128-token window, a chunk of
     1000 queries (not a multiple of the tile), left padding."""
-    case = Case(chunk=1000, quantized=2048, window=128, gqa=gqa, head_dim=128, left_pad=300, dtype=torch.bfloat16,
+    case = chunk_case(chunk=1000, quantized=2048, window=128, gqa=gqa, head_dim=128, left_pad=300, dtype=torch.bfloat16,
                 method="oscar", batch=2, kv_heads=4)  # fmt: skip
     _check(case)
 
@@ -233,12 +192,15 @@ def _without_mask(inputs: tuple) -> tuple:
     return query, quantized, keys, values, scaling, config, flags
 
 
-FLASH_CASES = [
-    Case(chunk=200, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, method="oscar", kv_heads=4),
-    Case(chunk=77, quantized=512, window=3, gqa=1, dtype=torch.float16),
-    Case(chunk=130, quantized=0, window=16, head_dim=128, dtype=torch.bfloat16),
-    Case(chunk=64, quantized=96, window=40, dtype=torch.bfloat16, key_bits=4, value_bits=2, method="oscar"),
-    Case(chunk=300, quantized=1024, window=128, head_dim=128, dtype=torch.float16, rotation=False),
+FLASH_CASES = [  # each with the piece size (of None and 64) it takes in the default run on a CPU
+    (
+        chunk_case(chunk=200, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, method="oscar", kv_heads=4),
+        None,
+    ),
+    (chunk_case(chunk=77, quantized=512, window=3, gqa=1, dtype=torch.float16), 64),
+    (chunk_case(chunk=130, quantized=0, window=16, head_dim=128, dtype=torch.bfloat16), None),
+    (chunk_case(chunk=64, quantized=96, window=40, dtype=torch.bfloat16, key_bits=4, value_bits=2, method="oscar"), 64),
+    (chunk_case(chunk=300, quantized=1024, window=128, head_dim=128, dtype=torch.float16, rotation=False), 64),
 ]
 
 
@@ -248,8 +210,11 @@ BACKENDS = (
 )
 
 
-@pytest.mark.parametrize("case", FLASH_CASES, ids=lambda c: c.id)
-@pytest.mark.parametrize("piece_tokens", [None, 64])
+@pytest.mark.parametrize(
+    "case, piece_tokens",
+    [(case, p) if p == default else slow_on_cpu(case, p) for case, default in FLASH_CASES for p in (None, 64)],
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
+)
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: b.name)
 def test_chunk_attention_flash_matches_reference(case: Case, piece_tokens: int | None, backend: SDPBackend):
     """torch's fused attention over the chunk's own tokens, then the dequantized pieces (one piece, or 64-token pieces:
@@ -270,7 +235,7 @@ def test_chunk_attention_flash_fuzzed():
     rng = random.Random(41)
     for seed in range(6):
         quantized = 32 * rng.randrange(0, 6)
-        case = Case(
+        case = chunk_case(
             chunk=rng.randrange(1, 80),
             quantized=quantized,
             window=rng.randrange(0 if quantized == 0 else 1, 33),
@@ -293,11 +258,11 @@ def test_chunk_attention_flash_fuzzed():
 def test_chunk_attention_takes_flash_for_long_chunks_without_padding():
     """`chunk_attention`: a chunk of FLASH_MIN_QUERIES queries without padding by flash, with padding (or shorter) by
     the fused kernel; each equal to its path's own result."""
-    long = Case(chunk=FLASH_MIN_QUERIES, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, batch=1)
+    long = chunk_case(chunk=FLASH_MIN_QUERIES, quantized=256, window=64, head_dim=128, dtype=torch.bfloat16, batch=1)
     query, quantized, keys, values, _, scaling, config, flags = make_inputs(long)
     flash = chunk_attention_flash(query, quantized, keys, values, scaling, config, flags)
     assert torch.equal(chunk_attention(query, quantized, keys, values, None, scaling, config, flags), flash)
     padded = make_inputs(replace(long, left_pad=30))
     assert torch.equal(chunk_attention(*padded), chunk_attention_triton(*padded))
-    short = make_inputs(replace(long, chunk=FLASH_MIN_QUERIES - 1))
+    short = make_inputs(replace(long, q_len=FLASH_MIN_QUERIES - 1, residual=long.residual - 1))
     assert torch.equal(chunk_attention(*short), chunk_attention_triton(*short))

@@ -6,9 +6,8 @@ through `_compile_all_devices` (aot_eager, kernels in Triton's interpreter); on 
 import pytest
 import torch
 import torch._dynamo
+from devices import DEVICE, slow_on_cpu
 from transformers.generation import CompileConfig
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _model(tiny_llama, **overrides):
@@ -33,7 +32,7 @@ def _generate(model, prompt, mask, compile_config, chunk, new_tokens, cache_conf
     )
 
 
-@pytest.mark.parametrize("method", ["oscar", "paper"])
+@pytest.mark.parametrize("method", ["oscar", slow_on_cpu("paper")])
 def test_chunked_prefill_then_auto_compiled_decode_equals_eager(tiny_llama, method):
     """A left-padded batch prefilled in chunks of 40 (not a multiple of the 32-token window) across block flushes,
     then compiled decode: one graph (the decode step's), no graph break, eager generate's tokens."""

@@ -6,12 +6,11 @@ compile (Inductor, CUDA graphs)."""
 import pytest
 import torch
 import torch._dynamo
+from devices import DEVICE, slow_on_cpu
 from transformers import Gemma3ForCausalLM, Gemma3nForCausalLM, Gemma3TextConfig, LlamaConfig, Qwen3NextForCausalLM
 from transformers.generation import CompileConfig
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _sdpa_llama_config(**overrides):
@@ -130,18 +129,19 @@ def test_generate_auto_compiles_an_oscar_cache(tiny_llama):
     _assert_auto_compile_matches_eager(model.to(DEVICE), prompt, options)
 
 
-def _assert_auto_compile_matches_eager(model, prompt, options: dict) -> None:
+def _assert_auto_compile_matches_eager(model, prompt, options: dict):
     """generate's automatic compile (aot_eager; on CPU through `_compile_all_devices`) runs every decode step in one
-    graph without a graph break and gives the eager tokens."""
-    eager = model.generate(prompt, disable_compile=True, **options)
+    graph without a graph break and gives the eager tokens. Returns eager generate's output (its cache included)."""
+    eager = model.generate(prompt, disable_compile=True, return_dict_in_generate=True, **options)
     compile_config = CompileConfig(fullgraph=True, backend="aot_eager", mode=None)
     compile_config._compile_all_devices = True
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
-    compiled = model.generate(prompt, compile_config=compile_config, **options)
-    assert torch.equal(compiled, eager)
+    compiled = model.generate(prompt, compile_config=compile_config, return_dict_in_generate=True, **options)
+    assert torch.equal(compiled.sequences, eager.sequences)
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1
     assert not torch._dynamo.utils.counters["graph_break"]
+    return eager
 
 
 def _tiny_gemma3(window: int, **overrides) -> Gemma3ForCausalLM:
@@ -183,17 +183,23 @@ def test_generate_auto_compiles_a_hybrid_model(request, family):
     _assert_auto_compile_matches_eager(model, prompt, options)
 
 
-@pytest.mark.parametrize("prompt_length", [10, 40], ids=["window-fills-in-decode", "window-full-from-prefill"])
+@pytest.mark.parametrize(
+    "prompt_length",  # on a CPU, a window filling in compiled steps: `test_generate_auto_compiles_a_hybrid_model`
+    [slow_on_cpu(10), 40],
+    ids=["window-fills-in-decode", "window-full-from-prefill"],
+)
 def test_compiled_hybrid_logits_match_eager_in_float32(teacher_forcing, prompt_length):
-    """Gemma 3's layout in float32, generate's automatic compile (aot_eager on CPU, the kernels in Triton's
-    interpreter) against eager OScaR on the same tokens (teacher forcing), B=2 with row 1 left-padded by 3: the
+    """Gemma 3's layout in float32 (a sliding-window layer, then a full-attention one), generate's automatic compile
+    (aot_eager on CPU, the kernels in Triton's interpreter) against eager OScaR on the same tokens (teacher forcing),
+    B=2 with row 1 left-padded by 3: the
     sliding window (16) fills or rolls from the first step and wraps twice, and a block (32) is flushed inside a
     compiled step. Both paths run the same float32 math in a different order (float32 rounding, ~1e-6 per op): each
     step's logits agree to 1e-4 relative until the first flush in decode. A flush's 2-bit rounding may then flip the
     code of an input that sits on a rounding boundary, a whole quantization step (one flipped code moves these logits
     by ~4e-4), so from there each step stays below 1e-2 and the median below 1e-4. A ring-buffer slot, window or mask
     off by one attends to a different token at every step after the window fills (a few 1e-2), and fails both."""
-    model = _tiny_gemma3(16, head_dim=64).to(DEVICE)
+    model = _tiny_gemma3(16, head_dim=64, num_hidden_layers=2, layer_types=["sliding_attention", "full_attention"])
+    model = model.to(DEVICE)
     new_tokens, residual = 40, 32
     prompt = torch.randint(3, 101, (2, prompt_length), device=DEVICE)
     mask = torch.ones_like(prompt)
@@ -525,9 +531,8 @@ def test_generate_auto_compiles_auto_bits_with_the_widths_chosen_after_the_prefi
         max_new_tokens=8,
         min_new_tokens=8,
     )
-    _assert_auto_compile_matches_eager(model, prompt, options)
-    out = model.generate(prompt, disable_compile=True, return_dict_in_generate=True, **options)
-    widths = {(layer.config.key_bits, layer.config.value_bits) for layer in out.past_key_values.layers}
+    eager = _assert_auto_compile_matches_eager(model, prompt, options)
+    widths = {(layer.config.key_bits, layer.config.value_bits) for layer in eager.past_key_values.layers}
     assert len(widths) == 2 and (2, 2) in widths, widths
 
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
+from devices import DEVICE, slow_on_cpu
 from oscar_hf.kernels import decode_attention as launcher
 from oscar_hf.kernels import decode_attention_triton, decode_workspace
 from oscar_hf.kernels.decode_attention import decode_plan
@@ -23,15 +24,16 @@ from oscar_hf.kernels.decode_tuning import DecodeTuning, default_tuning, few_hea
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_groups, quantize_kv
-from oscar_hf.testing import DecodeCase, assert_close_to_reference, check_decode_case, decode_inputs, random_decode_case
+from oscar_hf.testing import Case, assert_close_to_reference, check_decode_case, decode_inputs, random_decode_case
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-BASE = DecodeCase()
+BASE = Case()
 CASES = [
-    # every head_dim in both 16-bit dtypes
-    *(replace(BASE, head_dim=d, dtype=dt) for d in (64, 128, 256) for dt in (torch.bfloat16, torch.float16)),
+    # every head_dim in both 16-bit dtypes (on a CPU, each head_dim in one of them in the default run)
+    *(
+        replace(BASE, head_dim=d, dtype=dt) if dt == default else slow_on_cpu(replace(BASE, head_dim=d, dtype=dt))
+        for d, default in ((64, torch.float16), (128, torch.bfloat16), (256, torch.float16))
+        for dt in (torch.bfloat16, torch.float16)
+    ),
     # GQA ratios 1 / 4 / 8 and an odd head count
     replace(BASE, gqa=1),
     replace(BASE, gqa=8, batch=1),
@@ -73,7 +75,7 @@ CASES = [
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.id)
-def test_decode_attention_matches_reference(case: DecodeCase):
+def test_decode_attention_matches_reference(case: Case):
     inputs = decode_inputs(case)
     out = decode_attention_triton(*inputs)
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
@@ -134,15 +136,18 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=128, residual=36, rotation=False, token_scaling=False, left_pad=9), 4, 64, 4 + 20),
         (replace(BASE, quantized=128, residual=36, q_len=3, gqa=2, method="oscar"), 4, 64, 4 + 7),
         # the Gluon kernel's full blocks on a GPU (D=128, 2-bit values, fp16 scales): held 384 of 640, a partial block
-        (replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17),
-        (replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
+        # (on a CPU, where the Triton kernel reads them all, sinks and 4-bit values in the default run)
+        slow_on_cpu(
+            replace(BASE, quantized=640, residual=64, head_dim=128, dtype=torch.float16, row_major=True), 0, 384, 17
+        ),
+        slow_on_cpu(replace(BASE, quantized=640, residual=32, head_dim=128, left_pad=300, row_major=True), 0, 416, 32),
         (replace(BASE, quantized=640, residual=80, head_dim=128, dtype=torch.float16, row_major=True), 16, 384, 33),
-        (replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),
+        slow_on_cpu(replace(BASE, quantized=640, residual=80, head_dim=128, row_major=True, key_bits=4), 16, 384, 33),
         (replace(BASE, quantized=640, residual=64, head_dim=128, row_major=True, value_bits=4, left_pad=90), 0, 384, 9),
     ],
-    ids=lambda v: v.id if isinstance(v, DecodeCase) else str(v),
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
-def test_device_length_reads_only_what_is_held(case: DecodeCase, sinks: int, held_quantized: int, held_exact: int):
+def test_device_length_reads_only_what_is_held(case: Case, sinks: int, held_quantized: int, held_exact: int):
     """Compiled decode's launch: the whole storage (`case.quantized` tokens of capacity) and the exact slots
     (`case.residual`: `sinks` sink slots, then a window of R = residual - sinks), the tokens held (sinks included) in a
     device tensor: the kernel reads L = max(length - sinks - 1, 0) // R * R quantized tokens and the first length - L
@@ -209,20 +214,20 @@ def test_rejects_bad_inputs():
 
 
 GPU_CASES = [
-    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
-    DecodeCase(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
-    DecodeCase(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, key_bits=4, value_bits=4),
-    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=4, value_bits=2),
-    DecodeCase(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=4),
-    DecodeCase(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
-    DecodeCase(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
-    DecodeCase(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77),
+    Case(batch=2, kv_heads=8, gqa=4, head_dim=128, quantized=8192 + 96, residual=128, left_pad=1000),
+    Case(batch=2, kv_heads=4, gqa=8, head_dim=128, quantized=4096, residual=100, key_bits=4, value_bits=4),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=4, value_bits=2),
+    Case(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=4),
+    Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
+    Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
 ]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c.id)
-def test_decode_attention_large(case: DecodeCase):
+def test_decode_attention_large(case: Case):
     inputs = decode_inputs(case, seed=1)
     out = decode_attention_triton(*inputs)
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
@@ -263,7 +268,7 @@ GLUON_CASES = [
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: c.id)
-def test_gluon_full_blocks(case: DecodeCase):
+def test_gluon_full_blocks(case: Case):
     """The Gluon kernel reads every full 128-token block of these (kernels/decode_gluon.py; with a device
     length: `test_device_length_reads_only_what_is_held`); the whole step must match the float64 reference."""
     inputs = decode_inputs(case, seed=2)
@@ -279,7 +284,7 @@ def test_gluon_full_blocks(case: DecodeCase):
 @pytest.mark.parametrize(
     "case", [replace(GLUON, scale_dtype="float32"), replace(GLUON, group_size=64)], ids=lambda c: c.id
 )
-def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kernel(case: DecodeCase):
+def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kernel(case: Case):
     """The Gluon kernel is compiled for fp16 scales in groups of 32: it declines others, naming why (asked to run: the
     default tuning for fp32 scales runs none), and the Triton kernel reads every quantized token instead."""
     inputs = decode_inputs(case, seed=2)
@@ -290,7 +295,7 @@ def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kerne
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
 
 
-def _gluon_tuning(case: DecodeCase) -> DecodeTuning:
+def _gluon_tuning(case: Case) -> DecodeTuning:
     """The launch choices that run the Gluon kernel for `case`: the long-context ones (these cases are short, and
     over few KV heads `default_tuning` picks the Triton kernel's 128-token steps for them, running no Gluon kernel)."""
     return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
@@ -347,9 +352,9 @@ def _gluon_partials_in_torch(
         (replace(GLUON, quantized=384 + 32, key_bits=4, left_pad=50), None),
         (replace(GLUON, quantized=384 + 64, key_bits=4, value_bits=4, batch=1), None),
     ],
-    ids=lambda v: v.id if isinstance(v, DecodeCase) else str(v),
+    ids=lambda v: v.id if isinstance(v, Case) else str(v),
 )
-def test_gluon_partial_slots(case: DecodeCase, held, monkeypatch):
+def test_gluon_partial_slots(case: Case, held, monkeypatch):
     """The launch around the Gluon kernel, on any device (CPU: Triton's interpreter): a float64 stand-in for the
     Gluon kernel fills the first partial slots from the query operand the Triton kernel writes, whose one quantized
     program per KV head reads what follows the full blocks (a partial block here), and the merge combines them all.
@@ -376,7 +381,7 @@ def test_float32_scales_are_as_accurate_as_float16_scales(dtype):
     907: 2.1e-3 relative RMSE against 4e-4 with float16 scales, where the fp16 tolerance is 2e-3). Each against the
     float64 reference of its own stored codes, float32 scales must not be the less accurate (x 1.5: the two stores
     round differently)."""
-    case = DecodeCase(batch=2, kv_heads=3, gqa=2, head_dim=64, quantized=512, residual=40, dtype=dtype, value_bits=4)
+    case = Case(batch=2, kv_heads=3, gqa=2, head_dim=64, quantized=512, residual=40, dtype=dtype, value_bits=4)
     scale_dtypes = ("float16", "float32")
     errors = {scales: check_decode_case(replace(case, scale_dtype=scales), seed=907) for scales in scale_dtypes}
     assert errors["float32"] <= 1.5 * errors["float16"], errors
@@ -416,14 +421,12 @@ BAD_INPUTS = {  # what the error names
 }
 
 
-def _fresh(seed: int, case: DecodeCase):
+def _fresh(seed: int, case: Case):
     """The inputs of another step of the same shapes: other tensors (other addresses), the same launch facts."""
     return decode_inputs(case, seed=seed)
 
 
-def _check_plan_reuse_and_refusals(
-    case: DecodeCase, monkeypatch, tuning: DecodeTuning | None = None
-) -> launcher.DecodePlan:
+def _check_plan_reuse_and_refusals(case: Case, monkeypatch, tuning: DecodeTuning | None = None) -> launcher.DecodePlan:
     monkeypatch.setattr(launcher, "_PLANS", {})
     made = []
     make_plan = launcher._make_plan
@@ -455,7 +458,7 @@ def test_a_cached_plan_is_reused_and_bad_inputs_are_still_refused(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", [replace(GLUON, left_pad=70), replace(BASE, left_pad=7)], ids=lambda c: c.id)
-def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: DecodeCase, monkeypatch):
+def test_a_bound_launch_reads_each_steps_tensors_and_refuses_bad_inputs(case: Case, monkeypatch):
     """On the GPU the plan's kernels launch through their compiled launchers after the first step (`BoundKernel`): the
     later steps must still read their own tensors, and bad inputs must still be refused."""
     plan = _check_plan_reuse_and_refusals(case, monkeypatch, _gluon_tuning(case) if case.head_dim == 128 else None)

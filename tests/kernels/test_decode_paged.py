@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+from devices import DEVICE
 from oscar_hf.kernels.decode_paged import paged_decode_attention
 
 from oscar_hf.config import OscarConfig
@@ -18,7 +19,6 @@ from oscar_hf.reference import decode_attention, quantize_kv
 from oscar_hf.serving.pages import PageLayout, TailLayout, round_up
 from oscar_hf.testing import assert_close_to_reference
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 LAYERS = 2  # pages of two layers per block: the kernel reads the second, at an offset inside each block
 
 

@@ -4,6 +4,7 @@ larger capacity buffers and written into a slice of a larger dense buffer, as th
 
 import pytest
 import torch
+from devices import DEVICE, slow_on_cpu
 from oscar_hf.kernels import dequantize_kv_triton
 from transformers import LlamaConfig
 
@@ -11,7 +12,6 @@ from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.layout import StorageLayout
 from oscar_hf.reference import dequantize_kv, quantize_kv
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 B, H = 2, 3
 
 
@@ -41,11 +41,20 @@ def _flags(config):
 
 # (key_bits, value_bits, head_dim): both widths at every head dim, keys and values at different widths at one each
 WIDTHS_AND_HEAD_DIMS = [*((b, b, d) for b in (2, 4) for d in (64, 128, 256)), (4, 2, 128), (2, 4, 64)]
+# (method, token_scaling, scale_dtype, group_size)
+OPTIONS = [(m, *storage) for m in ("oscar", "paper") for storage in ((True, "float16", 32), (False, "float32", 64))]
+# Every width and head dim with every method and storage options; on a CPU the default run takes each width and head
+# dim once, the options in turn (each twice)
+DEQUANTIZE_CASES = [
+    (*widths, *options) if j == i % len(OPTIONS) else slow_on_cpu(*widths, *options)
+    for i, widths in enumerate(WIDTHS_AND_HEAD_DIMS)
+    for j, options in enumerate(OPTIONS)
+]
 
 
-@pytest.mark.parametrize("key_bits, value_bits, head_dim", WIDTHS_AND_HEAD_DIMS)
-@pytest.mark.parametrize("method", ["oscar", "paper"])
-@pytest.mark.parametrize("token_scaling, scale_dtype, group_size", [(True, "float16", 32), (False, "float32", 64)])
+@pytest.mark.parametrize(
+    "key_bits, value_bits, head_dim, method, token_scaling, scale_dtype, group_size", DEQUANTIZE_CASES
+)
 def test_dequantize_matches_the_float64_reference(
     key_bits, value_bits, head_dim, method, token_scaling, scale_dtype, group_size
 ):

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from devices import DEVICE
 from oscar_hf.kernels import chunk_attention
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
@@ -16,7 +17,6 @@ from oscar_hf.cache.storage import KVStorage
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _chunked_prefill(model, ids, mask, attention, chunk, method, sinks=0, set_padding=True):

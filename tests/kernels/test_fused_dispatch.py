@@ -6,6 +6,7 @@ import weakref
 
 import pytest
 import torch
+from devices import DEVICE
 from transformers import DeepseekV3Config, DeepseekV3ForCausalLM, DiffLlamaConfig, DiffLlamaForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -13,7 +14,6 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 # Small blocks keep the interpreter fast: a prefill of 40 tokens stores 32 quantized and 8 exact, and each decode
 # step then takes the fused path. The caches are filled by hand, without the queries the query rule chooses its key
 # rotation from: the paper's method (the dispatch is the same for both).

@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from devices import DEVICE
 from transformers import Gemma3nForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -14,7 +15,6 @@ from oscar_hf.cache.history import DecodeHistory
 from oscar_hf.integrations import fused_attention
 
 FUSED = "auto" if torch.cuda.is_available() else "fused"  # on a GPU the default must pick the kernels by itself
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.fixture
@@ -82,7 +82,8 @@ def test_fused_decode_with_sinks_matches_portable(model_on_device, monkeypatch, 
     """sink_tokens: the kernels read the sinks with the window (storage order [quantized | sinks | window]); the
     padding mask follows that order. Row 1 has 37 padding positions: its sinks are positions 37-52, in the same 16
     slots as row 0's 0-15, and the copies of them in the quantized region are masked. The 271-token prompt leaves 127
-    tokens in the window, and the second decode step flushes a block after the sinks."""
+    tokens in the window, and the second decode step flushes a block after the sinks. At fixed widths (2 bits): the
+    default's choice of widths, with its 4 sinks, is `test_fused_decode_matches_portable_in_generate`'s."""
     model = model_on_device(torch.bfloat16)
     ids = torch.randint(3, 101, (2, 271), device=DEVICE)
     mask = torch.ones_like(ids)
@@ -90,7 +91,7 @@ def test_fused_decode_with_sinks_matches_portable(model_on_device, monkeypatch, 
     calls = []
     original = DecodeHistory.attention
     monkeypatch.setattr(DecodeHistory, "attention", lambda self, *a: (calls.append(1), original(self, *a))[1])
-    cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing, sink_tokens=16)
+    cache = _assert_fused_matches_portable(model, ids, mask, 6, teacher_forcing, sink_tokens=16, bits=2)
     layer = cache.layers[0]
     assert layer.storage.sinks == 16 and layer.quantized_length == 256 and len(calls) == 2 * 5
 

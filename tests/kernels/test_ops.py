@@ -6,11 +6,10 @@ import dataclasses
 
 import pytest
 import torch
+from devices import DEVICE
 from oscar_hf.kernels import decode_attention_triton, flush_residual_triton, ops, quantize_kv_triton
 
 from oscar_hf import OscarConfig
-
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def _inputs(config, batch=1, quantized_tokens=32, residual=8):

@@ -7,93 +7,51 @@ the scale dtype from the same min/max, so they match to one unit in the last pla
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import pytest
 import torch
+from devices import DEVICE
 from oscar_hf.kernels import flush_residual_triton, quantize_kv_triton
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import StorageLayout
 from oscar_hf.reference import finite_flags, quantize_kv, token_norms
+from oscar_hf.testing import Case
 
-DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-@dataclass(frozen=True)
-class Case:
-    batch: int = 1
-    heads: int = 2
-    tokens: int = 64
-    head_dim: int = 64
-    dtype: torch.dtype = torch.bfloat16
-    key_bits: int = 2
-    value_bits: int = 2
-    rotation: bool = True
-    token_scaling: bool = True
-    group_size: int = 32
-    scale_dtype: str = "float16"
-    extreme_norms: bool = False
-    transposed: bool = False
-
-    @property
-    def id(self) -> str:
-        dtype = str(self.dtype).removeprefix("torch.")
-        flags = "".join(
-            f
-            for f, on in (
-                ("-noRot", not self.rotation),
-                ("-noScale", not self.token_scaling),
-                (f"-G{self.group_size}", self.group_size != 32),
-                ("-fp32scales", self.scale_dtype != "float16"),
-                ("-extreme", self.extreme_norms),
-                ("-transposed", self.transposed),
-            )
-            if on
-        )
-        bits = f"K{self.key_bits}V{self.value_bits}"
-        return f"B{self.batch}-H{self.heads}-N{self.tokens}-D{self.head_dim}-{dtype}-{bits}{flags}"
+BLOCK = Case(batch=1, quantized=64)  # the K/V of 64 tokens to quantize
 
 
 CASES = [
-    *(Case(head_dim=d, key_bits=b, value_bits=b) for d in (64, 128, 256) for b in (2, 4)),
-    Case(head_dim=128, key_bits=4, value_bits=2, batch=2, heads=3, tokens=96),
-    Case(key_bits=2, value_bits=4, dtype=torch.float16, tokens=96),
-    Case(dtype=torch.float16, batch=2, heads=3),
-    Case(dtype=torch.float32),
-    Case(rotation=False, token_scaling=False),
-    Case(rotation=True, token_scaling=False, key_bits=4, value_bits=4),
-    Case(rotation=False, token_scaling=True),
-    Case(group_size=64, head_dim=128, tokens=128),
-    Case(scale_dtype="float32"),
-    Case(extreme_norms=True, tokens=96),
-    Case(extreme_norms=True, tokens=96, token_scaling=False, rotation=False),
-    Case(transposed=True, heads=3, tokens=32),
+    *(replace(BLOCK, head_dim=d, key_bits=b, value_bits=b) for d in (64, 128, 256) for b in (2, 4)),
+    replace(BLOCK, head_dim=128, key_bits=4, value_bits=2, batch=2, kv_heads=3, quantized=96),
+    replace(BLOCK, key_bits=2, value_bits=4, dtype=torch.float16, quantized=96),
+    replace(BLOCK, dtype=torch.float16, batch=2, kv_heads=3),
+    replace(BLOCK, dtype=torch.float32),
+    replace(BLOCK, rotation=False, token_scaling=False),
+    replace(BLOCK, rotation=True, token_scaling=False, key_bits=4, value_bits=4),
+    replace(BLOCK, rotation=False, token_scaling=True),
+    replace(BLOCK, group_size=64, head_dim=128, quantized=128),
+    replace(BLOCK, scale_dtype="float32"),
+    replace(BLOCK, extreme_norms=True, quantized=96),
+    replace(BLOCK, extreme_norms=True, quantized=96, token_scaling=False, rotation=False),
+    replace(BLOCK, views=True, kv_heads=3, quantized=32),
 ]
 
 
 def make_inputs(case: Case, seed: int = 0):
     gen = torch.Generator(device="cpu").manual_seed(seed)
-    shape = (case.batch, case.tokens, case.heads, case.head_dim) if case.transposed else None
-    if case.transposed:  # HF's [B, T, H, D] layout seen as [B, H, T, D]
+    shape = (case.batch, case.quantized, case.kv_heads, case.head_dim) if case.views else None
+    if case.views:  # HF's [B, T, H, D] layout seen as [B, H, T, D]
         keys, values = (torch.randn(*shape, generator=gen).transpose(1, 2) for _ in range(2))
     else:
         keys, values = (
-            torch.randn(case.batch, case.heads, case.tokens, case.head_dim, generator=gen) for _ in range(2)
+            torch.randn(case.batch, case.kv_heads, case.quantized, case.head_dim, generator=gen) for _ in range(2)
         )
     if case.extreme_norms:
         keys[:, :, 5] *= 0.01
-        keys[:, :, case.tokens - 7] *= 100.0
-    config = OscarConfig(
-        key_bits=case.key_bits,
-        value_bits=case.value_bits,
-        rotation=case.rotation,
-        token_scaling=case.token_scaling,
-        group_size=case.group_size,
-        scale_dtype=case.scale_dtype,
-        sink_tokens=0,
-    )
-    return keys.to(DEVICE, case.dtype), values.to(DEVICE, case.dtype), config
+        keys[:, :, case.quantized - 7] *= 100.0
+    return keys.to(DEVICE, case.dtype), values.to(DEVICE, case.dtype), case.config()
 
 
 def assert_matches_reference(out, ref, config: OscarConfig, label: str) -> None:
@@ -127,7 +85,7 @@ def test_quantize_matches_reference(case: Case):
 
 
 def test_rejects_bad_inputs():
-    keys, values, config = make_inputs(Case())
+    keys, values, config = make_inputs(BLOCK)
     with pytest.raises(ValueError, match="multiple of group_size"):
         quantize_kv_triton(keys[:, :, :40], values[:, :, :40], config)
     with pytest.raises(ValueError, match="power of two"):
@@ -136,12 +94,14 @@ def test_rejects_bad_inputs():
         quantize_kv_triton(keys, values.half(), config)
 
 
-@pytest.mark.parametrize("case", [Case(batch=2, heads=3), Case(head_dim=128, dtype=torch.float16)], ids=lambda c: c.id)
+@pytest.mark.parametrize(
+    "case", [replace(BLOCK, batch=2, kv_heads=3), replace(BLOCK, head_dim=128, dtype=torch.float16)], ids=lambda c: c.id
+)
 def test_per_head_key_rotation_matches_reference(case: Case):
     """method="oscar": each (row, KV head) rotates its keys or not, as its flag says; values always rotate."""
     keys, values, _ = make_inputs(case)
     config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
-    key_rotated = torch.arange(case.batch * case.heads, device=DEVICE).view(case.batch, case.heads) % 2 == 1
+    key_rotated = torch.arange(case.batch * case.kv_heads, device=DEVICE).view(case.batch, case.kv_heads) % 2 == 1
     out = quantize_kv_triton(keys, values, config, key_rotated)
     assert_matches_reference(out, quantize_kv(keys, values, config, key_rotated), config, case.id)
     with pytest.raises(ValueError, match="needs key_rotated"):
@@ -152,7 +112,7 @@ def test_per_head_key_rotation_matches_reference(case: Case):
 
 def test_given_norms_replace_the_norms_over_the_heads_seen():
     """Tensor parallel: each rank sees its KV heads but scales by the norm over all of them, passed in."""
-    keys, values, config = make_inputs(Case(batch=2, heads=2, tokens=64))
+    keys, values, config = make_inputs(replace(BLOCK, batch=2))
     norms = token_norms(keys) * (1 + torch.rand(2, 1, 64, device=DEVICE))  # as if other ranks' heads added energy
     out = quantize_kv_triton(keys, values, config, norms=norms)
     assert_matches_reference(out, quantize_kv(keys, values, config, norms=norms), config, "given norms")
@@ -167,7 +127,7 @@ def test_given_norms_replace_the_norms_over_the_heads_seen():
 def test_padding_matches_reference():
     """A left-padded batch: padding (here NaN and inf, as a model may leave there) enters no key group and stores
     code 0, norm 1 and value parameters 0, exactly as `reference.quantize_kv(..., valid=...)`."""
-    keys, values, config = make_inputs(Case(batch=3, heads=2, tokens=96))
+    keys, values, config = make_inputs(Case(batch=3, kv_heads=2, quantized=96))
     valid = torch.arange(96, device=DEVICE)[None] >= torch.tensor([[40], [64], [0]], device=DEVICE)
     keys[0, :, 3], values[1, :, 10] = float("nan"), float("inf")
     out = quantize_kv_triton(keys, values, config, valid=valid)
@@ -208,7 +168,7 @@ def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, pa
     config = OscarConfig(residual_length=32, method=method, key_bits=bits[0], value_bits=bits[1], sink_tokens=0)
     # method="oscar": a mixed choice, so that a flag the flush ignored would show
     key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
-    keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=32, head_dim=64))
+    keys, values, _ = make_inputs(Case(batch=2, kv_heads=2, quantized=32, head_dim=64))
     layout = StorageLayout.of(config)
     storage = _random_storage(layout, 2, 2, 64, 128)
     before = [None if t is None else t.clone() for t in storage]
@@ -234,7 +194,7 @@ def test_quantize_into_storage_writes_its_rows_and_nothing_else(method, bits, pa
     `quantize_kv_triton` returns (padding columns are the block's tokens), and every other bit stays as it was."""
     config = OscarConfig(method=method, key_bits=bits[0], value_bits=bits[1], sink_tokens=0)
     key_rotated = torch.tensor([[True, False], [False, True]], device=DEVICE) if method == "oscar" else None
-    keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=64, head_dim=64), seed=3)
+    keys, values, _ = make_inputs(Case(batch=2, kv_heads=2, quantized=64, head_dim=64), seed=3)
     valid = torch.arange(64, device=DEVICE)[None] >= torch.tensor([[0], [40]], device=DEVICE) if padded else None
     layout = StorageLayout.of(config)
     storage = _random_storage(layout, 2, 2, 64, 192)
@@ -267,7 +227,7 @@ def test_finite_flags_from_the_kernel_match_the_reference(seed):
         return int(torch.randint(high, (), generator=gen))
 
     def block(problem):
-        keys, values, _ = make_inputs(Case(batch=2, heads=2, tokens=64, head_dim=64, dtype=torch.float32), seed)
+        keys, values, _ = make_inputs(Case(batch=2, kv_heads=2, quantized=64, head_dim=64, dtype=torch.float32), seed)
         valid = torch.arange(64, device=DEVICE)[None] >= torch.tensor([[0], [24]], device=DEVICE)
         b, h, t, d = randint(2), randint(2), randint(64), randint(64)
         real = bool(valid[b, t])
@@ -303,7 +263,7 @@ def test_finite_flags_from_the_kernel_match_the_reference(seed):
 
 def test_flush_rejects_bad_inputs():
     config = OscarConfig(residual_length=32, bits=2, sink_tokens=0)
-    keys, values, _ = make_inputs(Case(tokens=32))
+    keys, values, _ = make_inputs(replace(BLOCK, quantized=32))
     storage = _random_storage(StorageLayout.of(config), 1, 2, 64, 64)
     held = torch.tensor(32, device=DEVICE)
     with pytest.raises(ValueError, match="got 64 residual tokens, expected 32"):
@@ -315,11 +275,11 @@ def test_flush_rejects_bad_inputs():
 
 
 GPU_CASES = [
-    Case(batch=2, heads=8, tokens=4096, head_dim=128),
-    Case(batch=1, heads=8, tokens=2048, head_dim=128, key_bits=4, value_bits=4, dtype=torch.float16),
-    Case(batch=2, heads=8, tokens=2048, head_dim=128, key_bits=4, value_bits=2),
-    Case(batch=1, heads=4, tokens=1024, head_dim=256, extreme_norms=True),
-    Case(batch=3, heads=2, tokens=512, head_dim=64, transposed=True),
+    Case(batch=2, kv_heads=8, quantized=4096, head_dim=128),
+    Case(batch=1, kv_heads=8, quantized=2048, head_dim=128, key_bits=4, value_bits=4, dtype=torch.float16),
+    Case(batch=2, kv_heads=8, quantized=2048, head_dim=128, key_bits=4, value_bits=2),
+    Case(batch=1, kv_heads=4, quantized=1024, head_dim=256, extreme_norms=True),
+    Case(batch=3, kv_heads=2, quantized=512, head_dim=64, views=True),
 ]
 
 
