@@ -25,7 +25,7 @@ def _quanto_importable() -> bool:
     return True
 
 
-@pytest.mark.parametrize("model", ["tiny-llama", "tiny-gemma"])
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("tiny-gemma", marks=pytest.mark.slow)])
 def test_every_cache_gets_a_row_of_one_run(bench, tmp_path, model):
     args = ["--model", model, "--device", "cpu", "--batches", "2", "--contexts", "256", "--new-tokens", "5"]
     path = bench.main([*args, "--out", str(tmp_path)])

@@ -10,9 +10,12 @@ import sys
 import zipfile
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow  # builds a wheel and installs it in a fresh environment
 def test_the_wheel_ships_kernels_inside_oscar_hf_and_imports_outside_the_checkout(tmp_path):
     """The wheel's files, then the wheel installed into a folder of its own, imported by the interpreter running the
     tests (whose packages, torch and transformers, it needs) from outside the checkout: PYTHONPATH puts the folder
@@ -84,6 +87,7 @@ def test_python_started_at_the_checkouts_root_imports_huggingface_kernels():
     assert result.returncode == 0 and " collected" in result.stdout, result.stdout + result.stderr
 
 
+@pytest.mark.slow  # an environment without HuggingFace's kernels, in a subprocess
 def test_without_huggingface_kernels_transformers_takes_the_folder_for_absent(tmp_path):
     """Where HuggingFace's `kernels` is not installed (transformers < 5.25), the folder found as `kernels` from the
     checkout's root stays: find_spec finds it, but transformers' check reads no version and says `kernels` is absent,

@@ -184,8 +184,8 @@ def test_generate_auto_compiles_a_hybrid_model(request, family):
 
 
 @pytest.mark.parametrize(
-    "prompt_length",  # on a CPU, a window filling in compiled steps: `test_generate_auto_compiles_a_hybrid_model`
-    [slow_on_cpu(10), 40],
+    "prompt_length",  # on a CPU, a hybrid's compiled tokens: `test_generate_auto_compiles_a_hybrid_model`
+    [slow_on_cpu(10), slow_on_cpu(40)],
     ids=["window-fills-in-decode", "window-full-from-prefill"],
 )
 def test_compiled_hybrid_logits_match_eager_in_float32(teacher_forcing, prompt_length):
