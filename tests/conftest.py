@@ -17,6 +17,7 @@ torch.set_num_threads(max(1, torch.get_num_threads() // int(os.environ.get("PYTE
 
 import pytest  # noqa: E402
 from transformers import (  # noqa: E402
+    Gemma3ForCausalLM,
     Gemma3nTextConfig,
     Gemma3TextConfig,
     LlamaConfig,
@@ -95,6 +96,50 @@ def one_layer_config() -> LlamaConfig:
 def gemma3_config():
     """A tiny Gemma-3-style hybrid: sliding-window and full-attention layers alternate."""
     return Gemma3TextConfig(**_tiny_gemma())
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3():
+    """Factory for a tiny random Gemma 3 causal LM of `_tiny_gemma`'s shape; keyword arguments override the config
+    (e.g. layer_types)."""
+
+    def make(**overrides) -> Gemma3ForCausalLM:
+        options = {**_tiny_gemma(), **overrides}
+        options["num_hidden_layers"] = len(options["layer_types"])
+        return Gemma3ForCausalLM(Gemma3TextConfig(**options)).eval()
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def submit_while_decoding():
+    """Continuous batching with requests arriving while others decode: `run(model, prompts, generation_config,
+    continuous_batching_config, timeout)` submits the first prompt, waits until it has decoded a token, submits the
+    rest, and returns every request's generated tokens in submission order."""
+
+    def run(model, prompts, generation_config, continuous_batching_config, timeout: float) -> list[list[int]]:
+        manager = model.init_continuous_batching(
+            generation_config=generation_config, continuous_batching_config=continuous_batching_config
+        )
+        manager.start()
+        try:
+            first = manager.add_request(prompts[0], streaming=True)
+            while True:  # until the first request decodes
+                output = manager.get_result(first, timeout=timeout)
+                if output is not None and output.generated_tokens:
+                    break
+            ids = [first] + [manager.add_request(p) for p in prompts[1:]]
+            results = {}
+            while len(results) < len(ids):
+                output = manager.get_result(timeout=timeout)
+                assert output is not None and output.error is None, output
+                if output.is_finished():
+                    results[output.request_id] = output.generated_tokens
+        finally:
+            manager.stop(block=True)
+        return [results[i] for i in ids]
+
+    return run
 
 
 @pytest.fixture

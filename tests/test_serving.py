@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 import transformers
-from transformers import ContinuousBatchingConfig, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
@@ -73,27 +73,11 @@ def llama(tiny_llama):
     return tiny_llama(eos_token_id=None)
 
 
-def _gemma(layer_types: list[str]) -> Gemma3ForCausalLM:
-    config = Gemma3TextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=len(layer_types),
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=16,
-        layer_types=layer_types,
-        eos_token_id=None,
-    )
-    return Gemma3ForCausalLM(config).eval()
-
-
 @pytest.fixture(scope="module")
-def gemma():
+def gemma(tiny_gemma3):
     """A tiny Gemma 3: sliding-window (16 tokens) and full-attention layers alternate."""
     torch.manual_seed(0)
-    return _gemma(["sliding_attention", "full_attention", "sliding_attention", "full_attention"])
+    return tiny_gemma3(eos_token_id=None)
 
 
 @pytest.mark.parametrize(
@@ -181,29 +165,11 @@ def test_prompts_split_by_the_scheduler_equal_chunked_generate(llama):
     assert batched == [generate(llama, prompts[0], {}, prefill_chunk_size=256)]
 
 
-def test_requests_joining_while_others_decode(llama):
+def test_requests_joining_while_others_decode(llama, submit_while_decoding):
     """Requests submitted while earlier ones decode join the running batch."""
     prompts = _prompts((300, 5, 140, 70), seed=3)
-    manager = llama.init_continuous_batching(
-        generation_config=_generation_config({}), continuous_batching_config=_cb_config()
-    )
-    manager.start()
-    try:
-        first = manager.add_request(prompts[0], streaming=True)
-        while True:  # until the first request decodes
-            output = manager.get_result(first, timeout=10)
-            if output is not None and output.generated_tokens:
-                break
-        ids = [first] + [manager.add_request(p) for p in prompts[1:]]
-        results = {}
-        while len(results) < len(ids):
-            output = manager.get_result(timeout=10)
-            assert output is not None and output.error is None, output
-            if output.is_finished():
-                results[output.request_id] = output.generated_tokens
-    finally:
-        manager.stop(block=True)
-    assert [results[i] for i in ids] == [generate(llama, p, {}) for p in prompts]
+    tokens = submit_while_decoding(llama, prompts, _generation_config({}), _cb_config(), timeout=10)
+    assert tokens == [generate(llama, p, {}) for p in prompts]
 
 
 def test_shared_prefix_pages(llama, monkeypatch):
@@ -273,7 +239,7 @@ def test_refusals(llama, options, cb_options, generation, match):
     assert llama.config._attn_implementation == "sdpa"  # a refused manager leaves the model as it was
 
 
-def test_refused_models(tiny_llama):
+def test_refused_models(tiny_llama, tiny_gemma3):
     flash = tiny_llama()
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="Load it with attn_implementation='sdpa'"):
@@ -282,7 +248,7 @@ def test_refused_models(tiny_llama):
     latent.config.kv_lora_rank = 16
     with pytest.raises(ValueError, match="latent attention"):
         latent.init_continuous_batching(generation_config=_generation_config({}))
-    sliding = _gemma(["sliding_attention"] * 2)
+    sliding = tiny_gemma3(layer_types=["sliding_attention"] * 2, eos_token_id=None)
     with pytest.raises(ValueError, match="has none"):
         sliding.init_continuous_batching(generation_config=_generation_config({}))
 

@@ -9,7 +9,7 @@ the dense path's and `generate(attention="fused")`'s; the memory handler charges
 import pytest
 import torch
 from devices import DEVICE
-from transformers import ContinuousBatchingConfig, Gemma3ForCausalLM, Gemma3TextConfig, GenerationConfig, LlamaConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -254,7 +254,7 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls):
 
 
 @pytest.mark.slow  # ~1 min in the interpreter
-def test_split_prompts_and_requests_joining(llama, in_place_calls):
+def test_split_prompts_and_requests_joining(llama, in_place_calls, submit_while_decoding):
     """Prompts the scheduler splits (their later chunks over gathered pages), against chunked generate; requests
     joining while others decode; no sinks."""
     options = {**FUSED, "sink_tokens": 0}
@@ -262,45 +262,15 @@ def test_split_prompts_and_requests_joining(llama, in_place_calls):
     split = generate_batch(llama, prompts, options, 4, max_batch_tokens=128)
     assert split == [generate(llama, prompts[0], options, 4, prefill_chunk_size=128)]
     prompts = _prompts((150, 5, 70), seed=3)
-    manager = llama.init_continuous_batching(
-        generation_config=_generation_config(FUSED, 6),
-        continuous_batching_config=ContinuousBatchingConfig(num_blocks=48, max_batch_tokens=1024),
-    )
-    manager.start()
-    try:
-        first = manager.add_request(prompts[0], streaming=True)
-        while True:  # until the first request decodes
-            output = manager.get_result(first, timeout=60)
-            if output is not None and output.generated_tokens:
-                break
-        ids = [first] + [manager.add_request(p) for p in prompts[1:]]
-        results = {}
-        while len(results) < len(ids):
-            output = manager.get_result(timeout=60)
-            assert output is not None and output.error is None, output
-            if output.is_finished():
-                results[output.request_id] = output.generated_tokens
-    finally:
-        manager.stop(block=True)
-    assert [results[i] for i in ids] == [generate(llama, p, FUSED, 6) for p in prompts]
+    cb_config = ContinuousBatchingConfig(num_blocks=48, max_batch_tokens=1024)
+    tokens = submit_while_decoding(llama, prompts, _generation_config(FUSED, 6), cb_config, timeout=60)
+    assert tokens == [generate(llama, p, FUSED, 6) for p in prompts]
 
 
-def test_gemma3_hybrid_tokens_equal_generate(in_place_calls):
+def test_gemma3_hybrid_tokens_equal_generate(in_place_calls, tiny_gemma3):
     """Sliding-window layers through transformers' own path, full-attention ones read in place."""
     torch.manual_seed(0)
-    config = Gemma3TextConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=4,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,
-        sliding_window=16,
-        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
-        eos_token_id=None,
-    )
-    model = Gemma3ForCausalLM(config).eval().to(DEVICE)
+    model = tiny_gemma3(eos_token_id=None).to(DEVICE)
     prompts = _prompts((3, 130))
     assert generate_batch(model, prompts, FUSED, 4) == [generate(model, p, FUSED, 4) for p in prompts]
     assert in_place_calls
