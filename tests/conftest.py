@@ -111,37 +111,6 @@ def tiny_gemma3():
     return make
 
 
-@pytest.fixture(scope="session")
-def submit_while_decoding():
-    """Continuous batching with requests arriving while others decode: `run(model, prompts, generation_config,
-    continuous_batching_config, timeout)` submits the first prompt, waits until it has decoded a token, submits the
-    rest, and returns every request's generated tokens in submission order."""
-
-    def run(model, prompts, generation_config, continuous_batching_config, timeout: float) -> list[list[int]]:
-        manager = model.init_continuous_batching(
-            generation_config=generation_config, continuous_batching_config=continuous_batching_config
-        )
-        manager.start()
-        try:
-            first = manager.add_request(prompts[0], streaming=True)
-            while True:  # until the first request decodes
-                output = manager.get_result(first, timeout=timeout)
-                if output is not None and output.generated_tokens:
-                    break
-            ids = [first] + [manager.add_request(p) for p in prompts[1:]]
-            results = {}
-            while len(results) < len(ids):
-                output = manager.get_result(timeout=timeout)
-                assert output is not None and output.error is None, output
-                if output.is_finished():
-                    results[output.request_id] = output.generated_tokens
-        finally:
-            manager.stop(block=True)
-        return [results[i] for i in ids]
-
-    return run
-
-
 @pytest.fixture
 def gemma3n_config():
     """A tiny Gemma-3n-style hybrid whose last two layers reuse the K/V of the last sliding and full layers."""

@@ -4,18 +4,20 @@ Gemma 3 sliding/full hybrid; prompts below, at and past a page and over several;
 prompts the scheduler splits; shared prefixes); with lossless quantization they equal stock continuous batching's;
 what the pool cannot serve is refused with an error naming what to do."""
 
+import functools
 import subprocess
 import sys
 
 import pytest
+import serving_calls
 import torch
 import transformers
-from transformers import ContinuousBatchingConfig, GenerationConfig
+from serving_calls import cb_config, generation_config, random_prompts, submit_while_decoding
+from transformers import GenerationConfig
 from transformers.generation.continuous_batching import continuous_api
 from transformers.generation.continuous_batching.cache import PagedAttentionCache
 
 import oscar_hf
-from oscar_hf.serving import pool_config
 from oscar_hf.serving.pages import PageCodec
 from oscar_hf.serving.pool import OscarPagedCache
 
@@ -24,46 +26,9 @@ NEW_TOKENS = 24
 PROMPTS = (5, 127, 132, 133, 300, 700)
 
 
-def _prompts(lengths, seed=0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in lengths]
-
-
-def _generation_config(options: dict, new_tokens: int = NEW_TOKENS, **extra) -> GenerationConfig:
-    settings = {"max_new_tokens": new_tokens, "do_sample": False, **extra}
-    return GenerationConfig(cache_implementation="oscar", cache_config=options, **settings)
-
-
-def _cb_config(**options) -> ContinuousBatchingConfig:
-    return ContinuousBatchingConfig(**{"num_blocks": 96, "max_batch_tokens": 2048, **options})
-
-
-def generate_batch(model, prompts, options: dict | None, new_tokens: int = NEW_TOKENS, **cb_options) -> list:
-    """Greedy tokens of each prompt through continuous batching (the 2-bit pool unless `options` is None)."""
-    if options is None:
-        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False)
-    else:
-        config = _generation_config(options, new_tokens)
-    outputs = model.generate_batch(
-        prompts, generation_config=config, continuous_batching_config=_cb_config(**cb_options)
-    )
-    assert len(outputs) == len(prompts) and all(o.error is None for o in outputs.values()), outputs
-    return [o.generated_tokens for o in outputs.values()]
-
-
-def generate(model, prompt: list[int], options: dict, new_tokens: int = NEW_TOKENS, **kwargs) -> list[int]:
-    """Greedy tokens through `generate(cache_implementation="oscar")` with the options the pool runs."""
-    ids = torch.tensor([prompt])
-    out = model.generate(
-        ids,
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        cache_implementation="oscar",
-        cache_config=pool_config(options),
-        pad_token_id=0,
-        **kwargs,
-    )
-    return out[0, len(prompt) :].tolist()
+# every call here generates NEW_TOKENS tokens
+generate_batch = functools.partial(serving_calls.generate_batch, new_tokens=NEW_TOKENS)
+generate = functools.partial(serving_calls.generate, new_tokens=NEW_TOKENS)
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +52,7 @@ def gemma(tiny_gemma3):
 )
 def test_llama_tokens_equal_generate(llama, options):
     """All prompts fit one batch's token budget (no prompt is split: split prompts have a test of their own)."""
-    prompts = _prompts(PROMPTS)
+    prompts = random_prompts(PROMPTS)
     batched = generate_batch(llama, prompts, options)
     assert batched == [generate(llama, p, options) for p in prompts]
 
@@ -96,7 +61,7 @@ def test_bfloat16_tokens_equal_generate(tiny_llama):
     """In bfloat16 too (where a prompt split differently from generate's would change tokens: none is split here)."""
     torch.manual_seed(0)
     model = tiny_llama(dtype=torch.bfloat16, eos_token_id=None)
-    prompts = _prompts(PROMPTS)
+    prompts = random_prompts(PROMPTS)
     assert generate_batch(model, prompts, {}) == [generate(model, p, {}) for p in prompts]
 
 
@@ -104,27 +69,28 @@ def test_eager_attention_tokens_equal_generate(tiny_llama):
     """A model loaded with eager attention runs on transformers' paged eager attention, switched back afterwards."""
     torch.manual_seed(0)
     model = tiny_llama(eos_token_id=None, attn_implementation="eager")
-    prompts = _prompts((40, 260), seed=5)
+    prompts = random_prompts((40, 260), seed=5)
     batched = generate_batch(model, prompts, {})
     assert model.config._attn_implementation == "eager"
     assert batched == [generate(model, p, {}) for p in prompts]
     with pytest.raises(ValueError, match="use_async_batching=False"):
         model.init_continuous_batching(
-            generation_config=_generation_config({}), continuous_batching_config=_cb_config(use_async_batching=True)
+            generation_config=generation_config({}, NEW_TOKENS),
+            continuous_batching_config=cb_config(use_async_batching=True),
         )
     assert model.config._attn_implementation == "eager"  # switched to paged|eager, then back when refused
 
 
 def test_gemma3_hybrid_tokens_equal_generate(gemma):
     """Sliding-window layers stay exact (transformers' allocator), full-attention ones go to 2-bit pages."""
-    prompts = _prompts((3, 130, 260))
+    prompts = random_prompts((3, 130, 260))
     batched = generate_batch(gemma, prompts, {})
     assert batched == [generate(gemma, p, {}) for p in prompts]
 
 
 def test_quantization_changes_tokens(llama):
     """The equalities above are not vacuous: on these prompts 2-bit pages change tokens against exact attention."""
-    prompts = _prompts(PROMPTS)
+    prompts = random_prompts(PROMPTS)
     assert generate_batch(llama, prompts, {"sink_tokens": 0}) != generate_batch(llama, prompts, None)
 
 
@@ -152,7 +118,7 @@ def test_lossless_pool_equals_stock_continuous_batching(llama, monkeypatch):
             return tuple(torch.stack(kv).to(dtype) for kv in zip(*pages))
 
     monkeypatch.setattr(OscarPagedCache, "codec_class", ExactPageCodec)
-    prompts = _prompts(PROMPTS, seed=1)
+    prompts = random_prompts(PROMPTS, seed=1)
     assert generate_batch(llama, prompts, {}) == generate_batch(llama, prompts, None)
     assert sum(written) > 0
 
@@ -160,15 +126,15 @@ def test_lossless_pool_equals_stock_continuous_batching(llama, monkeypatch):
 def test_prompts_split_by_the_scheduler_equal_chunked_generate(llama):
     """A prompt longer than the batch's token budget is prefilled in chunks; each chunk attends to the pages the earlier
     ones left, as generate's chunked prefill does (`prefill_chunk_size`)."""
-    prompts = _prompts((700,), seed=2)
+    prompts = random_prompts((700,), seed=2)
     batched = generate_batch(llama, prompts, {}, max_batch_tokens=256)
     assert batched == [generate(llama, prompts[0], {}, prefill_chunk_size=256)]
 
 
-def test_requests_joining_while_others_decode(llama, submit_while_decoding):
+def test_requests_joining_while_others_decode(llama):
     """Requests submitted while earlier ones decode join the running batch."""
-    prompts = _prompts((300, 5, 140, 70), seed=3)
-    tokens = submit_while_decoding(llama, prompts, _generation_config({}), _cb_config(), timeout=10)
+    prompts = random_prompts((300, 5, 140, 70), seed=3)
+    tokens = submit_while_decoding(llama, prompts, generation_config({}, NEW_TOKENS), cb_config(), timeout=10)
     assert tokens == [generate(llama, p, {}) for p in prompts]
 
 
@@ -184,9 +150,9 @@ def test_shared_prefix_pages(llama, monkeypatch):
 
     monkeypatch.setattr(OscarPagedCache, "search_prefix_match", spy)
     options = {"sink_tokens": 0}
-    prefix, first, second = _prompts((256, 40, 60), seed=4)
+    prefix, first, second = random_prompts((256, 40, 60), seed=4)
     manager = llama.init_continuous_batching(
-        generation_config=_generation_config(options), continuous_batching_config=_cb_config()
+        generation_config=generation_config(options, NEW_TOKENS), continuous_batching_config=cb_config()
     )
     manager.start()
     try:
@@ -205,7 +171,7 @@ def test_shared_prefix_pages(llama, monkeypatch):
 
 def test_request_longer_than_the_pool_is_refused(llama):
     manager = llama.init_continuous_batching(
-        generation_config=_generation_config({}), continuous_batching_config=_cb_config(num_blocks=8)
+        generation_config=generation_config({}, NEW_TOKENS), continuous_batching_config=cb_config(num_blocks=8)
     )
     manager.warmup()  # builds the pool, as generate_batch and transformers serve do before any request
     manager.start()
@@ -213,7 +179,7 @@ def test_request_longer_than_the_pool_is_refused(llama):
         limit = manager.batch_processor.cache.max_request_tokens
         with pytest.raises(ValueError, match=f"more than the 2-bit pool holds for one request \\({limit}\\)"):
             manager.add_request(list(range(3, 3 + limit)), max_new_tokens=1)
-        request = manager.add_request(_prompts((10,))[0], max_new_tokens=4)
+        request = manager.add_request(random_prompts((10,))[0], max_new_tokens=4)
         assert len(manager.get_result(request, timeout=30).generated_tokens) == 4  # still serving
     finally:
         manager.stop(block=True)
@@ -233,9 +199,9 @@ def test_request_longer_than_the_pool_is_refused(llama):
     ],
 )
 def test_refusals(llama, options, cb_options, generation, match):
-    config = _generation_config(options, **generation)
+    config = generation_config(options, NEW_TOKENS, **generation)
     with pytest.raises(ValueError, match=match):
-        llama.init_continuous_batching(generation_config=config, continuous_batching_config=_cb_config(**cb_options))
+        llama.init_continuous_batching(generation_config=config, continuous_batching_config=cb_config(**cb_options))
     assert llama.config._attn_implementation == "sdpa"  # a refused manager leaves the model as it was
 
 
@@ -243,20 +209,20 @@ def test_refused_models(tiny_llama, tiny_gemma3):
     flash = tiny_llama()
     flash.config._attn_implementation = "flash_attention_2"
     with pytest.raises(ValueError, match="Load it with attn_implementation='sdpa'"):
-        flash.init_continuous_batching(generation_config=_generation_config({}))
+        flash.init_continuous_batching(generation_config=generation_config({}, NEW_TOKENS))
     latent = tiny_llama()
     latent.config.kv_lora_rank = 16
     with pytest.raises(ValueError, match="latent attention"):
-        latent.init_continuous_batching(generation_config=_generation_config({}))
+        latent.init_continuous_batching(generation_config=generation_config({}, NEW_TOKENS))
     sliding = tiny_gemma3(layer_types=["sliding_attention"] * 2, eos_token_id=None)
     with pytest.raises(ValueError, match="has none"):
-        sliding.init_continuous_batching(generation_config=_generation_config({}))
+        sliding.init_continuous_batching(generation_config=generation_config({}, NEW_TOKENS))
 
 
 def test_unsupported_transformers_is_refused(llama, monkeypatch):
     monkeypatch.setattr(transformers, "__version__", "5.24.0")
     with pytest.raises(ValueError, match="needs transformers .*5\\.25.*this is 5\\.24\\.0"):
-        llama.init_continuous_batching(generation_config=_generation_config({}))
+        llama.init_continuous_batching(generation_config=generation_config({}, NEW_TOKENS))
 
 
 @pytest.mark.slow  # a fresh interpreter importing torch and transformers: ~5-10 s
@@ -291,7 +257,5 @@ def test_register_is_undone(llama):
     finally:
         oscar_hf.register()
     assert continuous_api.PagedAttentionCache is not PagedAttentionCache
-    stock = llama.init_continuous_batching(
-        generation_config=GenerationConfig(), continuous_batching_config=_cb_config()
-    )
+    stock = llama.init_continuous_batching(generation_config=GenerationConfig(), continuous_batching_config=cb_config())
     assert type(stock._create_batch_processor().cache) is PagedAttentionCache

@@ -7,9 +7,11 @@ history, which equals an `OscarCache`'s on the same backend bit for bit; through
 the dense path's and `generate(attention="fused")`'s; the memory handler charges what in-place reads need."""
 
 import pytest
+import serving_calls
 import torch
 from devices import DEVICE
-from transformers import ContinuousBatchingConfig, GenerationConfig, LlamaConfig
+from serving_calls import cb_config, generate, generation_config, random_prompts, submit_while_decoding
+from transformers import ContinuousBatchingConfig, LlamaConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, PagedAttentionMemoryHandler
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION
 from transformers.generation.continuous_batching.distributed import DistributedHelper
@@ -194,37 +196,12 @@ def test_memory_handler_charges_in_place_reads(monkeypatch):
 # generate_batch
 
 
-def _generation_config(options: dict, new_tokens: int) -> GenerationConfig:
-    return GenerationConfig(
-        max_new_tokens=new_tokens, do_sample=False, cache_implementation="oscar", cache_config=options
-    )
+# the in-place path's pools: 48 blocks, batches of up to 1024 tokens
+IN_PLACE = dict(num_blocks=48, max_batch_tokens=1024)
 
 
 def generate_batch(model, prompts, options: dict, new_tokens: int, **cb_options) -> list:
-    cb_config = ContinuousBatchingConfig(**{"num_blocks": 48, "max_batch_tokens": 1024, **cb_options})
-    outputs = model.generate_batch(
-        prompts, generation_config=_generation_config(options, new_tokens), continuous_batching_config=cb_config
-    )
-    assert len(outputs) == len(prompts) and all(o.error is None for o in outputs.values()), outputs
-    return [o.generated_tokens for o in outputs.values()]
-
-
-def generate(model, prompt: list[int], options: dict, new_tokens: int, **kwargs) -> list[int]:
-    out = model.generate(
-        torch.tensor([prompt], device=DEVICE),
-        max_new_tokens=new_tokens,
-        do_sample=False,
-        cache_implementation="oscar",
-        cache_config=pool_config(options),
-        pad_token_id=0,
-        **kwargs,
-    )
-    return out[0, len(prompt) :].tolist()
-
-
-def _prompts(lengths, seed=0) -> list[list[int]]:
-    generator = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 97, (n,), generator=generator).tolist() for n in lengths]
+    return serving_calls.generate_batch(model, prompts, options, new_tokens, **{**IN_PLACE, **cb_options})
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +223,7 @@ def in_place_calls(monkeypatch):
 
 def test_tokens_equal_dense_path_and_generate(llama, in_place_calls):
     """A prompt shorter than the sinks, one over two pages (its decode steps attend to the pages in place)."""
-    prompts = _prompts((3, 140))
+    prompts = random_prompts((3, 140))
     in_place = generate_batch(llama, prompts, FUSED, 4)
     assert len(in_place_calls) == 2 * 4  # every forward's two full-attention layers
     assert in_place == generate_batch(llama, prompts, {**FUSED, "attention": "portable"}, 4)
@@ -254,16 +231,15 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls):
 
 
 @pytest.mark.slow  # ~1 min in the interpreter
-def test_split_prompts_and_requests_joining(llama, in_place_calls, submit_while_decoding):
+def test_split_prompts_and_requests_joining(llama, in_place_calls):
     """Prompts the scheduler splits (their later chunks over gathered pages), against chunked generate; requests
     joining while others decode; no sinks."""
     options = {**FUSED, "sink_tokens": 0}
-    prompts = _prompts((300,), seed=2)
+    prompts = random_prompts((300,), seed=2)
     split = generate_batch(llama, prompts, options, 4, max_batch_tokens=128)
     assert split == [generate(llama, prompts[0], options, 4, prefill_chunk_size=128)]
-    prompts = _prompts((150, 5, 70), seed=3)
-    cb_config = ContinuousBatchingConfig(num_blocks=48, max_batch_tokens=1024)
-    tokens = submit_while_decoding(llama, prompts, _generation_config(FUSED, 6), cb_config, timeout=60)
+    prompts = random_prompts((150, 5, 70), seed=3)
+    tokens = submit_while_decoding(llama, prompts, generation_config(FUSED, 6), cb_config(**IN_PLACE), timeout=60)
     assert tokens == [generate(llama, p, FUSED, 6) for p in prompts]
 
 
@@ -271,7 +247,7 @@ def test_gemma3_hybrid_tokens_equal_generate(in_place_calls, tiny_gemma3):
     """Sliding-window layers through transformers' own path, full-attention ones read in place."""
     torch.manual_seed(0)
     model = tiny_gemma3(eos_token_id=None).to(DEVICE)
-    prompts = _prompts((3, 130))
+    prompts = random_prompts((3, 130))
     assert generate_batch(model, prompts, FUSED, 4) == [generate(model, p, FUSED, 4) for p in prompts]
     assert in_place_calls
 
@@ -279,6 +255,6 @@ def test_gemma3_hybrid_tokens_equal_generate(in_place_calls, tiny_gemma3):
 def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
     """attention="fused" demands the kernels, as a cache layer does: a head_dim they lack is refused by name."""
     model = tiny_llama().to(DEVICE)  # head_dim 32
-    manager = model.init_continuous_batching(generation_config=_generation_config({"attention": "fused"}, 2))
+    manager = model.init_continuous_batching(generation_config=generation_config({"attention": "fused"}, 2))
     with pytest.raises(ValueError, match="head dims 32/32 are not one of"):
         manager.warmup()
