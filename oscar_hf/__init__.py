@@ -3,6 +3,18 @@
 Importing the package registers `cache_implementation="oscar"` with `generate` (see `register`/`unregister`).
 """
 
+import importlib.util
+
+# The kernels/ folder becomes oscar_hf.kernels by the install's mapping (setup.py). A checkout's oscar_hf/ put first on
+# sys.path (Python started at its root) in front of a non-editable install has no such mapping: say so, not fail later
+# in a circular-looking import.
+if importlib.util.find_spec(f"{__name__}.kernels") is None:
+    raise ImportError(
+        f"oscar_hf was imported from {__path__[0]} without its kernels (the install maps the checkout's kernels/ "
+        "folder to oscar_hf.kernels): install the checkout editable (`pip install -e .`), or start Python outside "
+        "the checkout"
+    )
+
 from .cache import KVMemory, OscarCache, OscarLayer, average_bits, kv_memory
 from .config import OscarConfig
 from .integrations.transformers import cache_kwargs, register, unregister

@@ -5,6 +5,7 @@ top-level name is the `oscar_eval` module of the oscar-eval command line."""
 import importlib.metadata
 import json
 import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -111,3 +112,13 @@ def test_without_huggingface_kernels_transformers_takes_the_folder_for_absent(tm
     distributions, origin, available = result.stdout.splitlines()
     assert distributions == "[]" and os.path.realpath(origin) == str(ROOT / "kernels" / "__init__.py"), result.stdout
     assert available == "False", result.stdout
+
+
+def test_a_checkout_without_the_kernels_mapping_says_how_to_fix_it(tmp_path):
+    """A copy of oscar_hf/ first on the path with nothing mapping kernels/ into it (a checkout's root in front of a
+    non-editable install): `import oscar_hf` names the fix. `python -S`: no site-packages, so no editable install's
+    finder maps `oscar_hf.kernels` (the check runs before anything else is imported)."""
+    shutil.copytree(ROOT / "oscar_hf", tmp_path / "oscar_hf", ignore=shutil.ignore_patterns("__pycache__"))
+    command = [sys.executable, "-S", "-c", "import oscar_hf"]
+    result = subprocess.run(command, cwd=tmp_path, capture_output=True, text=True)
+    assert result.returncode != 0 and "pip install -e ." in result.stderr, result.stderr
