@@ -30,7 +30,7 @@ from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from oscar_hf import OscarConfig, cache_kwargs
-from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, kv_heads_and_dim
+from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, effective_avg_bits, kv_heads_and_dim
 from oscar_hf.methods import DEFAULT_METHOD, METHODS
 from oscar_hf.offline_models import load_model
 
@@ -372,11 +372,14 @@ def run_model(
             model=wrappers[method], tasks=[task], limit=n_docs, task_manager=task_manager, bootstrap_iters=1000
         )
         metrics = out["results"][task]
+        context = context_tokens(task, tokenizer, n_docs)
+        options = wrappers[method].cache_config
         entry = {
             "n": out["n-samples"][task]["effective"],
-            "context_tokens": context_tokens(task, tokenizer, n_docs),
-            "cache_config": wrappers[method].cache_config,
+            "context_tokens": context,
+            "cache_config": options,
             "avg_bits": wrappers[method].avg_bits,
+            "effective_bits": round(effective_avg_bits(method, options, head_dim, kv_heads, context), 4),
             "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": records.commit(),
@@ -501,6 +504,10 @@ def plot_bits(model_names: list[str]) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# The contexts at which the summary counts each method's effective bits (`effective_avg_bits`): what a user pays there.
+EFFECTIVE_CONTEXTS = (2048, 4096, 32768)
 
 
 def ppl_change_pct(entry: dict, base: dict | None) -> float | None:
@@ -633,7 +640,8 @@ def summarize(model_names: list[str]) -> Path:
     that the INT2 comparison (bf16, the default, the paper's method, KIVI) ran in full (another method: those of them
     it ran, listed in its `retrieval_tasks`), with its binomial standard error and the number of documents; every
     retrieval cell on its own (`retrieval_cells`, 2k, 4k and 8k); the exact match of each generation task run; the
-    method's stored bits per K/V element on this model (`avg_bits`, as each entry records it); and, where the INT2
+    method's stored bits per K/V element on this model (`avg_bits`, as each entry records it) and everything its cache
+    holds per K/V element at each of `EFFECTIVE_CONTEXTS` (`effective_bits`, exact tokens included); and, where the INT2
     comparison ran, the default's targets (`oscar-int2` -> `targets`, `default_targets`)."""
     summary = {}
     for name in model_names:
@@ -647,7 +655,13 @@ def summarize(model_names: list[str]) -> Path:
         retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in compared)]
         summary[name] = {}
         for m in methods:
-            row = {"avg_bits": round(avg_bits(m, METHODS[m][1], head_dim, kv_heads), 4)}
+            row = {
+                "avg_bits": round(avg_bits(m, METHODS[m][1], head_dim, kv_heads), 4),
+                "effective_bits": {
+                    f"{context // 1024}k": round(effective_avg_bits(m, METHODS[m][1], head_dim, kv_heads, context), 4)
+                    for context in EFFECTIVE_CONTEXTS
+                },
+            }
             if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
                 change = ppl_change_pct(entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"])
                 if change is not None:

@@ -3,7 +3,7 @@
 Importing the package registers `cache_implementation="oscar"` with `generate` (see `register`/`unregister`).
 """
 
-from .cache import KVMemory, OscarCache, OscarLayer, average_bits, kv_memory
+from .cache import KVMemory, OscarCache, OscarLayer, average_bits, effective_bits, kv_memory
 from .config import OscarConfig
 from .integrations.transformers import cache_kwargs, register, unregister
 
@@ -14,6 +14,7 @@ __all__ = [
     "OscarLayer",
     "average_bits",
     "cache_kwargs",
+    "effective_bits",
     "kv_memory",
     "register",
     "unregister",

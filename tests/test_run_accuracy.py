@@ -77,3 +77,8 @@ def test_the_summary_takes_the_head_shape_from_the_record_and_loads_no_model(tmp
     assert summary["oscar-int2"]["avg_bits"] == round(run_accuracy.avg_bits("oscar-int2", int2, 128, 2), 4)
     assert summary["oscar-int2"]["avg_bits"] != round(run_accuracy.avg_bits("oscar-int2", int2, 64, 3), 4)
     assert summary["oscar-int2"]["retrieval_cells"]["niah_2k"] == {"acc": 0.8, "se": 0.073, "n": 30}
+    # effective bits at 2k, 4k and 32k: the exact window's 64.5 tokens at 16 bits on top of the stored bits
+    stored, effective = summary["oscar-int2"]["avg_bits"], summary["oscar-int2"]["effective_bits"]
+    assert effective == {k: round((stored * (n - 64.5) + 16 * 64.5) / n, 4) for k, n in (("2k", 2048), ("4k", 4096),
+                                                                                        ("32k", 32768))}  # fmt: skip
+    assert summary["bf16"]["effective_bits"] == {"2k": 16, "4k": 16, "32k": 16}
