@@ -137,7 +137,9 @@ def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> f
     raise ValueError(f"method {method!r}: no stored-bits count for cache implementation {implementation!r}.")
 
 
-def effective_avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int, context: int) -> float:
+def effective_avg_bits(
+    method: str, cache_config: dict, head_dim: int, kv_heads: int, context: int, stored_bits: float | None = None
+) -> float:
     """Every bit a method's cache holds per K/V element of a full-attention layer at `context` tokens, in a 16-bit
     model: its quantized region at `avg_bits`, and the exact recent tokens it keeps at their mean count over a decode
     (at 16 bits), which `avg_bits` leaves out (`oscar_hf.effective_bits`, the same sum for OScaR):
@@ -148,9 +150,12 @@ def effective_avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads:
     - tiny-turboquant: `residual_len` to `residual_len` + `block_size` - 1 (128 to 255: a block of 128 is quantized
       once 256 are exact), mean 191.5;
     - "bf16": 16.
+
+    `stored_bits`: the quantized region's bits as measured (an OscarCache's `average_bits()` after its bits="auto"
+    choice), instead of `avg_bits` (the budget, for bits="auto").
     """
     implementation = METHODS[method][0]
-    stored = avg_bits(method, cache_config, head_dim, kv_heads)
+    stored = avg_bits(method, cache_config, head_dim, kv_heads) if stored_bits is None else stored_bits
     if implementation is None:
         return stored
     if implementation == "oscar":
@@ -164,6 +169,20 @@ def effective_avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads:
         block = cache_config.get("block_size", _default(cache_class.__init__, "block_size"))
         return mixed_bits(stored, window + (block - 1) / 2, context)
     raise ValueError(f"method {method!r}: no effective-bits count for cache implementation {implementation!r}.")
+
+
+def make_cache(method: str, cache_config: dict, model_config):
+    """A fresh, empty cache of `method` (`METHODS`) with `cache_config` (the method's options and any overrides) for a
+    model of `model_config`, built as `generate` builds it."""
+    implementation = METHODS[method][0]
+    if implementation is None:
+        return DynamicCache(config=model_config)
+    if implementation == "oscar":
+        return OscarCache(model_config, OscarConfig.from_dict(cache_config))
+    if implementation == "tiny-turboquant":
+        return _tiny_kv_cache_class()(**cache_config)
+    options = dict(cache_config)
+    return QuantizedCache(backend=options.pop("backend"), config=model_config.get_text_config(decoder=True), **options)
 
 
 @functools.cache
@@ -229,15 +248,7 @@ class OscarHFLM(HFLM):
 
     def make_cache(self):
         """A fresh, empty cache of this wrapper's method, built as `generate` builds it."""
-        config = self.model.config
-        if self.cache_implementation is None:
-            return DynamicCache(config=config)
-        if self.cache_implementation == "oscar":
-            return OscarCache(config, OscarConfig.from_dict(self.cache_config))
-        if self.cache_implementation == "tiny-turboquant":
-            return _tiny_kv_cache_class()(**self.cache_config)
-        options = dict(self.cache_config)
-        return QuantizedCache(backend=options.pop("backend"), config=config.get_text_config(decoder=True), **options)
+        return make_cache(self.method, self.cache_config, self.model.config)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate_until
