@@ -23,6 +23,7 @@ Rows go to benchmarks/results/long_prompt_<model>.json (runs layout, `records.st
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import math
 import sys
@@ -34,7 +35,8 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from oscar_hf import OscarCache, OscarLayer, cache_kwargs
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, cache_kwargs
+from oscar_hf.cache import layer_bits
 from oscar_hf.integrations.lm_eval import avg_bits, effective_avg_bits, kv_heads_and_dim, make_cache
 from oscar_hf.methods import METHODS
 from oscar_hf.offline_models import load_model
@@ -83,19 +85,72 @@ def documents(tokenizer, count: int, tokens: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def continuation_nll(model, ids: torch.Tensor, cache, prompt: int, chunk: int) -> torch.Tensor:
+def continuation_nll(
+    model, ids: torch.Tensor, cache, prompt: int, chunk: int, before_choice: int | None = None
+) -> torch.Tensor:
     """The NLL `[N]` of each token of `ids[:, prompt + 1:]`: `ids[:, :prompt]` prefilled into `cache` in one call,
     `cache.choose_bits()` where the cache has it (an OscarCache: what generate does after its prefill), then the
-    rest but the last token read `chunk` tokens at a time, each position predicting the next token."""
-    model(ids[:, :prompt], **cache_kwargs(cache), logits_to_keep=1)
+    rest but the last token read `chunk` tokens at a time, each position predicting the next token.
+    `before_choice` (the `@direct` rows): the prompt's first tokens, fed before the choice, the rest of the prompt
+    after it in one call, so that the prompt is quantized at the chosen widths directly (no 4-bit round trip; the
+    first tokens must stay exact: fewer than one window after the sinks)."""
+    split = prompt if before_choice is None else before_choice
+    model(ids[:, :split], **cache_kwargs(cache), logits_to_keep=1)
     if isinstance(cache, OscarCache):
         cache.choose_bits()
+    if split < prompt:
+        model(ids[:, split:prompt], **cache_kwargs(cache), logits_to_keep=1)
     nll = []
     for start in range(prompt, ids.shape[1] - 1, chunk):
         end = min(start + chunk, ids.shape[1] - 1)
         logits = model(ids[:, start:end], **cache_kwargs(cache)).logits[0].float()
         nll.append(F.cross_entropy(logits, ids[0, start + 1 : end + 1], reduction="none"))
     return torch.cat(nll)
+
+
+@contextlib.contextmanager
+def pinned_widths(widths: list[tuple[int, int]] | None):
+    """While active, bits="auto" chooses `widths` (one (key_bits, value_bits) per OScaR layer) whatever its costs
+    (this script's own diagnosis: the 4-bit prompt's requantization, or a choice, at widths given); None: as it
+    chooses."""
+    if widths is None:
+        yield
+        return
+    original = layer_bits.choose_layer_bits
+    layer_bits.choose_layer_bits = lambda *args: widths
+    try:
+        yield
+    finally:
+        layer_bits.choose_layer_bits = original
+
+
+def chosen_widths(cache) -> list[tuple[int, int]]:
+    return [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers if isinstance(layer, OscarLayer)]
+
+
+def document_nll(model, method: str, ids: torch.Tensor, prompt: int, chunk: int):
+    """One document through `method`'s cache (`continuation_nll`). A diagnosis row names a bits="auto" method and a
+    suffix: `@K2V2`, `@K4V2`, ...: every layer at those widths, through the 4-bit prompt and its requantization as the
+    method runs; `@direct`: the widths the method chooses for this prompt (from one prefill and `choose_bits`), the
+    prompt quantized at them directly."""
+    name, _, variant = method.partition("@")
+    options = METHODS[name][1]
+    widths = None
+    if variant:
+        if not OscarConfig(**options).auto_bits:
+            raise ValueError(f"{method}: a diagnosis row (@...) is for a bits='auto' method, not {name!r}.")
+        probe = make_cache(name, options, model.config)
+        if variant == "direct":
+            model(ids[:, :prompt], **cache_kwargs(probe), logits_to_keep=1)
+            probe.choose_bits()
+            widths = chosen_widths(probe)
+        else:
+            key_bits, value_bits = (int(x) for x in variant.removeprefix("K").split("V"))
+            widths = [(key_bits, value_bits)] * sum(isinstance(layer, OscarLayer) for layer in probe.layers)
+    cache = make_cache(name, options, model.config)
+    before = chunk if variant == "direct" else None
+    with pinned_widths(widths):
+        return continuation_nll(model, ids, cache, prompt, chunk, before), cache
 
 
 def compare(nll: list[torch.Tensor], reference: list[torch.Tensor], chunk: int) -> dict:
@@ -116,10 +171,9 @@ def compare(nll: list[torch.Tensor], reference: list[torch.Tensor], chunk: int) 
     }
 
 
-def widths(cache) -> list[str] | None:
-    """Each OScaR layer's widths ("K4V2"), None for another cache."""
-    layers = [layer for layer in getattr(cache, "layers", []) if isinstance(layer, OscarLayer)]
-    return [f"K{layer.config.key_bits}V{layer.config.value_bits}" for layer in layers] or None
+def widths(cache: OscarCache) -> list[str]:
+    """Each OScaR layer's widths ("K4V2")."""
+    return [f"K{key_bits}V{value_bits}" for key_bits, value_bits in chosen_widths(cache)]
 
 
 def measure(model, methods: list[str], docs: list[torch.Tensor], prompt: int, chunk: int) -> dict[str, dict]:
@@ -127,24 +181,25 @@ def measure(model, methods: list[str], docs: list[torch.Tensor], prompt: int, ch
     an OscarCache, each document's layer widths and the seconds it took."""
     heads, dim = kv_heads_and_dim(model.config)
     context = docs[0].shape[1] - 1  # the tokens a cache holds after the last chunk
-    nll, stored, chosen, seconds = {}, {}, {}, {}
+    nll, stored, chosen, seconds, options_of = {}, {}, {}, {}, {}
     for method in methods:
-        start, options = time.perf_counter(), METHODS[method][1]
+        start, options = time.perf_counter(), METHODS[method.partition("@")[0]][1]
         nll[method], bits, layer_widths = [], [], []
         for ids in tqdm(docs, desc=method, leave=False):
-            cache = make_cache(method, options, model.config)
-            nll[method].append(continuation_nll(model, ids, cache, prompt, chunk))
+            doc_nll, cache = document_nll(model, method, ids, prompt, chunk)
+            nll[method].append(doc_nll)
             if isinstance(cache, OscarCache):
                 bits.append(cache.average_bits())
                 layer_widths.append(widths(cache))
         stored[method] = sum(bits) / len(bits) if bits else avg_bits(method, options, dim, heads)
+        options_of[method] = options
         chosen[method] = layer_widths or None
         seconds[method] = round(time.perf_counter() - start, 1)
     rows = {}
     for method in methods:
         row = compare(nll[method], nll["bf16"], chunk)
         effective = {
-            n: effective_avg_bits(method, METHODS[method][1], dim, heads, n, stored_bits=stored[method])
+            n: effective_avg_bits(method.partition("@")[0], options_of[method], dim, heads, n, stored[method])
             for n in (context, EFFECTIVE_CONTEXT)
         }
         rows[method] = {
@@ -162,13 +217,16 @@ def measure(model, methods: list[str], docs: list[torch.Tensor], prompt: int, ch
 def runs_on(method: str, model_config) -> bool:
     """transformers' QuantizedCache refuses models with sliding-window layers (Gemma 3)."""
     sliding = "sliding_attention" in (getattr(model_config.get_text_config(), "layer_types", None) or [])
-    return not (sliding and METHODS[method][0] == "quantized")
+    return not (sliding and METHODS[method.partition("@")[0]][0] == "quantized")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=MODELS[:3], choices=MODELS)
-    parser.add_argument("--methods", nargs="+", default=DEFAULT_METHODS, choices=list(METHODS))
+    parser.add_argument(
+        "--methods", nargs="+", default=DEFAULT_METHODS, help="names of oscar_hf.methods.METHODS; diagnosis rows: "
+        "a bits='auto' method with @direct (its widths, no 4-bit round trip) or @K2V2, @K4V2, ... (widths pinned)",
+    )  # fmt: skip
     parser.add_argument("--docs", type=int, default=4, help="documents (the first of the suite's 4k texts)")
     parser.add_argument("--prompt", type=int, default=1536, help="tokens prefilled in one call")
     parser.add_argument("--scored", type=int, default=1536, help="tokens scored after the prompt")
@@ -177,6 +235,9 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
+    unknown = [m for m in args.methods if m.partition("@")[0] not in METHODS]
+    if unknown:
+        parser.error(f"unknown methods {unknown}: use names of oscar_hf.methods.METHODS, e.g. {DEFAULT_METHODS[1]}")
     methods = ["bf16"] + [m for m in args.methods if m != "bf16"]  # the reference first
     for name in args.models:  # one after another: each is CPU-bound
         model, tokenizer = load_model(name, dtype=torch.float32)
