@@ -233,6 +233,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=64)
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (the machine may be shared)")
     args = parser.parse_args()
+    records.commit()  # read now: the rows name the commit the run started from
     torch.set_grad_enabled(False)
     torch.set_num_threads(args.threads)
     unknown = [m for m in args.methods if m.partition("@")[0] not in METHODS]

@@ -206,17 +206,18 @@ def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, 
 def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention, monkeypatch):
     """The stored region after the choice is dequantize(4-bit) -> quantize(width) (the reference's on the portable
     path, the Triton kernels' on the fused one), with the key rotation the choice made at that width; a half whose
-    width and rotation stay keeps its 4-bit codes. Filled by hand, with the queries handed over: layers whose outlier
-    key channels differ, the first with quiet keys, so that the budget buys 4-bit values there (its keys converted),
-    4-bit keys elsewhere (its values converted). Converted one block per slice (the float32 K/V of 32 tokens here), so
-    that the slices' seams are checked too."""
+    width and rotation stay keeps its 4-bit codes. method="oscar" (its choice open, the exact keys held) quantizes the
+    converted keys from the exact ones instead, as a cache of those widths would have stored them. Filled by hand,
+    with the queries handed over: layers whose outlier key channels differ, the first with quiet keys, so that the
+    budget buys 4-bit values there (its keys converted), 4-bit keys elsewhere (its values converted). Converted one
+    block per slice (the float32 K/V of 32 tokens here), so that the slices' seams are checked too."""
     monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
     options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
-    _fill_by_hand(cache, 100, device)
+    prompts = _fill_by_hand(cache, 100, device)
     before = [
         (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
     ]
@@ -227,13 +228,18 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     assert {(2, 4), (4, 2)} <= set(widths), widths  # each half converted while the other stays
     assert cache.average_bits() <= 4.4
     four = OscarConfig(bits=4, method=method, sink_tokens=0)
-    for layer, (stored, rotated) in zip(cache.layers, before):
+    for layer, (stored, rotated), (exact_keys, exact_values) in zip(cache.layers, before, prompts):
+        quantize = quantize_kv_triton if attention == "fused" else quantize_kv
         if attention == "fused":
             keys, values = dequantize_kv_triton(stored, four, rotated, dtype=torch.float32)
-            want = quantize_kv_triton(keys, values, layer.config, layer.key_rotated)
         else:
             keys, values = dequantize_kv(stored, four, torch.float32, rotated)
-            want = quantize_kv(keys, values, layer.config, layer.key_rotated)
+        want = quantize(keys, values, layer.config, layer.key_rotated)
+        if method == "oscar":  # the quantized tokens follow the 4 sinks
+            span = slice(4, 4 + layer.quantized_length)
+            exact = quantize(exact_keys[:, :, span].to(device), exact_values[:, :, span].to(device), layer.config,
+                             layer.key_rotated)  # fmt: skip
+            want = want._replace(**{name: getattr(exact, name) for name in want._fields if name.startswith("key")})
         same_rotation = rotated is None or torch.equal(rotated, layer.key_rotated)
         got = layer.quantized()
         for name in got._fields:
