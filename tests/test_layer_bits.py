@@ -11,7 +11,13 @@ from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.config import DEFAULT_AVG_BITS, SUPPORTED_WIDTHS
-from oscar_hf.layer_widths import add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
+from oscar_hf.layer_widths import (
+    add_bit_cost_sums,
+    bit_cost_sums,
+    choose_layer_bits,
+    layer_bit_costs,
+    uniform_start,
+)
 from oscar_hf.reference import (
     dequantize_kv,
     fake_quantize_keys,
@@ -111,6 +117,23 @@ def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
     one_upgrade = (2 * bits[0, 0, 0] + bits[0, 1, 0]) / 3
     chosen = choose_layer_bits(torch.stack(key_costs), torch.stack(value_costs), bits, weights, float(one_upgrade))
     assert chosen == [(2, 2), (4, 2), (2, 2)]
+
+
+def test_a_budget_that_affords_a_fixed_config_keeps_every_layer_at_it_or_wider():
+    """Three layers whose costs make a mix attractive (the last layer's values cost most): at the bits of K4V2
+    everywhere the greedy starts from it (`uniform_start`) and has no bit left for the mix it would have taken from
+    K2V2 (K4V2, K2V2, K4V4: the same bits); with a little more, it upgrades that layer's values on top."""
+    key_costs = torch.tensor([[90.0, 4.0], [12.0, 0.5], [60.0, 2.0]])
+    value_costs = torch.tensor([[25.0, 1.0], [7.0, 0.3], [30.0, 1.0]])
+    bits, weights = _bits_table(3, 256, 1), torch.full((3,), 256.0)
+    k4v2 = _average([(4, 2)] * 3, bits, weights)
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2) == [(4, 2)] * 3
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 + 0.4) == [(4, 2), (4, 2), (4, 4)]
+    # below K4V2's bits it starts from K2V2: keys where they pay most
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 - 0.1) == [(4, 2), (2, 2), (4, 2)]
+    assert uniform_start(bits, weights, 3 * 256 * k4v2) == (1, 0)
+    assert uniform_start(bits, weights, 3 * 256 * _average([(4, 4)] * 3, bits, weights)) == (1, 1)
+    assert uniform_start(bits, weights, 0.0) == (0, 0)
 
 
 @pytest.mark.parametrize("seed", range(5))
