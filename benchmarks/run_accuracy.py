@@ -479,6 +479,31 @@ def long_prompt_rows(model_name: str) -> tuple[dict, dict[str, dict]] | None:
     return latest, rows
 
 
+def long_prompt_table(model_names: list[str]) -> str:
+    """The long-prompt protocol's rows as markdown (docs/accuracy.md): per model and method, the stored bits, the
+    effective bits at the record's context and at 4K, the perplexity change against bf16 with its chunk standard
+    error, and whether the method is on the Pareto front at 4K."""
+    lines = [
+        "| model | method | stored bits | effective bits (context / 4K) | perplexity change | on the front at 4K |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in model_names:
+        found = long_prompt_rows(name)
+        if found is None:
+            continue
+        run, rows = found
+        rows = {m: r for m, r in rows.items() if m != "bf16"}
+        front = pareto_front([(r["effective_bits_4k"], r["ppl_change_pct"]) for r in rows.values()])
+        for method, r in rows.items():
+            label = f"**{method}** (default)" if method == DEFAULT_METHOD else method
+            lines.append(
+                f"| {name} | {label} | {r['stored_bits']:.2f} | {r['effective_bits']:.2f} / "
+                f"{r['effective_bits_4k']:.2f} | {r['ppl_change_pct']:+.2f} ± {r['se_pct']:.2f} % | "
+                f"{'yes' if (r['effective_bits_4k'], r['ppl_change_pct']) in front else ''} |"
+            )
+    return "\n".join(lines)
+
+
 def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
     """The points no other point beats on both counts (fewer or equal bits and a lower or equal perplexity change, one
     of them strictly), by bits."""
@@ -805,7 +830,7 @@ def main() -> None:
                 run_decomposition(name, tasks, limit, dtype, args.device)
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
     print(f"methods: {plot(done)}\nsummary: {summarize(done)}\nquality vs stored bits: {plot_bits(done)}")
-    print(f"quality vs effective bits, long prompt: {plot_front(MODELS)}")
+    print(f"quality vs effective bits, long prompt: {plot_front(MODELS)}\n\n{long_prompt_table(MODELS)}")
     for name in done:
         print(f"\n### {name}\n\n{markdown_table(name)}\n\nEvery retrieval cell:\n\n{retrieval_cells_table(name)}")
 

@@ -99,7 +99,8 @@ def test_the_long_prompt_rows_are_the_latest_of_the_latest_protocol_and_plot(tmp
             "20260103T000000Z-c": {"docs": 3, **protocol}}  # fmt: skip
 
     def row(run, method, change):
-        return {"run": run, "method": method, "ppl_change_pct": change, "se_pct": 0.2, "effective_bits_4k": 4.3}
+        bits = {"stored_bits": 4.08, "effective_bits": 4.4, "effective_bits_4k": 4.3}
+        return {"run": run, "method": method, "ppl_change_pct": change, "se_pct": 0.2, **bits}
 
     rows = [
         row("20260101T000000Z-a", "oscar-k4v2", 9.0),
@@ -116,3 +117,6 @@ def test_the_long_prompt_rows_are_the_latest_of_the_latest_protocol_and_plot(tmp
         "bf16": 0.0, "oscar-k4v2": 0.5, "oscar-auto-3.2-sinks4": 2.0,
     }  # fmt: skip
     assert run_accuracy.plot_front(["tiny"]).stat().st_size > 0
+    table = run_accuracy.long_prompt_table(["tiny"]).splitlines()
+    assert len(table) == 4 and "bf16" not in "".join(table)  # a row per method against bf16
+    assert table[2].startswith("| tiny | oscar-k4v2 |") and table[2].endswith("+0.50 ± 0.20 % | yes |")
