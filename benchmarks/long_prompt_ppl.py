@@ -45,8 +45,8 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 # The default; the fixed configs a budget of about its bits or of 4.1 bits could choose, with and without sinks; the
-# budgets 3.6 and 4.1; the peers at about those bits (KIVI as our cache without rotation and token scaling, and as
-# transformers' QuantizedCache; tiny-turboquant's two presets).
+# budgets 3.6, 3.9 (4.1 effective bits at 4K with its sinks) and 4.1; the peers at about those bits (KIVI as our cache
+# without rotation and token scaling, and as transformers' QuantizedCache; tiny-turboquant's two presets).
 DEFAULT_METHODS = [
     "bf16",
     "oscar-auto-3.2-sinks4",
@@ -54,6 +54,7 @@ DEFAULT_METHODS = [
     "oscar-int2",
     "oscar-k4v2",
     "oscar-auto-3.6",
+    "oscar-auto-3.9-sinks4",
     "oscar-auto-4.1-sinks4",
     "oscar-int4",
     "kivi-int2",

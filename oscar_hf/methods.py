@@ -31,6 +31,8 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 0}),
     "oscar-auto-4.1": ("oscar", {"bits": "auto", "avg_bits": 4.1, "sink_tokens": 0}),
     "oscar-auto-4.1-sinks4": ("oscar", {"bits": "auto", "avg_bits": 4.1, "sink_tokens": 4}),  # `avg_bits=4.1` alone
+    # at most 4.2 effective bits per K/V element at 4K tokens (exact sinks and window included: oscar_hf.effective_bits)
+    "oscar-auto-3.9-sinks4": ("oscar", {"bits": "auto", "avg_bits": 3.9, "sink_tokens": 4}),
     "kivi-int2": ("oscar", {"bits": 2, "sink_tokens": 0, "rotation": False, "token_scaling": False}),
     # the paper's ablations: its rotation (every key) without token scaling, and token scaling without rotation
     "oscar-int2-rotation-only": ("oscar", {"bits": 2, "sink_tokens": 0, "token_scaling": False, "method": "paper"}),
