@@ -125,7 +125,8 @@ def pinned_widths(widths: list[tuple[int, int]] | None):
         layer_bits.choose_layer_bits = original
 
 
-def chosen_widths(cache) -> list[tuple[int, int]]:
+def chosen_widths(cache: OscarCache) -> list[tuple[int, int]]:
+    """Each OScaR layer's (key_bits, value_bits)."""
     return [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers if isinstance(layer, OscarLayer)]
 
 
@@ -178,13 +179,15 @@ def widths(cache: OscarCache) -> list[str]:
 
 
 def measure(model, methods: list[str], docs: list[torch.Tensor], prompt: int, chunk: int) -> dict[str, dict]:
-    """Each method's row: `compare` against "bf16" (a DynamicCache through the same calls), its stored bits and, for
-    an OscarCache, each document's layer widths and the seconds it took."""
+    """Each method's row: `compare` against "bf16" (a DynamicCache through the same calls), its stored bits (an
+    OscarCache's own, mean over documents), its effective bits at the documents' length and at 4K, each document's
+    layer widths (an OscarCache) and the seconds it took."""
     heads, dim = kv_heads_and_dim(model.config)
     context = docs[0].shape[1] - 1  # the tokens a cache holds after the last chunk
-    nll, stored, chosen, seconds, options_of = {}, {}, {}, {}, {}
+    nll, rows = {}, {}
     for method in methods:
-        start, options = time.perf_counter(), METHODS[method.partition("@")[0]][1]
+        start, name = time.perf_counter(), method.partition("@")[0]
+        options = METHODS[name][1]
         nll[method], bits, layer_widths = [], [], []
         for ids in tqdm(docs, desc=method, leave=False):
             doc_nll, cache = document_nll(model, method, ids, prompt, chunk)
@@ -192,26 +195,19 @@ def measure(model, methods: list[str], docs: list[torch.Tensor], prompt: int, ch
             if isinstance(cache, OscarCache):
                 bits.append(cache.average_bits())
                 layer_widths.append(widths(cache))
-        stored[method] = sum(bits) / len(bits) if bits else avg_bits(method, options, dim, heads)
-        options_of[method] = options
-        chosen[method] = layer_widths or None
-        seconds[method] = round(time.perf_counter() - start, 1)
-    rows = {}
-    for method in methods:
-        row = compare(nll[method], nll["bf16"], chunk)
-        effective = {
-            n: effective_avg_bits(method.partition("@")[0], options_of[method], dim, heads, n, stored[method])
-            for n in (context, EFFECTIVE_CONTEXT)
-        }
+        stored = sum(bits) / len(bits) if bits else avg_bits(name, options, dim, heads)
         rows[method] = {
             "method": method,
-            "stored_bits": stored[method],
-            "effective_bits": effective[context],
-            f"effective_bits_{EFFECTIVE_CONTEXT // 1024}k": effective[EFFECTIVE_CONTEXT],
-            **row,
-            "widths": chosen[method],
-            "seconds": seconds[method],
+            "stored_bits": stored,
+            "effective_bits": effective_avg_bits(name, options, dim, heads, context, stored),
+            f"effective_bits_{EFFECTIVE_CONTEXT // 1024}k": effective_avg_bits(
+                name, options, dim, heads, EFFECTIVE_CONTEXT, stored
+            ),
+            "widths": layer_widths or None,
+            "seconds": round(time.perf_counter() - start, 1),
         }
+    for method, row in rows.items():
+        row.update(compare(nll[method], nll["bf16"], chunk))
     return rows
 
 
