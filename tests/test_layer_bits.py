@@ -209,8 +209,9 @@ def _filled(model, prompt, **options):
 
 def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Four layers' K/V (head_dim 64) put in by hand, with the queries handed over: layers whose outlier key channels
-    differ, the first with quiet keys, so that a budget between 2 and 4 bits mixes the widths. Drawn on the CPU (the
-    same inputs, and widths, on either device); returns each layer's keys and values."""
+    differ, the first with quiet keys and loud values, so that a budget between K2V2's and K4V2's bits mixes the widths
+    (4-bit values first, then the loudest keys). Drawn on the CPU (the same inputs, and widths, on either device);
+    returns each layer's keys and values."""
     torch.manual_seed(0)
     prompts = []
     for index in range(4):
@@ -218,6 +219,7 @@ def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, 
         queries = torch.randn(1, 4, tokens, 64)
         keys[..., :2] *= 4 * index + 1
         keys *= 0.05 if index == 0 else 1
+        values *= 4 if index == 0 else 1
         returned, _ = cache.update(keys.to(device), values.to(device), index)
         cache.layers[index].observe_queries(queries.to(device), returned)
         prompts.append((keys, values))
@@ -237,7 +239,7 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
-    options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
+    options = dict(bits="auto", avg_bits=4.0, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
     prompts = _fill_by_hand(cache, 100, device)
@@ -249,7 +251,7 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
     assert {(2, 4), (4, 2)} <= set(widths), widths  # each half converted while the other stays
-    assert cache.average_bits() <= 4.4
+    assert cache.average_bits() <= 4.0
     four = OscarConfig(bits=4, method=method, sink_tokens=0)
     for layer, (stored, rotated), (exact_keys, exact_values) in zip(cache.layers, before, prompts):
         quantize = quantize_kv_triton if attention == "fused" else quantize_kv
@@ -285,7 +287,7 @@ def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama)
     widths chosen, with the key rotation chosen (the reference's quantization, on the portable path)."""
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.4, residual_length=32, attention="portable"))
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.0, residual_length=32, attention="portable"))
     prompts = _fill_by_hand(cache, 20)
     assert all(layer.quantized_length == 0 for layer in cache.layers)
     cache.choose_bits()
