@@ -30,7 +30,7 @@ from lm_eval.tasks import TaskManager
 from tqdm import tqdm
 
 from oscar_hf import OscarConfig, cache_kwargs
-from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, kv_heads_and_dim
+from oscar_hf.integrations.lm_eval import OscarHFLM, PrefillStore, avg_bits, effective_avg_bits, kv_heads_and_dim
 from oscar_hf.methods import DEFAULT_METHOD, METHODS
 from oscar_hf.offline_models import load_model
 
@@ -372,11 +372,14 @@ def run_model(
             model=wrappers[method], tasks=[task], limit=n_docs, task_manager=task_manager, bootstrap_iters=1000
         )
         metrics = out["results"][task]
+        context = context_tokens(task, tokenizer, n_docs)
+        options = wrappers[method].cache_config
         entry = {
             "n": out["n-samples"][task]["effective"],
-            "context_tokens": context_tokens(task, tokenizer, n_docs),
-            "cache_config": wrappers[method].cache_config,
+            "context_tokens": context,
+            "cache_config": options,
             "avg_bits": wrappers[method].avg_bits,
+            "effective_bits": round(effective_avg_bits(method, options, head_dim, kv_heads, context), 4),
             "key_rotation": key_rotation(method),
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "commit": records.commit(),
@@ -452,8 +455,95 @@ def plot(model_names: list[str]) -> Path:
         ax_len.grid(alpha=0.3)
         ax_len.legend(fontsize=8)
     fig.tight_layout()
+    path = RESULTS / "accuracy_methods.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
+def long_prompt_rows(model_name: str) -> tuple[dict, dict[str, dict]] | None:
+    """The long-prompt protocol's rows of a model (`long_prompt_ppl.py`'s record): the latest run's fields, and by
+    method, of the runs with its protocol (documents, prompt, scored tokens, chunk), each method's latest row;
+    diagnosis rows (`@`) left out. None where the model has no record."""
+    path = RESULTS / f"long_prompt_{model_name}.json"
+    if not path.exists():
+        return None
+    record = json.loads(path.read_text())
+    protocol = ("docs", "prompt", "scored", "chunk")
+    latest = record["runs"][max(record["runs"])]
+    same = {run for run, fields in record["runs"].items() if all(fields[k] == latest[k] for k in protocol)}
+    rows = {}
+    for row in sorted(record["rows"], key=lambda row: row["run"]):  # run ids start with the time: the latest wins
+        if row["run"] in same and "@" not in row["method"]:
+            rows[row["method"]] = row
+    return latest, rows
+
+
+def long_prompt_table(model_names: list[str]) -> str:
+    """The long-prompt protocol's rows as markdown (docs/accuracy.md): per model and method, the stored bits, the
+    effective bits at the record's context and at 4K, the perplexity change against bf16 with its chunk standard
+    error, and whether the method is on the Pareto front at 4K."""
+    lines = [
+        "| model | method | stored bits | effective bits (context / 4K) | perplexity change | on the front at 4K |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name in model_names:
+        found = long_prompt_rows(name)
+        if found is None:
+            continue
+        run, rows = found
+        rows = {m: r for m, r in rows.items() if m != "bf16"}
+        front = pareto_front([(r["effective_bits_4k"], r["ppl_change_pct"]) for r in rows.values()])
+        for method, r in rows.items():
+            label = f"**{method}** (default)" if method == DEFAULT_METHOD else method
+            lines.append(
+                f"| {name} | {label} | {r['stored_bits']:.2f} | {r['effective_bits']:.2f} / "
+                f"{r['effective_bits_4k']:.2f} | {r['ppl_change_pct']:+.2f} ± {r['se_pct']:.2f} % | "
+                f"{'yes' if (r['effective_bits_4k'], r['ppl_change_pct']) in front else ''} |"
+            )
+    return "\n".join(lines)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The points no other point beats on both counts (fewer or equal bits and a lower or equal perplexity change, one
+    of them strictly), by bits."""
+    return sorted(p for p in points if not any(q[0] <= p[0] and q[1] <= p[1] and q != p for q in points))
+
+
+def plot_front(model_names: list[str]) -> Path:
+    """accuracy.png: per model (a panel), the long-prompt protocol's perplexity change against bf16 (± its chunk
+    standard error) against the effective bits per K/V element at 4K tokens (everything each cache holds there,
+    exact tokens included: `effective_avg_bits`), every config and peer a labelled point coloured by cache family,
+    the Pareto front (`pareto_front`) drawn as a step line; the default in bold."""
+    models = [name for name in model_names if long_prompt_rows(name)]
+    fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 5.5), squeeze=False)
+    for ax, name in zip(axes[0], models):
+        run, rows = long_prompt_rows(name)
+        rows = {m: r for m, r in rows.items() if m != "bf16"}
+        points = {m: (r["effective_bits_4k"], r["ppl_change_pct"]) for m, r in rows.items()}
+        for method, (x, y) in points.items():
+            colour = FAMILY_COLOURS[METHODS[method][0]]
+            ax.errorbar(x, y, yerr=rows[method]["se_pct"], fmt="o", color=colour, capsize=2)
+            ax.annotate(method, (x, y), fontsize=7, xytext=(4, 2), textcoords="offset points",
+                        fontweight="bold" if method == DEFAULT_METHOD else "normal")  # fmt: skip
+        front = pareto_front(list(points.values()))
+        xs = [x for x, _ in front] + [max(x for x, _ in points.values())]
+        ys = [y for _, y in front] + [front[-1][1]]
+        ax.step(xs, ys, where="post", color="grey", linestyle="--", linewidth=1, label="Pareto front")
+        ax.set_title(f"{name}: {run['docs']} documents (± chunk standard error)")
+        ax.set_yscale("symlog", linthresh=3)
+        ax.yaxis.set_major_locator(FixedLocator([-1, 0, 1, 2, 3, 10, 30, 100, 300, 1000]))
+        ax.yaxis.set_major_formatter(FormatStrFormatter("%g"))
+        ax.axhline(0, color="black", linewidth=0.5)
+        ax.set_xlabel("effective bits per K/V element at 4K tokens (exact tokens included)")
+        ax.set_ylabel("perplexity change vs bf16 (%), long prompt")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="upper right")
+    fig.suptitle("Perplexity of 1536 tokens after a 1536-token prompt, against the memory each cache holds at 4K")
+    fig.tight_layout()
     path = RESULTS / "accuracy.png"
     fig.savefig(path, dpi=100)
+    plt.close(fig)
     return path
 
 
@@ -501,6 +591,10 @@ def plot_bits(model_names: list[str]) -> Path:
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
+
+
+# The contexts at which the summary counts each method's effective bits (`effective_avg_bits`): what a user pays there.
+EFFECTIVE_CONTEXTS = (2048, 4096, 32768)
 
 
 def ppl_change_pct(entry: dict, base: dict | None) -> float | None:
@@ -633,7 +727,8 @@ def summarize(model_names: list[str]) -> Path:
     that the INT2 comparison (bf16, the default, the paper's method, KIVI) ran in full (another method: those of them
     it ran, listed in its `retrieval_tasks`), with its binomial standard error and the number of documents; every
     retrieval cell on its own (`retrieval_cells`, 2k, 4k and 8k); the exact match of each generation task run; the
-    method's stored bits per K/V element on this model (`avg_bits`, as each entry records it); and, where the INT2
+    method's stored bits per K/V element on this model (`avg_bits`, as each entry records it) and everything its cache
+    holds per K/V element at each of `EFFECTIVE_CONTEXTS` (`effective_bits`, exact tokens included); and, where the INT2
     comparison ran, the default's targets (`oscar-int2` -> `targets`, `default_targets`)."""
     summary = {}
     for name in model_names:
@@ -647,7 +742,13 @@ def summarize(model_names: list[str]) -> Path:
         retrieval_tasks = [t for t in retrieval("2k") if all(f"{m}|{t}" in entries for m in compared)]
         summary[name] = {}
         for m in methods:
-            row = {"avg_bits": round(avg_bits(m, METHODS[m][1], head_dim, kv_heads), 4)}
+            row = {
+                "avg_bits": round(avg_bits(m, METHODS[m][1], head_dim, kv_heads), 4),
+                "effective_bits": {
+                    f"{context // 1024}k": round(effective_avg_bits(m, METHODS[m][1], head_dim, kv_heads, context), 4)
+                    for context in EFFECTIVE_CONTEXTS
+                },
+            }
             if ppl_tasks and f"{m}|{ppl_tasks[-1]}" in entries:
                 change = ppl_change_pct(entries[f"{m}|{ppl_tasks[-1]}"], entries[f"bf16|{ppl_tasks[-1]}"])
                 if change is not None:
@@ -728,7 +829,8 @@ def main() -> None:
             if name in args.models:
                 run_decomposition(name, tasks, limit, dtype, args.device)
     done = [n for n in MODELS if (RESULTS / f"accuracy_{n}.json").exists()]
-    print(f"plot: {plot(done)}\nsummary: {summarize(done)}\nquality vs stored bits: {plot_bits(done)}")
+    print(f"methods: {plot(done)}\nsummary: {summarize(done)}\nquality vs stored bits: {plot_bits(done)}")
+    print(f"quality vs effective bits, long prompt: {plot_front(MODELS)}\n\n{long_prompt_table(MODELS)}")
     for name in done:
         print(f"\n### {name}\n\n{markdown_table(name)}\n\nEvery retrieval cell:\n\n{retrieval_cells_table(name)}")
 

@@ -15,7 +15,7 @@ if importlib.util.find_spec(f"{__name__}.kernels") is None:
         "the checkout"
     )
 
-from .cache import KVMemory, OscarCache, OscarLayer, average_bits, kv_memory
+from .cache import KVMemory, OscarCache, OscarLayer, average_bits, effective_bits, kv_memory
 from .config import OscarConfig
 from .integrations.transformers import cache_kwargs, register, unregister
 
@@ -26,6 +26,7 @@ __all__ = [
     "OscarLayer",
     "average_bits",
     "cache_kwargs",
+    "effective_bits",
     "kv_memory",
     "register",
     "unregister",

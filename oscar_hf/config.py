@@ -34,8 +34,9 @@ class OscarConfig:
         avg_bits (`float`, *optional*):
             The budget of bits="auto" (refused with fixed widths; given alone it implies bits="auto"): the average
             stored bits per K/V element over the layers, counted as `oscar_hf.average_bits` counts them (at head_dim
-            128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). Layers whose prompt shows the largest attention
-            error per added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
+            128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). Every layer starts at the widest fixed config
+            the budget affords (K2V2, K4V2 or K4V4), then layers whose prompt shows the largest attention error per
+            added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
             `DEFAULT_AVG_BITS`, or the model's all-2-bit cost where its head shape stores more (`budget`). A budget
             below the all-2-bit cost is an error naming the minimum; above the all-4-bit cost every layer is 4-bit.
         key_bits (`int`, *optional*), value_bits (`int`, *optional*):

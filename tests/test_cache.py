@@ -5,7 +5,7 @@ import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig
 from transformers.cache_utils import DynamicSlidingWindowLayer
 
-from oscar_hf import OscarCache, OscarConfig, OscarLayer, average_bits, kv_memory
+from oscar_hf import OscarCache, OscarConfig, OscarLayer, average_bits, effective_bits, kv_memory
 from oscar_hf.reference import dequantize_kv, quantize_kv, query_moment, query_rotation_choice
 
 B, HKV, D = 2, 2, 32
@@ -240,6 +240,32 @@ def test_average_bits_counts_every_stored_bit():
         average_bits(OscarConfig(token_scaling=False, scale_dtype="float32", bits=2, sink_tokens=0), 64)
         == 8 * (32 + 32) / 128
     )
+
+
+def test_effective_bits_counts_the_exact_tokens_at_their_mean_fill():
+    """A hand count at head_dim 128, one KV head: 100 bytes per quantized token (2 bits), 512 per exact bf16 token
+    (2 x 128 elements); 4 sinks and a window of 128 holding 64.5 tokens on average (1 to 128)."""
+    config = OscarConfig(bits=2, sink_tokens=4)
+    exact = 4 + 64.5
+    assert effective_bits(config, 128, context=4096) == pytest.approx(
+        8 * (100 * (4096 - exact) + 512 * exact) / (256 * 4096)
+    )
+    # a 64-token window and no sinks: 32.5 exact tokens; 4-bit keys: 132 bytes per quantized token
+    config = OscarConfig(key_bits=4, value_bits=2, sink_tokens=0, residual_length=64)
+    assert effective_bits(config, 128, context=2048) == pytest.approx(
+        8 * (132 * (2048 - 32.5) + 512 * 32.5) / (256 * 2048)
+    )
+    # bits="auto": the quantized region at the budget, or at the bits a cache reports after its choice
+    auto = OscarConfig(avg_bits=3.6)
+    assert effective_bits(auto, 128, context=1000) == pytest.approx((3.6 * (1000 - 68.5) + 16 * 68.5) / 1000)
+    assert effective_bits(auto, 128, context=1000, stored_bits=3.3) == pytest.approx(
+        (3.3 * (1000 - 68.5) + 16 * 68.5) / 1000
+    )
+    # a context shorter than the exact tokens is all exact; a float32 model's exact tokens cost 32 bits
+    assert effective_bits(auto, 128, context=50) == 16
+    assert effective_bits(OscarConfig(bits=2, sink_tokens=0), 128, context=64.5, exact_bits=32) == 32
+    with pytest.raises(ValueError, match="context=0 must be a positive number"):
+        effective_bits(auto, 128, context=0)
 
 
 def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():

@@ -11,7 +11,13 @@ from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
 from oscar_hf.config import DEFAULT_AVG_BITS, SUPPORTED_WIDTHS
-from oscar_hf.layer_widths import add_bit_cost_sums, bit_cost_sums, choose_layer_bits, layer_bit_costs
+from oscar_hf.layer_widths import (
+    add_bit_cost_sums,
+    bit_cost_sums,
+    choose_layer_bits,
+    layer_bit_costs,
+    uniform_start,
+)
 from oscar_hf.reference import (
     dequantize_kv,
     fake_quantize_keys,
@@ -113,6 +119,23 @@ def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
     assert chosen == [(2, 2), (4, 2), (2, 2)]
 
 
+def test_a_budget_that_affords_a_fixed_config_keeps_every_layer_at_it_or_wider():
+    """Three layers whose costs make a mix attractive (the last layer's values cost most): at the bits of K4V2
+    everywhere the greedy starts from it (`uniform_start`) and has no bit left for the mix it would have taken from
+    K2V2 (K4V2, K2V2, K4V4: the same bits); with a little more, it upgrades that layer's values on top."""
+    key_costs = torch.tensor([[90.0, 4.0], [12.0, 0.5], [60.0, 2.0]])
+    value_costs = torch.tensor([[25.0, 1.0], [7.0, 0.3], [30.0, 1.0]])
+    bits, weights = _bits_table(3, 256, 1), torch.full((3,), 256.0)
+    k4v2 = _average([(4, 2)] * 3, bits, weights)
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2) == [(4, 2)] * 3
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 + 0.4) == [(4, 2), (4, 2), (4, 4)]
+    # below K4V2's bits it starts from K2V2: keys where they pay most
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 - 0.1) == [(4, 2), (2, 2), (4, 2)]
+    assert uniform_start(bits, weights, 3 * 256 * k4v2) == (1, 0)
+    assert uniform_start(bits, weights, 3 * 256 * _average([(4, 4)] * 3, bits, weights)) == (1, 1)
+    assert uniform_start(bits, weights, 0.0) == (0, 0)
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits(seed):
     generator = torch.Generator().manual_seed(seed)
@@ -186,8 +209,9 @@ def _filled(model, prompt, **options):
 
 def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Four layers' K/V (head_dim 64) put in by hand, with the queries handed over: layers whose outlier key channels
-    differ, the first with quiet keys, so that a budget between 2 and 4 bits mixes the widths. Drawn on the CPU (the
-    same inputs, and widths, on either device); returns each layer's keys and values."""
+    differ, the first with quiet keys and loud values, so that a budget between K2V2's and K4V2's bits mixes the widths
+    (4-bit values first, then the loudest keys). Drawn on the CPU (the same inputs, and widths, on either device);
+    returns each layer's keys and values."""
     torch.manual_seed(0)
     prompts = []
     for index in range(4):
@@ -195,6 +219,7 @@ def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, 
         queries = torch.randn(1, 4, tokens, 64)
         keys[..., :2] *= 4 * index + 1
         keys *= 0.05 if index == 0 else 1
+        values *= 4 if index == 0 else 1
         returned, _ = cache.update(keys.to(device), values.to(device), index)
         cache.layers[index].observe_queries(queries.to(device), returned)
         prompts.append((keys, values))
@@ -206,17 +231,18 @@ def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, 
 def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention, monkeypatch):
     """The stored region after the choice is dequantize(4-bit) -> quantize(width) (the reference's on the portable
     path, the Triton kernels' on the fused one), with the key rotation the choice made at that width; a half whose
-    width and rotation stay keeps its 4-bit codes. Filled by hand, with the queries handed over: layers whose outlier
-    key channels differ, the first with quiet keys, so that the budget buys 4-bit values there (its keys converted),
-    4-bit keys elsewhere (its values converted). Converted one block per slice (the float32 K/V of 32 tokens here), so
-    that the slices' seams are checked too."""
+    width and rotation stay keeps its 4-bit codes. method="oscar" (its choice open, the exact keys held) quantizes the
+    converted keys from the exact ones instead, as a cache of those widths would have stored them. Filled by hand,
+    with the queries handed over: layers whose outlier key channels differ, the first with quiet keys, so that the
+    budget buys 4-bit values there (its keys converted), 4-bit keys elsewhere (its values converted). Converted one
+    block per slice (the float32 K/V of 32 tokens here), so that the slices' seams are checked too."""
     monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
-    options = dict(bits="auto", avg_bits=4.4, residual_length=32, method=method, attention=attention)
+    options = dict(bits="auto", avg_bits=4.0, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
-    _fill_by_hand(cache, 100, device)
+    prompts = _fill_by_hand(cache, 100, device)
     before = [
         (layer.quantized(), None if layer.key_rotated is None else layer.key_rotated.clone()) for layer in cache.layers
     ]
@@ -225,15 +251,20 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
     assert {(2, 4), (4, 2)} <= set(widths), widths  # each half converted while the other stays
-    assert cache.average_bits() <= 4.4
+    assert cache.average_bits() <= 4.0
     four = OscarConfig(bits=4, method=method, sink_tokens=0)
-    for layer, (stored, rotated) in zip(cache.layers, before):
+    for layer, (stored, rotated), (exact_keys, exact_values) in zip(cache.layers, before, prompts):
+        quantize = quantize_kv_triton if attention == "fused" else quantize_kv
         if attention == "fused":
             keys, values = dequantize_kv_triton(stored, four, rotated, dtype=torch.float32)
-            want = quantize_kv_triton(keys, values, layer.config, layer.key_rotated)
         else:
             keys, values = dequantize_kv(stored, four, torch.float32, rotated)
-            want = quantize_kv(keys, values, layer.config, layer.key_rotated)
+        want = quantize(keys, values, layer.config, layer.key_rotated)
+        if method == "oscar":  # the quantized tokens follow the 4 sinks
+            span = slice(4, 4 + layer.quantized_length)
+            exact = quantize(exact_keys[:, :, span].to(device), exact_values[:, :, span].to(device), layer.config,
+                             layer.key_rotated)  # fmt: skip
+            want = want._replace(**{name: getattr(exact, name) for name in want._fields if name.startswith("key")})
         same_rotation = rotated is None or torch.equal(rotated, layer.key_rotated)
         got = layer.quantized()
         for name in got._fields:
@@ -256,7 +287,7 @@ def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama)
     widths chosen, with the key rotation chosen (the reference's quantization, on the portable path)."""
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.4, residual_length=32, attention="portable"))
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.0, residual_length=32, attention="portable"))
     prompts = _fill_by_hand(cache, 20)
     assert all(layer.quantized_length == 0 for layer in cache.layers)
     cache.choose_bits()

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer, Gemma3ForCausalLM, Gemma3TextConfig, Lla
 
 from oscar_hf import OscarCache, OscarConfig, cache_kwargs
 from oscar_hf.cache import key_rotation
-from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM
+from oscar_hf.integrations.lm_eval import METHODS, OscarHFLM, effective_avg_bits, kv_heads_and_dim
 from oscar_hf.integrations.transformers import CACHE_KWARG
 from oscar_hf.offline_models import model_path
 
@@ -307,6 +307,44 @@ def test_avg_bits_is_what_the_cache_stores(tokenizer, tiny_llama, method, head_d
     bits, elements = stored_bits(cache)
     assert elements >= 2 * math.prod(shape) // 2  # at least half of the tokens are quantized
     assert wrapper.avg_bits == bits / elements
+
+
+def held_bits(cache) -> int:
+    """Every bit layer 0 of a cache holds (quantized region, exact sinks and recent tokens), from its tensors."""
+    layer = cache.layers[0]
+    name = type(layer).__name__
+    if name == "OscarLayer":
+        return 8 * layer.memory().total_bytes
+    if name == "TinyKVLayer":
+        return 8 * layer.memory_report()["total_storage_bytes"]
+    bits, _ = stored_bits(cache)  # QuantizedCache: the quantized tokens, then its window `keys` and `values`
+    return bits + 8 * (layer.keys.nbytes + layer.values.nbytes)
+
+
+@pytest.mark.parametrize(
+    "method",
+    ["bf16", "oscar-int2", "oscar-k4v2", "oscar-int2-sinks4", "hf-quanto-int2", "tiny-turboquant-k3v2"],
+)
+def test_effective_bits_is_what_the_cache_holds_over_a_decode(tokenizer, tiny_llama, method):
+    """`effective_avg_bits` at a context is what the method's cache holds per K/V element, exact tokens included,
+    averaged over a decode's cycle through its window (128 steps after a 512-token prompt, bf16 model): the held bits
+    are linear in the context, so their mean over the cycle is the count at the cycle's mean context."""
+    model = tiny_llama(dtype=torch.bfloat16, vocab_size=len(tokenizer), head_dim=64)
+    wrapper = OscarHFLM(pretrained=model, tokenizer=tokenizer, method=method)
+    cache = wrapper.make_cache()
+    heads, dim = kv_heads_and_dim(model.config)
+    shape = (1, heads, 512, dim)
+    cache.update(torch.randn(shape, dtype=torch.bfloat16), torch.randn(shape, dtype=torch.bfloat16), 0)
+    held, contexts = [], []
+    for step in range(1, 129):
+        token = torch.randn(1, heads, 1, dim, dtype=torch.bfloat16)
+        cache.update(token, token.clone(), 0)
+        held.append(held_bits(cache) if METHODS[method][0] else 16 * 2 * heads * dim * (512 + step))
+        contexts.append(512 + step)
+    context = sum(contexts) / len(contexts)
+    measured = sum(held) / (2 * heads * dim * context * len(held))
+    assert effective_avg_bits(method, wrapper.cache_config, dim, heads, context) == pytest.approx(measured, rel=1e-12)
+    assert measured > wrapper.avg_bits or method == "bf16"  # the exact tokens cost more than the quantized ones
 
 
 def test_bad_method_or_option_fails_early(model, tokenizer):

@@ -77,3 +77,46 @@ def test_the_summary_takes_the_head_shape_from_the_record_and_loads_no_model(tmp
     assert summary["oscar-int2"]["avg_bits"] == round(run_accuracy.avg_bits("oscar-int2", int2, 128, 2), 4)
     assert summary["oscar-int2"]["avg_bits"] != round(run_accuracy.avg_bits("oscar-int2", int2, 64, 3), 4)
     assert summary["oscar-int2"]["retrieval_cells"]["niah_2k"] == {"acc": 0.8, "se": 0.073, "n": 30}
+    # effective bits at 2k, 4k and 32k: the exact window's 64.5 tokens at 16 bits on top of the stored bits
+    stored, effective = summary["oscar-int2"]["avg_bits"], summary["oscar-int2"]["effective_bits"]
+    assert effective == {k: round((stored * (n - 64.5) + 16 * 64.5) / n, 4) for k, n in (("2k", 2048), ("4k", 4096),
+                                                                                        ("32k", 32768))}  # fmt: skip
+    assert summary["bf16"]["effective_bits"] == {"2k": 16, "4k": 16, "32k": 16}
+
+
+def test_the_pareto_front_keeps_the_points_nothing_beats_on_both_counts(tmp_path, monkeypatch):
+    run_accuracy = _run_accuracy(tmp_path, monkeypatch)
+    points = [(3.3, 2.0), (3.4, 2.5), (4.3, 0.5), (4.3, 0.7), (6.3, 6.0), (3.3, 2.0001)]
+    assert run_accuracy.pareto_front(points) == [(3.3, 2.0), (4.3, 0.5)]
+
+
+def test_the_long_prompt_rows_are_the_latest_of_the_latest_protocol_and_plot(tmp_path, monkeypatch):
+    """Rows of runs with the latest run's protocol, the latest per method; an older protocol's (other documents) and
+    diagnosis rows (`@`) left out; accuracy.png drawn from them."""
+    run_accuracy = _run_accuracy(tmp_path, monkeypatch)
+    protocol = {"prompt": 1536, "scored": 1536, "chunk": 64}
+    runs = {"20260101T000000Z-a": {"docs": 2, **protocol}, "20260102T000000Z-b": {"docs": 3, **protocol},
+            "20260103T000000Z-c": {"docs": 3, **protocol}}  # fmt: skip
+
+    def row(run, method, change):
+        bits = {"stored_bits": 4.08, "effective_bits": 4.4, "effective_bits_4k": 4.3}
+        return {"run": run, "method": method, "ppl_change_pct": change, "se_pct": 0.2, **bits}
+
+    rows = [
+        row("20260101T000000Z-a", "oscar-k4v2", 9.0),
+        row("20260102T000000Z-b", "bf16", 0.0),
+        row("20260102T000000Z-b", "oscar-k4v2", 0.5),
+        row("20260102T000000Z-b", "oscar-auto-3.2-sinks4", 3.0),
+        row("20260103T000000Z-c", "oscar-auto-3.2-sinks4", 2.0),
+        row("20260103T000000Z-c", "oscar-auto-3.2-sinks4@direct", 1.0),
+    ]
+    (tmp_path / "long_prompt_tiny.json").write_text(json.dumps({"runs": runs, "rows": rows}))
+    latest, chosen = run_accuracy.long_prompt_rows("tiny")
+    assert latest["docs"] == 3
+    assert {m: r["ppl_change_pct"] for m, r in chosen.items()} == {
+        "bf16": 0.0, "oscar-k4v2": 0.5, "oscar-auto-3.2-sinks4": 2.0,
+    }  # fmt: skip
+    assert run_accuracy.plot_front(["tiny"]).stat().st_size > 0
+    table = run_accuracy.long_prompt_table(["tiny"]).splitlines()
+    assert len(table) == 4 and "bf16" not in "".join(table)  # a row per method against bf16
+    assert table[2].startswith("| tiny | oscar-k4v2 |") and table[2].endswith("+0.50 ± 0.20 % | yes |")

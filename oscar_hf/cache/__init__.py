@@ -6,6 +6,6 @@ bits="auto"'s layer-wise widths (layer_bits.py), padding (padding.py) and memory
 
 from .cache import OscarCache
 from .layer import OscarLayer
-from .memory import KVMemory, average_bits, kv_memory
+from .memory import KVMemory, average_bits, effective_bits, kv_memory
 
-__all__ = ["KVMemory", "OscarCache", "OscarLayer", "average_bits", "kv_memory"]
+__all__ = ["KVMemory", "OscarCache", "OscarLayer", "average_bits", "effective_bits", "kv_memory"]

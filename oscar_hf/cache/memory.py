@@ -1,5 +1,6 @@
 """Bytes a KV cache holds, and its ratios to a bf16 cache and to one in the model's dtype; the stored bits per K/V
-element of a config."""
+element of a config (its quantized region), and the effective bits (everything it holds, exact tokens included, at a
+context length)."""
 
 from __future__ import annotations
 
@@ -119,6 +120,47 @@ def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float
     shapes = layout.shapes(1, kv_heads, head_dim, kv_heads, head_dim, tokens)
     stored = sum(math.prod(shape) * dtype.itemsize for shape, dtype in zip(shapes, layout.dtypes) if shape)
     return 8 * stored / (2 * kv_heads * tokens * head_dim)
+
+
+def exact_tokens(config: OscarConfig) -> float:
+    """The exact tokens an OScaR layer holds per sequence once its context passes the sinks and one window, averaged
+    over a decode's cycle through the window: the sinks, and the window's mean fill (R + 1) / 2 (it holds 1 to R
+    tokens: a complete block is quantized when the next update begins)."""
+    return config.sink_tokens + (config.residual_length + 1) / 2
+
+
+def mixed_bits(stored_bits: float, exact: float, context: int, exact_bits: int = 16) -> float:
+    """Bits per K/V element of `context` tokens of which `exact` (at most all of them) are held at `exact_bits` and the
+    rest at `stored_bits`: what `effective_bits` sums, for any cache whose exact tokens are a count per sequence."""
+    if context <= 0:
+        raise ValueError(f"mixed_bits: context={context} must be a positive number of tokens.")
+    exact = min(exact, context)
+    return (stored_bits * (context - exact) + exact_bits * exact) / context
+
+
+def effective_bits(
+    config: OscarConfig,
+    head_dim: int,
+    kv_heads: int = 1,
+    context: int = 4096,
+    stored_bits: float | None = None,
+    exact_bits: int = 16,
+) -> float:
+    """Every bit an OScaR layer holds per K/V element of a sequence of `context` tokens: the quantized region at
+    `average_bits` (codes, scales, minimums, token norms), the sinks and the residual window at its mean fill
+    (`exact_tokens`) at `exact_bits` (16: a bf16 or fp16 model, as `average_bits` counts its scales). What a user pays
+    at that context, to compare configs and peers whose exact windows differ (`integrations.lm_eval.effective_avg_bits`
+    counts the peers alike). `stored_bits`: the quantized region's bits where the config does not fix them (bits="auto":
+    a cache's `average_bits()` after its choice; by default the budget, which the choice stays within). At 4096 tokens,
+    head_dim 128, one KV head: 2 bits and no sinks 3.125 -> 3.33; with 4 sinks 3.34. Layers OScaR leaves alone
+    (sliding windows) are not counted."""
+    if stored_bits is None:
+        stored_bits = (
+            config.budget(average_bits(config.with_widths(2, 2), head_dim, kv_heads))
+            if config.auto_bits
+            else average_bits(config, head_dim, kv_heads)
+        )
+    return mixed_bits(stored_bits, exact_tokens(config), context, exact_bits)
 
 
 def _nbytes(tensors: QuantizedKV | None) -> int:

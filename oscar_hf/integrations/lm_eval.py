@@ -45,6 +45,7 @@ from transformers.cache_utils import QuantizedLayer
 
 from ..cache import OscarCache, OscarLayer, average_bits
 from ..cache.key_rotation import choice_horizon
+from ..cache.memory import effective_bits, mixed_bits
 from ..config import OscarConfig
 from ..methods import DEFAULT_METHOD, METHODS
 from ..offline_models import MODELS, model_path
@@ -102,10 +103,11 @@ def _default(function, name: str):
 
 def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> float:
     """Stored bits per K/V element of a method's quantized region, in a 16-bit (bf16 or fp16) model: codes, scales,
-    zero points or minimums, OScaR's token norms; "bf16" (a DynamicCache) stores 16. Not counted: the window of exact
-    recent tokens each quantized cache keeps (OscarCache: 1 to `residual_length`, 128; QuantizedCache: 0 to 127;
-    tiny-turboquant: 128 to 255), a fixed number of tokens per sequence whatever its length. OscarCache with
-    bits="auto": its `avg_bits` budget, which each prompt's choice of layer widths stays within.
+    zero points or minimums, OScaR's token norms; "bf16" (a DynamicCache) stores 16. Not counted (`effective_avg_bits`
+    counts them): the window of exact recent tokens each quantized cache keeps (OscarCache: 1 to `residual_length`,
+    128; QuantizedCache: 0 to 127; tiny-turboquant: 128 to 255), a fixed number of tokens per sequence whatever its
+    length. OscarCache with bits="auto": its `avg_bits` budget, which each prompt's choice of layer widths stays
+    within.
 
     - "quantized" (transformers' QuantizedCache, quanto or hqq): `nbits` per element, and a scale and a zero point in
       the model's dtype per group of `q_group_size` (64) elements along the head dimension, for keys and values alike.
@@ -133,6 +135,54 @@ def avg_bits(method: str, cache_config: dict, head_dim: int, kv_heads: int) -> f
         per_token += cache_config["value_bits"] * head_dim + 2 * 16 * head_dim / value_group
         return per_token / (2 * head_dim)
     raise ValueError(f"method {method!r}: no stored-bits count for cache implementation {implementation!r}.")
+
+
+def effective_avg_bits(
+    method: str, cache_config: dict, head_dim: int, kv_heads: int, context: int, stored_bits: float | None = None
+) -> float:
+    """Every bit a method's cache holds per K/V element of a full-attention layer at `context` tokens, in a 16-bit
+    model: its quantized region at `avg_bits`, and the exact recent tokens it keeps at their mean count over a decode
+    (at 16 bits), which `avg_bits` leaves out (`oscar_hf.effective_bits`, the same sum for OScaR):
+
+    - OscarCache: the sinks and 1 to `residual_length` (128) recent tokens, mean 64.5 (`cache.memory.exact_tokens`);
+    - QuantizedCache: 0 to `residual_length` - 1 (the whole history is quantized again when its window fills), mean
+      63.5;
+    - tiny-turboquant: `residual_len` to `residual_len` + `block_size` - 1 (128 to 255: a block of 128 is quantized
+      once 256 are exact), mean 191.5;
+    - "bf16": 16.
+
+    `stored_bits`: the quantized region's bits as measured (an OscarCache's `average_bits()` after its bits="auto"
+    choice), instead of `avg_bits` (the budget, for bits="auto").
+    """
+    implementation = METHODS[method][0]
+    stored = avg_bits(method, cache_config, head_dim, kv_heads) if stored_bits is None else stored_bits
+    if implementation is None:
+        return stored
+    if implementation == "oscar":
+        return effective_bits(OscarConfig.from_dict(cache_config), head_dim, kv_heads, context, stored_bits=stored)
+    if implementation == "quantized":
+        window = cache_config.get("residual_length", _default(QuantizedLayer.__init__, "residual_length"))
+        return mixed_bits(stored, (window - 1) / 2, context)
+    if implementation == "tiny-turboquant":
+        cache_class = _tiny_kv_cache_class()
+        window = cache_config.get("residual_len", _default(cache_class.__init__, "residual_len"))
+        block = cache_config.get("block_size", _default(cache_class.__init__, "block_size"))
+        return mixed_bits(stored, window + (block - 1) / 2, context)
+    raise ValueError(f"method {method!r}: no effective-bits count for cache implementation {implementation!r}.")
+
+
+def make_cache(method: str, cache_config: dict, model_config):
+    """A fresh, empty cache of `method` (`METHODS`) with `cache_config` (the method's options and any overrides) for a
+    model of `model_config`, built as `generate` builds it."""
+    implementation = METHODS[method][0]
+    if implementation is None:
+        return DynamicCache(config=model_config)
+    if implementation == "oscar":
+        return OscarCache(model_config, OscarConfig.from_dict(cache_config))
+    if implementation == "tiny-turboquant":
+        return _tiny_kv_cache_class()(**cache_config)
+    options = dict(cache_config)
+    return QuantizedCache(backend=options.pop("backend"), config=model_config.get_text_config(decoder=True), **options)
 
 
 @functools.cache
@@ -198,15 +248,7 @@ class OscarHFLM(HFLM):
 
     def make_cache(self):
         """A fresh, empty cache of this wrapper's method, built as `generate` builds it."""
-        config = self.model.config
-        if self.cache_implementation is None:
-            return DynamicCache(config=config)
-        if self.cache_implementation == "oscar":
-            return OscarCache(config, OscarConfig.from_dict(self.cache_config))
-        if self.cache_implementation == "tiny-turboquant":
-            return _tiny_kv_cache_class()(**self.cache_config)
-        options = dict(self.cache_config)
-        return QuantizedCache(backend=options.pop("backend"), config=config.get_text_config(decoder=True), **options)
+        return make_cache(self.method, self.cache_config, self.model.config)
 
     # ------------------------------------------------------------------------------------------------------------
     # generate_until
