@@ -137,10 +137,8 @@ def uniform_start(bits: torch.Tensor, weights: torch.Tensor, limit: float) -> tu
     K2V2, K4V2, K4V4 (keys one step ahead of values: the fixed configs, keys the sensitive half) whose weighted bits
     (`bits` `[L, W, W]` times `weights` `[L]`) stay within `limit` (K2V2 if none does; the budget's check refuses
     that). The greedy's upgrades, priced by a per-layer model of the attention error, only add bits to this, so the
-    choice never stores less than the best fixed config it could afford: on the long-prompt protocol
-    (docs/accuracy.md) its mixes at K4V2's bits (Gemma 3: K4V2, K2V2 and K4V4) lost 0.55 points to K4V2 everywhere,
-    while their attention-output error on the prompt was lower: what a layer's error costs the model is not
-    measured."""
+    choice never stores less than the best fixed config it could afford: that model does not see what a layer's error
+    costs the model's output, and its mixes lost to the fixed config at the same bits (docs/accuracy.md)."""
     widths = bits.shape[1]
     chain = [((step + 1) // 2, step // 2) for step in range(2 * widths - 1)]
     fits = [(k, v) for k, v in chain if float((weights * bits[:, k, v]).sum()) <= limit]

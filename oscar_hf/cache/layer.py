@@ -354,8 +354,8 @@ class OscarLayer(CacheLayerMixin):
         old_rotated = None if old_rotated is None else old_rotated.clone()
         # The query rule's exact copies of the keys quantized so far (while its choice is open: prompts up to its
         # horizon): the keys are quantized at their widths from these, not again from the 4-bit round trip, whose
-        # token norms, recomputed from the dequantized keys, no longer align the two grids (it cost Gemma 3 0.2 points
-        # of perplexity at 2 bits: docs/accuracy.md)
+        # token norms, recomputed from the dequantized keys, no longer align the two grids (docs/accuracy.md measures
+        # what that cost)
         copies = rotation.blocks if not rotation.final and rotation.covers(storage.length) else []
         if key_rotated is not None and rotation.flags is not None:
             rotation.flags.copy_(key_rotated)  # in place: compiled decode holds its address
