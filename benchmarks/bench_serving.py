@@ -33,13 +33,16 @@ import time
 from pathlib import Path
 
 import bench_generate as bench
+import profile_generate
 import records
 import torch
+from torch.profiler import ProfilerActivity, profile
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
 CACHES = ("bf16", "oscar")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
+PROFILE_AFTER = 2  # all-decode steps run before the profiled ones (the first ones compile Triton's kernels)
 
 
 @dataclasses.dataclass
@@ -50,6 +53,7 @@ class Step:
     decode: bool  # every request in the batch brought one token
     used_bytes: int  # the pool's bytes in use
     active: int  # requests active (holding cache)
+    profiled: bool = False  # run under the profiler: not timed
 
 
 def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -61,10 +65,13 @@ def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int =
 
 class StepClock:
     """Times every continuous-batching step (device synchronised) while it is entered: wraps
-    `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only."""
+    `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only. With
+    `profile_steps`, the all-decode steps after the first `PROFILE_AFTER` run under the profiler instead, that many
+    (`profiler`; they are not timed)."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, profile_steps: int = 0):
         self.device, self.steps, self.pool_tokens = device, [], None
+        self.profile_steps, self.profiler, self.profiling, self.profiled_wall = profile_steps, None, False, 0.0
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -79,20 +86,61 @@ class StepClock:
             clock.pool_tokens = pool_tokens(cache)
             batch = processor.inputs_and_outputs.requests_in_batch
             used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
+            decode = all(future.query_length == 1 for future in batch)
+            profiled = decode and clock._profiling()
             clock._sync()
             start = time.perf_counter()
             original(processor, model)
             clock._sync()
-            decode = all(future.query_length == 1 for future in batch)
-            clock.steps.append(
-                Step(time.perf_counter() - start, decode, int(used), len(processor.scheduler.active_requests))
-            )
+            seconds = time.perf_counter() - start
+            active = len(processor.scheduler.active_requests)
+            clock.steps.append(Step(seconds, decode, int(used), active, profiled))
+            if profiled:
+                clock.profiled_wall += seconds
+                if sum(step.profiled for step in clock.steps) == clock.profile_steps:
+                    clock._stop_profiler()
 
         ContinuousBatchProcessor._generation_step = timed
         return self
 
+    def _profiling(self) -> bool:
+        """Whether the next all-decode step runs under the profiler (started at the first one it takes)."""
+        decode_steps = sum(step.decode for step in self.steps)
+        if not self.profile_steps or not PROFILE_AFTER <= decode_steps < PROFILE_AFTER + self.profile_steps:
+            return False
+        if self.profiler is None:
+            self.profiler, self.profiling = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), True
+            self.profiler.start()
+        return True
+
+    def _stop_profiler(self) -> None:
+        if self.profiling:
+            self.profiler.stop()
+            self.profiling = False
+
     def __exit__(self, *exc):
         ContinuousBatchProcessor._generation_step = self.original
+        self._stop_profiler()  # where the run ended before the profiled steps did
+
+    def profile_summary(self, top: int = 15) -> dict | None:
+        """Where the profiled steps' time went: wall and GPU-busy time per step, the kernels by GPU time, and the GPU's
+        idle time with the outermost host operators running in it (profile_generate.py's accounting)."""
+        steps = sum(step.profiled for step in self.steps)
+        if not steps:
+            return None
+        kernels = [e for e in self.profiler.key_averages() if profile_generate.is_kernel(e)]
+        idle_ms, idle_operators = profile_generate.idle_host_time(self.profiler.events(), steps, top)
+        return {
+            "steps": steps,
+            "wall_ms": 1000 * self.profiled_wall / steps,
+            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / steps / 1000,
+            "gpu_idle_ms": idle_ms,
+            "kernels": [
+                {"name": e.key, "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
+                for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+            ],
+            "idle_host_operators": idle_operators,
+        }
 
 
 def pool_tokens(cache) -> int:
@@ -115,7 +163,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     bench.release(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with StepClock(device) as clock, torch.inference_mode():
+    with StepClock(device, args.profile_steps) as clock, torch.inference_mode():
         start = time.perf_counter()
         outputs = model.generate_batch(
             prompts,
@@ -128,7 +176,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     if len(outputs) != len(prompts) or failed:
         raise RuntimeError(f"{len(prompts) - len(outputs)} requests missing, {len(failed)} failed: {failed[:1]}")
     ttft = sorted(o.timestamps[0] - o.created_time for o in outputs.values())
-    decode = [s for s in clock.steps if s.decode]
+    decode = [s for s in clock.steps if s.decode and not s.profiled]
     weights, bytes_per_s = records.weight_bytes(model), bandwidth["GBps"] * 1e9
     roofs = [(weights + s.used_bytes) / bytes_per_s for s in decode]
     return {
@@ -144,6 +192,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
         "steps": len(clock.steps),
         "decode_steps": len(decode),
         "wall_s": wall,
+        "profile": clock.profile_summary(),
     }
 
 
@@ -170,6 +219,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--max-memory-percent", type=float, default=None, help="of free memory, for each pool")
     parser.add_argument("--num-blocks", type=int, default=None, help="blocks per pool instead (CPU runs)")
     parser.add_argument("--cache-config", type=bench_json, default={"bits": 2}, help="the 2-bit pool's cache_config")
+    parser.add_argument(
+        "--profile-steps", type=int, default=0, help=f"profile that many all-decode steps (after {PROFILE_AFTER})"
+    )
     parser.add_argument("--budget-s", type=float, default=480, help="no cache starts after this many seconds")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="the records' folder")
     args = parser.parse_args(argv)

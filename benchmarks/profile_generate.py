@@ -96,16 +96,18 @@ class _ProfileWindow:
         pass
 
 
-def _is_kernel(event) -> bool:
+def is_kernel(event) -> bool:
     """A GPU activity (kernel, copy, memset), not the GPU-side span of one of `REGIONS`' labels: a span covers the
     gaps between its kernels, so counting it would hide idle time and count busy time twice."""
     return event.device_type == torch.autograd.DeviceType.CUDA and not event.key.startswith("oscar::")
 
 
-def _idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
+def idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
     """The GPU's idle time per step (gaps between kernels, first to last kernel of the window) and the outermost host
     operators overlapping those gaps, by time per step; the rest of the idle time is Python between operators."""
-    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if _is_kernel(e))
+    kernels = sorted((e.time_range.start, e.time_range.end) for e in events if is_kernel(e))
+    if not kernels:  # a CPU run
+        return 0.0, []
     gaps, busy_until = [], kernels[0][1]
     for start, end in kernels[1:]:
         if start > busy_until:
@@ -166,7 +168,7 @@ def main() -> None:
             model.generate(ids, attention_mask=torch.ones_like(ids), **options)
         steps = stop - start
         averages = window.profiler.key_averages()
-        events = [e for e in averages if _is_kernel(e)]
+        events = [e for e in averages if is_kernel(e)]
         gpu_us = sum(e.self_device_time_total for e in events) / steps
         mode = "eager" if args.eager else "compiled"
         print(f"\n{cache} {mode}, B={args.batch} context={args.context}: wall {1000 * window.wall / steps:.2f} ms "
@@ -196,7 +198,7 @@ def main() -> None:
             for e in sorted(host, key=lambda e: -e.cpu_time_total)
             if e.key.startswith("oscar::")
         ]  # fmt: skip
-        idle_ms, idle_operators = _idle_host_time(window.profiler.events(), steps, args.top)
+        idle_ms, idle_operators = idle_host_time(window.profiler.events(), steps, args.top)
         print(f"  GPU idle {idle_ms:.2f} ms per step; outermost host operators in that time:")
         for k in idle_operators:
             print(f"  {k['us_per_step']:9.1f} us  {k['name'][:100]}")
