@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
 
-CACHES = ("bf16", "oscar")
+CACHES = ("bf16", "oscar", "oscar-eager")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # all-decode steps run before the profiled ones (the first ones compile Triton's kernels)
 
@@ -152,10 +152,14 @@ def pool_tokens(cache) -> int:
 def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     """One `generate_batch` of the request set with `cache`; its row's measurements."""
     device = model.device
-    oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache == "oscar" else {}
+    oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache != "bf16" else {}
     generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, **oscar)
-    # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa)
-    options = {"max_batch_tokens": args.max_batch_tokens, "use_cuda_graph": False, "auto_switch_to_flash": False}
+    # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa);
+    # CUDA graphs as transformers and the pool choose them (none for bf16 sdpa, the decode-only forwards for the 2-bit
+    # pool), none for "oscar-eager"
+    options = {"max_batch_tokens": args.max_batch_tokens, "auto_switch_to_flash": False}
+    if cache == "oscar-eager":
+        options["use_cuda_graph"] = False
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     if args.max_memory_percent is not None:
@@ -208,7 +212,7 @@ def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", choices=list(bench.MODELS), default="llama-3.1-8b")
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--caches", nargs="+", choices=CACHES, default=list(CACHES))
+    parser.add_argument("--caches", nargs="+", choices=CACHES, default=["bf16", "oscar"])
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--min-prompt", type=int, default=8192)
     parser.add_argument("--max-prompt", type=int, default=32768)

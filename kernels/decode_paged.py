@@ -17,9 +17,11 @@ scaling, config)`, one decode token per request:
     returns        [B, Hq, 1, D]                   query dtype
 
 Grid (B * Hkv, splits + 1): program (bh, s < splits) runs the online softmax of the g query rows of KV head bh over
-pages [s * P, (s + 1) * P) of its request (P pages per split; by default the longest request's pages in as many splits
-as the cache's decode kernel makes, `decode_tuning.num_splits`, so that the partials stay a few programs per SM; a
-request with fewer pages leaves its later programs empty), each page's tiles read from the block the table names, with
+pages [s * P, (s + 1) * P) of its request (P = ceil(its pages / splits): every request's pages spread over the splits,
+so the grid depends on the batch and the table's width only, not on the page counts, and a CUDA graph of it serves any
+count; by default as many splits as the cache's decode kernel makes for the table's width,
+`decode_tuning.num_splits`, so that the partials stay a few programs per SM), each page's tiles read from the block the
+table names, with
 the split kernel's tile step (`decode_tiles._quantized_block`: codes unpacked in registers, the rotated query, token
 norms on the scores); program (bh, splits) runs it over the tail's exact tokens (`decode_triton._residual_part`). The
 merge kernel (decode_merge.py) then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the
@@ -45,7 +47,7 @@ from .decode_tuning import default_tuning, few_heads, num_splits
 _LOG2E = 1.4426950408889634
 
 
-@triton.jit(do_not_specialize=["pages_per_split", "num_splits"])
+@triton.jit(do_not_specialize=["num_splits"])
 def paged_split_kernel(
     # pointers
     q_ptr,
@@ -66,7 +68,6 @@ def paged_split_kernel(
     part_ml_ptr,
     # sizes
     num_kv_heads,
-    pages_per_split,
     num_splits,
     qk_scale,
     # strides
@@ -169,8 +170,10 @@ def paged_split_kernel(
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.full([BLOCK_M], 0.0, tl.float32)
         acc = tl.full([BLOCK_M, HEAD_DIM], 0.0, tl.float32)
+        count = tl.load(count_ptr + b)
+        pages_per_split = tl.cdiv(count, num_splits)  # this request's pages spread over every split
         page_lo = pid_s * pages_per_split
-        page_hi = tl.minimum(page_lo + pages_per_split, tl.load(count_ptr + b))
+        page_hi = tl.minimum(page_lo + pages_per_split, count)
         for page in range(page_lo, page_hi):
             block = tl.load(table_ptr + b * stride_table + page).to(tl.int64)
             kc = kc_ptr + block * stride_kcp + h * stride_kch
@@ -212,10 +215,10 @@ def paged_decode_attention(
     exact_tokens: torch.Tensor,
     scaling: float,
     config: OscarConfig,
-    pages_per_split: int | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
-    """Attention of each request's decode query over its pages and its tail (see the module docstring);
-    `pages_per_split`: pages per program, else chosen from the batch and the device."""
+    """Attention of each request's decode query over its pages and its tail (see the module docstring); `splits`:
+    programs over each request's pages, else chosen from the batch, the table's width and the device."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = pages.key_codes.shape[1]
     if q_len != 1 or q_heads % kv_heads:
@@ -233,12 +236,11 @@ def paged_decode_attention(
         block_n = config.group_size  # a divisor of the page (residual_length is a multiple of group_size)
     block_m = max(tuning.block_m, triton.next_power_of_2(gqa))
     max_pages = block_table.shape[1]
-    if pages_per_split is None:  # the longest request's pages in as many splits as the cache's decode would make
+    if splits is None:  # as many splits as the cache's decode would make for the table's width, at most one a page
         heads = batch * kv_heads
         tiles = max_pages * (config.residual_length // block_n)
         splits = num_splits(heads, tiles, query.device, tuning, few_heads(heads, query.device))
-        pages_per_split = max(1, triton.cdiv(max_pages, max(splits, 1)))
-    splits = triton.cdiv(max_pages, pages_per_split)
+    splits = max(1, min(splits, max_pages))
     part_o = query.new_empty(batch * kv_heads, splits + 1, gqa, head_dim, dtype=torch.float32)
     part_ml = query.new_empty(batch * kv_heads, splits + 1, gqa, 2, dtype=torch.float32)
     strides = {}
@@ -283,7 +285,6 @@ def paged_decode_attention(
             part_o,
             part_ml,
             kv_heads,
-            pages_per_split,
             splits,
             scaling * _LOG2E,
             **strides,

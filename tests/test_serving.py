@@ -195,6 +195,8 @@ def test_request_longer_than_the_pool_is_refused(llama):
         ({}, {"cpu_offload_space": 1.0}, {}, "cpu_offload_space=0"),
         ({}, {"use_async_batching": True}, {}, "use_async_batching=False"),
         ({}, {"default_compile_level": 1}, {}, "default_compile_level at 0"),
+        ({}, {"use_cuda_graph": True}, {}, "pass use_cuda_graph=\\(False, True\\)"),
+        ({"attention": "portable"}, {"use_cuda_graph": (False, True)}, {}, "pages in place"),
         ({}, {}, {"num_return_sequences": 2, "do_sample": True}, "once per sequence"),
     ],
 )

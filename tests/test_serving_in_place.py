@@ -25,7 +25,7 @@ from oscar_hf.layout import QuantizedKV
 from oscar_hf.reference import decode_attention
 from oscar_hf.serving import pool as pool_module
 from oscar_hf.serving import pool_config
-from oscar_hf.serving.history import PagedHistory
+from oscar_hf.serving.history import PagedBatch, PagedHistory
 from oscar_hf.serving.memory import READ_COLUMNS
 from oscar_hf.serving.pages import gather_pages
 from oscar_hf.serving.pool import OscarPagedCache
@@ -221,11 +221,22 @@ def in_place_calls(monkeypatch):
     return calls
 
 
-def test_tokens_equal_dense_path_and_generate(llama, in_place_calls):
-    """A prompt shorter than the sinks, one over two pages (its decode steps attend to the pages in place)."""
-    prompts = random_prompts((3, 140))
+def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch):
+    """A prompt shorter than the sinks, one over two pages (its decode steps attend to the pages in place), one whose
+    window fills in its first decode step (quantized when the next begins): the decode steps on transformers' decode
+    fast path (the block table, no host plan), the flush before the forward."""
+    table_forwards, flushes = [], []
+    for owner, name, calls in ((PagedBatch, "from_table", table_forwards), (OscarPagedCache, "_flush", flushes)):
+        original = getattr(owner, name)
+        counted = lambda *args, _original=original, _calls=calls, **kwargs: (  # noqa: E731
+            _calls.append(1),
+            _original(*args, **kwargs),
+        )[1]
+        monkeypatch.setattr(owner, name, staticmethod(counted) if name == "from_table" else counted)
+    prompts = random_prompts((3, 140, 4 + 2 * 64 + 63))
     in_place = generate_batch(llama, prompts, FUSED, 4)
     assert len(in_place_calls) == 2 * 4  # every forward's two full-attention layers
+    assert len(table_forwards) == 3 and len(flushes) == 1  # the three decode steps; the third request's window
     assert in_place == generate_batch(llama, prompts, {**FUSED, "attention": "portable"}, 4)
     assert in_place == [generate(llama, p, FUSED, 4) for p in prompts]
 

@@ -39,8 +39,12 @@ class PoolLayer:
     fused_step: FusedStep | None = None
 
 
+TABLE_HEADER = 3  # a request's row of the decode fast path's block table: pages, tail block, exact tokens, then pages
+
+
 class PagedBatch:
-    """The reads of one forward (`reads`, in batch order) and what every layer's kernels take of them, on `device`."""
+    """The reads of one forward (`reads`, in batch order) and what every layer's kernels take of them, on `device`;
+    or a decode-only forward's, from the block table (`from_table`)."""
 
     def __init__(self, reads: list[RequestReads], device: torch.device):
         self.reads = reads
@@ -60,6 +64,25 @@ class PagedBatch:
         flat = torch.tensor(list(itertools.chain(*counts, *table)), dtype=torch.int32).to(device)  # one copy
         self.page_counts, self.tail_blocks, self.exact_tokens = flat[: 3 * count].view(3, count)
         self.block_table = flat[3 * count :].view(count, width)
+
+    @classmethod
+    def from_table(cls, table: torch.Tensor, trash_tail: int) -> PagedBatch:
+        """A decode-only forward's reads from its rows of the block table (`[requests, width]` int32 on the device,
+        `OscarPagedCache.fill_block_table`'s layout), on the device only: what a CUDA graph replays. Rows transformers
+        pads the batch with (every entry -1) hold no page and one exact token, in tail block `trash_tail` (the
+        write-trash sector's), where their token is written and read. `tail_index`/`slot_index`: where each request's
+        new token goes (its tail block, its last exact slot)."""
+        batch = cls.__new__(cls)
+        batch.reads, batch.chunks, batch.chunk_pages = None, [], []
+        batch.decode_rows = slice(0, table.shape[0])
+        padding = table[:, 0] < 0
+        pages = table[:, 0].clamp(min=0)
+        tails = torch.where(padding, trash_tail, table[:, 1])
+        exact = table[:, 2].clamp(min=1)
+        batch.page_counts, batch.tail_blocks, batch.exact_tokens = (t.contiguous() for t in (pages, tails, exact))
+        batch.block_table = table[:, TABLE_HEADER:]
+        batch.tail_index, batch.slot_index = tails.long(), exact.long() - 1
+        return batch
 
 
 @dataclass(eq=False)
@@ -117,6 +140,11 @@ class PagedHistory:
         """The same history as the dense K/V of the pool's portable path, `[1, Hkv, sum of past + new, D]`: each
         request's sinks, dequantized pages and other exact tokens in position order."""
         reads = self.batch.reads
+        if reads is None:
+            raise RuntimeError(
+                "OscarPagedCache: the decode fast path reads pages in place only; an attention call needs them as "
+                "dense K/V (a feature the kernels lack), which the pool refuses the fast path for."
+            )
         exact = [self._exact_of(read) for read in reads]
         dtype, device = exact[0][0].dtype, exact[0][0].device
         blocks = torch.tensor([block for read in reads for block in read.pages], dtype=torch.long, device=device)

@@ -124,17 +124,40 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
         )
 
 
+def _cuda_graphs(model, oscar: OscarConfig, requested) -> tuple[bool, bool]:
+    """The (varlen, decode) CUDA graphs of the pool's manager, from the user's `use_cuda_graph` (`requested`, before
+    transformers resolves it): decode-only forwards replay graphs where they run on the decode fast path (`pool.
+    decode_fast_path`) on CUDA, by default and when asked; forwards with prompt chunks never (the pool plans them on
+    the host)."""
+    from transformers.generation.continuous_batching.utils import get_accelerator_graph_name
+
+    from .pool import decode_fast_path
+
+    available = get_accelerator_graph_name() is not None and decode_fast_path(oscar, model.config, model.device)
+    if requested is None:
+        return False, available
+    varlen, decode = (requested, requested) if isinstance(requested, bool) else requested
+    if varlen:
+        raise ValueError(
+            "The 2-bit pool plans each forward with prompt chunks on the host (the moves of its update, the pages "
+            "each chunk reads), which a replayed CUDA graph would skip; pass use_cuda_graph=(False, True) for graphs "
+            "of the decode-only forwards, or leave it unset."
+        )
+    if decode and not available:
+        raise ValueError(
+            "The 2-bit pool replays CUDA graphs of decode-only forwards only on a GPU where attention reads its "
+            "pages in place (cache_config attention='auto' or 'fused', the sdpa attention, no sliding-window layers); "
+            "pass use_cuda_graph=False."
+        )
+    return False, decode
+
+
 def _refuse_after(manager) -> None:
     """Refuse what the resolved continuous-batching config asks and the pool cannot do."""
     from .pool import refuse_tensor_parallel
 
     cb_config = manager.continuous_batching_config
     refuse_tensor_parallel(manager.distributed_helper.tp_size)
-    if any(cb_config.cuda_graph_booleans):
-        raise ValueError(
-            "The 2-bit pool does not run under CUDA graphs: it plans each forward on the host (block tables, page "
-            "counts, the moves of its update), which a replayed graph would skip; pass use_cuda_graph=False."
-        )
     if cb_config.use_async_batching:
         raise ValueError("The 2-bit pool does not support asynchronous batching yet; pass use_async_batching=False.")
     if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:
@@ -161,6 +184,7 @@ def _wrap_init(original):
         model, cb_config = bound.arguments["model"], bound.arguments["continuous_batching_config"]
         oscar = pool_config(generation_config.cache_config)
         _refuse_before(model, generation_config, cb_config, oscar)
+        graphs = _cuda_graphs(model, oscar, cb_config.use_cuda_graph)
         cb_config = copy.deepcopy(cb_config)
         cb_config.auto_switch_to_flash = False  # the pool reads through sdpa or eager attention
         bound.arguments["continuous_batching_config"] = cb_config
@@ -171,6 +195,7 @@ def _wrap_init(original):
             if self._original_attn_impl is not None:  # the manager switched eager to paged|eager: switch back
                 model.set_attn_implementation(self._original_attn_impl)
             raise
+        self.continuous_batching_config.use_cuda_graph = graphs
         setattr(self.continuous_batching_config, POOL_CONFIG, oscar)
 
     setattr(__init__, _WRAPPED_MARK, original)

@@ -41,8 +41,8 @@ from ..cache.backends import TritonBackend, choose_backend
 from ..cache.step import FusedStep, hand_over
 from ..config import OscarConfig
 from ..reference import check_head_dim
-from .allocators import PageAllocator, TailAllocator, sector_geometry
-from .history import PagedBatch, PagedHistory, PoolLayer
+from .allocators import PageAllocator, TailAllocator, quantized_pages, sector_geometry
+from .history import TABLE_HEADER, PagedBatch, PagedHistory, PoolLayer
 from .memory import READ_COLUMNS, InPlaceMemoryHandler
 from .pages import PageCodec, PageLayout, TailLayout
 from .plan import BatchPlan, RequestStep
@@ -80,6 +80,16 @@ def reads_in_place(backend, config) -> bool:
     """Whether the pool's attention reads its pages in place: on the Triton backend (CUDA, or the interpreter with
     attention="fused"), for a model whose config shows no attention feature the kernels lack (logit soft-capping)."""
     return isinstance(backend, TritonBackend) and getattr(config, "attn_logit_softcapping", None) is None
+
+
+def decode_fast_path(oscar_config: OscarConfig, config, device) -> bool:
+    """Whether the pool runs decode-only forwards on transformers' decode fast path (its block table, no host plan:
+    what a CUDA graph can replay): where every full-attention layer reads its pages in place (`reads_in_place`) and
+    no sliding-window layer reads through transformers' index tensors."""
+    config = config.get_text_config()
+    heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
+    backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
+    return reads_in_place(backend, config) and SLIDING_ATTENTION not in layer_groups(config)
 
 
 class OscarPagedCache(PagedAttentionCache):
@@ -188,6 +198,13 @@ class OscarPagedCache(PagedAttentionCache):
         # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
         # when they are submitted (`hooks`), since transformers' scheduler could never place them.
         self.max_request_tokens = infer_max_single_request_tokens(self)
+        # transformers' decode fast path (its block table, `fill_block_table`) where every full-attention layer reads
+        # in place: a decode-only forward then needs no host plan, and a CUDA graph can replay it
+        self.decode_table = lean
+        if lean:
+            pages = quantized_pages(self.max_request_tokens, sinks, window)
+            self.max_blocks_per_request = TABLE_HEADER + pages
+            self.max_decode_fast_path_length = sinks + pages * window  # the longest past a table row addresses
         if lean:
             # transformers' scheduler charges each request its history against the batch's read budget
             # (`max_tokens_read`, which also sizes its masks and index tensors); here it reads none of it
@@ -271,8 +288,36 @@ class OscarPagedCache(PagedAttentionCache):
             if reads is not None:
                 reads.extend(allocator.get_read_indices(request_id, past_length, query_length))
 
-    def fill_block_table(self, request_id, past_length, query_length, block_table) -> None:
-        raise NotImplementedError("The 2-bit pool has no kernel block table yet (the decode fast path is off for it).")
+    def fill_block_table(self, request_id: str, past_length: int, query_length: int, block_table) -> None:
+        """A decode step on transformers' decode fast path: quantize the request's window if it filled in an earlier
+        update (the flush, now: the forward runs without a host plan), then write its row of the block table
+        (`block_table[i]`: the pool's, device int32): [pages, tail block, exact tokens, page blocks...] (`TABLE_HEADER`
+        columns, then the pages complete before this step in position order)."""
+        if query_length != 1:
+            raise RuntimeError(f"OscarPagedCache: the decode fast path got {query_length} new tokens for a request")
+        sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
+        length = past_length + 1
+        pages = quantized_pages(length, sinks, page_tokens)  # a decode step completes none: those before it
+        first = self._quantized.get(request_id, 0)
+        tail = self.tails.block_of(request_id)
+        blocks = self.pages.block_table[request_id][:pages]
+        if pages > first:
+            self._flush(tail, blocks[first:])
+            self._quantized[request_id] = pages
+        exact = min(length, sinks) + max(length - sinks - pages * page_tokens, 0)
+        row = torch.tensor([pages, tail, exact, *blocks], dtype=torch.int32)
+        block_table[self.pages.index, : len(row)].copy_(row, non_blocking=True)
+
+    def _flush(self, tail: int, blocks: list[int]) -> None:
+        """Quantize the window of tail block `tail` (its R tokens after the sinks) into page block `blocks[0]`, in
+        every full-attention layer."""
+        if len(blocks) != 1:
+            raise RuntimeError(f"OscarPagedCache: a decode step found {len(blocks)} pages to quantize, not one")
+        sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
+        target = torch.tensor(blocks, dtype=torch.long, device=self.device)
+        for layer, tails in enumerate(self.tails.views):
+            window = [kv[tail, sinks : sinks + page_tokens].transpose(0, 1)[None] for kv in tails]  # [1, heads, R, D]
+            self.codec.write(layer, target, *window)
 
     def _batch_plan(self, cu_seq_lens_q: torch.Tensor) -> BatchPlan:
         """The forward's plan, made at its first full-attention layer from the recorded requests."""
@@ -294,7 +339,8 @@ class OscarPagedCache(PagedAttentionCache):
             for (request_id, _, _), after in zip(self._steps, self._plan.quantized_after):
                 self._quantized[request_id] = after
             self._steps = []
-        if self._plan is None or self._plan.requests != len(cu_seq_lens_q) - 1:
+        # transformers pads a batch under CUDA graphs with empty sequences at its end (and tokens no request owns)
+        if self._plan is None or self._plan.requests > len(cu_seq_lens_q) - 1:
             raise RuntimeError(
                 "OscarPagedCache: a forward reached the pool without the batch transformers prepared for it (its "
                 "requests were not recorded through extend_read_and_write_indices)."
@@ -313,8 +359,10 @@ class OscarPagedCache(PagedAttentionCache):
             return super().update(key_states, value_states, layer_idx, kwargs)
         kwargs["cu_seq_lens_k"] = kwargs["cu_seq_lens_k"][FULL_ATTENTION].to(torch.int32)
         kwargs["max_length_k"] = kwargs["max_length_k"][FULL_ATTENTION]
-        plan = self._batch_plan(kwargs["cu_seq_lens_q"])
         layer = self._layer_position[layer_idx]
+        if kwargs.get("block_table") is not None:
+            return self._table_step(layer, key_states, value_states, kwargs)
+        plan = self._batch_plan(kwargs["cu_seq_lens_q"])
         tails = self.tails.views[layer]
         new = [states[0].transpose(0, 1) for states in (key_states, value_states)]  # [tokens, heads, head_dim]
         heads, dim, page_tokens = new[0].shape[1], new[0].shape[2], self.pages.tokens_per_page
@@ -349,6 +397,25 @@ class OscarPagedCache(PagedAttentionCache):
         destination, source, blocks = plan.tail_writes
         for states, tail in zip(new, tails):
             tail[blocks, destination] = states[source]
+
+    def _table_step(self, layer: int, key_states, value_states, kwargs: dict) -> tuple:
+        """A decode-only forward on the fast path: every step of it on the device, from the block table
+        (`fill_block_table`), so that a CUDA graph replays it. The first full-attention layer reads the forward's rows
+        (`PagedBatch.from_table`); each layer writes each request's new token into its tail and returns it carrying
+        the step. Rows transformers pads the batch with (-1) write and read the write-trash sector's tail."""
+        if self._layers[layer].fused_step is not None and self._layers[layer].fused_step.unattended:
+            raise RuntimeError(UNATTENDED_STEP)
+        if layer == 0:
+            table = kwargs["block_table"][self.pages.index]  # [requests (padded), width]
+            self._batch = PagedBatch.from_table(table, trash_tail=self.tails.blocks_per_sector)
+        batch, tails = self._batch, self.tails.views[layer]
+        for states, tail in zip((key_states, value_states), tails):
+            tail[batch.tail_index, batch.slot_index] = states[0].transpose(0, 1)
+        pages = self.pages.views[layer]
+        history = PagedHistory(batch, pages, tails, None, self.codec, layer, self.backend, self.oscar_config)
+        FusedStep.start(self._layers[layer], key_states, value_states, history)
+        hand_over(key_states, kwargs)
+        return key_states, value_states
 
     def _in_place_step(self, plan: BatchPlan, layer: int, key_states, value_states, new, kwargs: dict) -> tuple:
         """2. and 3. read in place: the chunks' exact tokens copied before the tails are written, then the new tokens

@@ -38,7 +38,7 @@ class Case:
     scale_dtype: str = "float16"
     rotation: bool = True
     token_scaling: bool = True
-    pages_per_split: int = 2
+    splits: int = 2
     outlier: float = 10.0  # one key token per page this many times larger
 
     @property
@@ -72,12 +72,13 @@ def build(case: Case):
     free = list(range(blocks))
     rng.shuffle(free)
     tail_ids = rng.sample(range(case.batch * 2), case.batch)
-    table = torch.full((case.batch, case.max_pages), -1, dtype=torch.int32)
+    # a view of a wider table, unused columns -1 (as the pool's rows of transformers' block table)
+    table = torch.full((case.batch, 3 + case.max_pages), -1, dtype=torch.int32, device=DEVICE)[:, 3:]
     counts, exact, requests = [], [], []
     for b in range(case.batch):
         count = rng.choice([0, 1, case.max_pages, rng.randint(0, case.max_pages)])
         ids = [free.pop() for _ in range(count)]
-        table[b, :count] = torch.tensor(ids, dtype=torch.int32)
+        table[b, :count] = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
         # with pages, the sinks are all held and the window holds 1..R tokens; without, any number up to S + R
         held = rng.randint(case.sinks + 1, case.sinks + window) if count else rng.randint(1, case.sinks + window)
         keys, values = torch.randn(2, max(count, 1), heads, window, dim, device=DEVICE).unbind(0)
@@ -97,7 +98,7 @@ def build(case: Case):
         query,
         pages,
         *tails,
-        table.to(DEVICE),
+        table,
         torch.tensor(counts, **as_int),
         torch.tensor(tail_ids, **as_int),
         torch.tensor(exact, **as_int),
@@ -136,10 +137,10 @@ CASES = [
     BASE,
     replace(BASE, seed=1, head_dim=128, dtype=torch.float16, batch=2),
     replace(BASE, seed=2, key_bits=4, value_bits=2, gqa=1, kv_heads=3),
-    replace(BASE, seed=3, key_bits=2, value_bits=4, sinks=0, window=64, max_pages=6, pages_per_split=4),
+    replace(BASE, seed=3, key_bits=2, value_bits=4, sinks=0, window=64, max_pages=6, splits=4),
     replace(BASE, seed=4, key_bits=4, value_bits=4, gqa=8, batch=2),
     replace(BASE, seed=5, rotation=False, token_scaling=False, scale_dtype="float32"),
-    replace(BASE, seed=6, dtype=torch.float32, max_pages=1, pages_per_split=1),
+    replace(BASE, seed=6, dtype=torch.float32, max_pages=1, splits=1),
     # token-norm imbalance: a key token 40x larger in every page (2-bit keys; with 4-bit keys and fp16 the tile's fp16
     # dequantization is past the fp16 tolerance there, in the cache's own decode kernel as well)
     replace(BASE, seed=7, outlier=40.0, max_pages=3),
@@ -149,7 +150,7 @@ CASES = [
 def _check(case: Case) -> None:
     inputs, requests = build(case)
     scaling = case.head_dim**-0.5
-    out = paged_decode_attention(*inputs, scaling, case.config, pages_per_split=case.pages_per_split)
+    out = paged_decode_attention(*inputs, scaling, case.config, splits=case.splits)
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
     assert_close_to_reference(
         out, reference(inputs[0], requests, scaling, case.config).to(out.device), case.dtype, str(case)
@@ -176,7 +177,7 @@ def random_case(seed: int) -> Case:
         sinks=rng.choice([0, 1, 4]),
         window=rng.choice([64, 128]),
         max_pages=rng.randint(1, 5),
-        pages_per_split=rng.randint(1, 3),
+        splits=rng.randint(1, 4),
     )
 
 
