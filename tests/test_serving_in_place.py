@@ -269,3 +269,29 @@ def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
     manager = model.init_continuous_batching(generation_config=generation_config({"attention": "fused"}, 2))
     with pytest.raises(ValueError, match="head dims 32/32 are not one of"):
         manager.warmup()
+
+
+def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
+    """What CUDA graphs change, on a CPU: transformers pads every batch (prompt chunks to a multiple of 64 tokens with
+    empty sequences, decode batches to a power of two with rows of -1 in the block table, which read and write the
+    trash tail) and warms the paths up with fake requests first; tokens still equal generate's."""
+    from transformers.generation.continuous_batching.model_runner import ModelRunner
+
+    original = ModelRunner.__init__
+
+    def padding(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.pad_inputs = True  # as under CUDA graphs (the CPU has none to capture)
+
+    monkeypatch.setattr(ModelRunner, "__init__", padding)
+    padded_rows, from_table = [], PagedBatch.from_table
+
+    def counted(table, **kwargs):
+        padded_rows.append(int((table[:, 0] < 0).sum()))
+        return from_table(table, **kwargs)
+
+    monkeypatch.setattr(PagedBatch, "from_table", staticmethod(counted))
+    prompts = random_prompts((3, 140, 4 + 2 * 64 + 63), seed=5)
+    expected = [generate(llama, p, FUSED, 4) for p in prompts]
+    assert generate_batch(llama, prompts, FUSED, 4, max_requests_per_batch=8) == expected
+    assert padded_rows[-3:] == [1, 1, 1]  # three requests' decode steps padded to four rows

@@ -298,7 +298,9 @@ class OscarPagedCache(PagedAttentionCache):
         sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
         length = past_length + 1
         pages = quantized_pages(length, sinks, page_tokens)  # a decode step completes none: those before it
-        first = self._quantized.get(request_id, 0)
+        # A request no forward of this pool computed (transformers' warmup makes them up, with a past nobody wrote)
+        # has nothing to quantize: its pages hold whatever they hold.
+        first = self._quantized.get(request_id, pages)
         tail = self.tails.block_of(request_id)
         blocks = self.pages.block_table[request_id][:pages]
         if pages > first:
