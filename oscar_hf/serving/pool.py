@@ -308,7 +308,9 @@ class OscarPagedCache(PagedAttentionCache):
             self._quantized[request_id] = pages
         exact = min(length, sinks) + max(length - sinks - pages * page_tokens, 0)
         row = torch.tensor([pages, tail, exact, *blocks], dtype=torch.int32)
-        block_table[self.pages.index, : len(row)].copy_(row, non_blocking=True)
+        # A blocking copy from pageable memory waits for the stream's earlier work, the flush included: the forward
+        # runs on transformers' compute stream, which does not wait for this one.
+        block_table[self.pages.index, : len(row)].copy_(row)
 
     def _flush(self, tail: int, blocks: list[int]) -> None:
         """Quantize the window of tail block `tail` (its R tokens after the sinks) into page block `blocks[0]`, in
