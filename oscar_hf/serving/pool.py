@@ -319,9 +319,10 @@ class OscarPagedCache(PagedAttentionCache):
             raise RuntimeError(f"OscarPagedCache: a decode step found {len(blocks)} pages to quantize, not one")
         sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
         target = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        for layer, tails in enumerate(self.tails.views):
-            window = [kv[tail, sinks : sinks + page_tokens].transpose(0, 1)[None] for kv in tails]  # [1, heads, R, D]
-            self.codec.write(layer, target, *window)
+        with self.codec.finite.gathered():  # every layer's page checked together (on CUDA, without waiting)
+            for layer, tails in enumerate(self.tails.views):
+                window = [kv[tail, sinks : sinks + page_tokens].transpose(0, 1)[None] for kv in tails]  # [1, Hkv, R, D]
+                self.codec.write(layer, target, *window)
 
     def _batch_plan(self, cu_seq_lens_q: torch.Tensor) -> BatchPlan:
         """The forward's plan, made at its first full-attention layer from the recorded requests."""
