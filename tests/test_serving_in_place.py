@@ -197,7 +197,7 @@ def test_memory_handler_charges_in_place_reads(monkeypatch):
 
 
 # the in-place path's pools: 48 blocks, batches of up to 1024 tokens
-IN_PLACE = dict(num_blocks=48, max_batch_tokens=1024)
+IN_PLACE = dict(num_blocks=48, max_batch_tokens=1024, use_cuda_graph=False)  # on a GPU: every forward eager
 
 
 def generate_batch(model, prompts, options: dict, new_tokens: int, **cb_options) -> list:
@@ -272,26 +272,35 @@ def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
 
 
 def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
-    """What CUDA graphs change, on a CPU: transformers pads every batch (prompt chunks to a multiple of 64 tokens with
-    empty sequences, decode batches to a power of two with rows of -1 in the block table, which read and write the
-    trash tail) and warms the paths up with fake requests first; tokens still equal generate's."""
+    """Under CUDA graphs (a GPU's default for the pool: the decode-only forwards replayed) transformers pads every batch
+    (prompt chunks to a multiple of 64 tokens with empty sequences, decode batches to a power of two with rows of -1 in
+    the block table, which read and write the trash tail) and warms the paths up with made-up requests first; tokens
+    still equal generate's. On a CPU (no graphs to capture) the padding and warmup as graphs would have them."""
     from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     original = ModelRunner.__init__
 
     def padding(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        self.pad_inputs = True  # as under CUDA graphs (the CPU has none to capture)
+        self.pad_inputs = True  # as under CUDA graphs
 
-    monkeypatch.setattr(ModelRunner, "__init__", padding)
-    padded_rows, from_table = [], PagedBatch.from_table
+    if DEVICE.type != "cuda":
+        monkeypatch.setattr(ModelRunner, "__init__", padding)
+    padded_rows, from_table, replays = [], PagedBatch.from_table, []
 
     def counted(table, **kwargs):
         padded_rows.append(int((table[:, 0] < 0).sum()))
         return from_table(table, **kwargs)
 
     monkeypatch.setattr(PagedBatch, "from_table", staticmethod(counted))
+    if DEVICE.type == "cuda":
+        replay = torch.cuda.CUDAGraph.replay
+        monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(1), replay(graph))[1])
     prompts = random_prompts((3, 140, 4 + 2 * 64 + 63), seed=5)
     expected = [generate(llama, p, FUSED, 4) for p in prompts]
-    assert generate_batch(llama, prompts, FUSED, 4, max_requests_per_batch=8) == expected
-    assert padded_rows[-3:] == [1, 1, 1]  # three requests' decode steps padded to four rows
+    options = {**IN_PLACE, "use_cuda_graph": None, "max_requests_per_batch": 8}
+    assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
+    if DEVICE.type == "cuda":
+        assert len(replays) >= 3 and max(padded_rows) > 0  # three decode steps replayed, captured with padding rows
+    else:
+        assert padded_rows[-3:] == [1, 1, 1]  # three requests' decode steps padded to four rows
