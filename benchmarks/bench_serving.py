@@ -7,9 +7,10 @@
 One process runs every cache of `--caches` (rows of one run, one `run` id) on the same seeded request set: `--requests`
 prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random token ids), `--new-tokens` new tokens
 each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
-(the model's dtype, sdpa attention); `oscar`: `cache_implementation="oscar"` (the 2-bit pool, `--cache-config`). Both
-pools are sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or `--num-blocks`
-blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700
+(the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
+"oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
+`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`). Every pool is sized by transformers' memory
+handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700
 tokens and 8 new tokens, to check the path (no timing means anything there).
 
 Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
@@ -18,7 +19,9 @@ Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), 
 over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
 must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
 `roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
-them). Ratios: the 2-bit pool's over bf16's.
+them). `--profile-steps N`: N all-decode steps after the first `PROFILE_AFTER` run under the profiler instead of the
+clock (the row's `profile`: wall and GPU-busy time per step, GPU idle time and the host operators in it, the kernels by
+GPU time). Ratios: the 2-bit pool's over every other row's.
 
 Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`; records.py's layout).
 """
