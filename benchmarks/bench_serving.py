@@ -10,8 +10,9 @@ each (no end-of-sequence token: every request generates them all), greedy. `bf16
 (the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
 "oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
 `oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`). Every pool is sized by transformers' memory
-handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700
-tokens and 8 new tokens, to check the path (no timing means anything there).
+handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the CPU). Models:
+bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700 tokens and 8 new tokens, to check the
+path (no timing means anything there).
 
 Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
 (the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
