@@ -286,10 +286,12 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
 
     if DEVICE.type != "cuda":
         monkeypatch.setattr(ModelRunner, "__init__", padding)
-    padded_rows, from_table, replays = [], PagedBatch.from_table, []
+    rows, padded_rows, from_table, replays = [], [], PagedBatch.from_table, []
 
     def counted(table, **kwargs):
-        padded_rows.append(int((table[:, 0] < 0).sum()))
+        rows.append(table.shape[0])
+        if table.device.type == "cpu":  # reading the rows on a GPU would wait for it inside the graph's capture
+            padded_rows.append(int((table[:, 0] < 0).sum()))
         return from_table(table, **kwargs)
 
     monkeypatch.setattr(PagedBatch, "from_table", staticmethod(counted))
@@ -301,6 +303,6 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
     options = {**IN_PLACE, "use_cuda_graph": None, "max_requests_per_batch": 8}
     assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
     if DEVICE.type == "cuda":
-        assert len(replays) >= 3 and max(padded_rows) > 0  # three decode steps replayed, captured with padding rows
+        assert len(replays) >= 3 and 4 in rows  # three decode steps replayed; a graph of four rows captured
     else:
-        assert padded_rows[-3:] == [1, 1, 1]  # three requests' decode steps padded to four rows
+        assert rows[-3:] == [4, 4, 4] and padded_rows[-3:] == [1, 1, 1]  # three requests' steps padded to four rows
