@@ -62,13 +62,18 @@ def _pool(oscar: OscarConfig) -> OscarPagedCache:
 # Forwards of a schedule (request -> its tokens in the forward), pages of 64 tokens after 4 sinks: "a" prefills 131
 # tokens (one page quantized, a window of 63), then decodes into a full window and past it (the flush); "b" holds
 # fewer tokens than the sinks, then decodes into its first window token, and leaves; "c" is prefilled in two chunks,
-# the second over a page, the sinks and a window; "d" has a second chunk over its sinks only.
+# the second over a page, the sinks and a window; "d" has a second chunk over its sinks only. Forwards of decode
+# steps only go through the block table (transformers' decode fast path, a padding row after the requests): "e" fills
+# its window in the first and is flushed before the second.
 SCHEDULE = [
     {"a": 131, "b": 3},
     {"a": 1, "b": 1, "c": 100},
     {"a": 1, "b": 1, "c": 70},
     {"a": 1, "c": 1, "d": 2},
     {"d": 30, "c": 1},
+    {"d": 1, "e": 131},
+    {"d": 1, "e": 1},
+    {"e": 1, "d": 1},
 ]
 
 
@@ -109,20 +114,26 @@ def test_in_place_attention_matches_the_history(options):
         for request_id in [r for r in states if r not in forward]:  # finished
             pool.free_blocks(request_id)
             del states[request_id], caches[request_id]
-        steps = []
-        for request_id, tokens in forward.items():
+        steps, table = [], None
+        if all(tokens == 1 for tokens in forward.values()):  # rows of -1 after the requests: transformers' padding
+            table = torch.full((1, len(forward) + 1, pool.max_blocks_per_request), -1, dtype=torch.int32, device=DEVICE)
+        for i, (request_id, tokens) in enumerate(forward.items()):
             state = states.setdefault(request_id, RequestState(request_id=request_id, initial_tokens=[0]))
             caches.setdefault(request_id, OscarCache(_model_config(), oscar))
             assert pool.can_store_request_tokens(state, tokens)
             steps.append((request_id, state.position_offset, tokens))
-            pool.extend_read_and_write_indices(request_id, state.position_offset, tokens, None, [[]])
-        lengths = torch.tensor([0] + [tokens for *_, tokens in steps])
+            if table is None:
+                pool.extend_read_and_write_indices(request_id, state.position_offset, tokens, None, [[]])
+            else:
+                pool.fill_block_table(request_id, state.position_offset, tokens, table[:, i])
+        lengths = torch.tensor([0] + [tokens for *_, tokens in steps] + ([] if table is None else [1]))
         total = int(lengths.sum())
         for layer in range(LAYERS):
             kwargs = {
                 "cu_seq_lens_q": torch.cumsum(lengths, 0),
                 "cu_seq_lens_k": {FULL_ATTENTION: torch.cumsum(lengths, 0)},
                 "max_length_k": {FULL_ATTENTION: int(lengths.max())},
+                "block_table": table,
             }
             keys, values = torch.randn(2, 1, HEADS, total, HEAD_DIM, device=DEVICE).unbind(0)
             query = torch.randn(1, HEADS * GQA, total, HEAD_DIM, device=DEVICE)
@@ -132,8 +143,9 @@ def test_in_place_attention_matches_the_history(options):
             assert isinstance(step.history, PagedHistory)
             out = fused_sdpa(None, query, returned_keys, returned_values, None, scaling=scaling, **kwargs)
             out = out[0].transpose(1, 2)
-            dense_keys, dense_values = step.dense_history()
-            mask = step.dense_mask(None, query)
+            if table is None:  # the dense fallback's history and mask (a decode fast path has none: the cache's below)
+                dense_keys, dense_values = step.dense_history()
+                mask = step.dense_mask(None, query)
             at = new_at = 0
             for request_id, past, tokens in steps:
                 rows, history = slice(new_at, new_at + tokens), slice(at, at + past + tokens)
@@ -142,15 +154,24 @@ def test_in_place_attention_matches_the_history(options):
                     cached.attended = True  # the cache's own attention is not under test
                 _assert_pool_holds_what_the_cache_holds(pool, request_id, layer, caches[request_id])
                 label = f"{request_id} at {past} + {tokens}, layer {layer}, {options}"
+                own = (
+                    (kv[:, :, history] for kv in (dense_keys, dense_values))
+                    if table is None
+                    else cached.dense_history()
+                )
                 reference = decode_attention(
-                    query[:, :, rows].double(), None, *(kv[:, :, history] for kv in (dense_keys, dense_values)),
-                    None, scaling, oscar, compute_dtype=torch.float64, out_dtype=torch.float64,
+                    query[:, :, rows].double(), None, *own, None, scaling, oscar, compute_dtype=torch.float64,
+                    out_dtype=torch.float64,
                 )  # fmt: skip
                 assert_close_to_reference(out[:, :, rows], reference, torch.float32, label)
-                allowed = torch.ones(tokens, past + tokens, dtype=torch.bool, device=DEVICE).tril(past)
-                assert torch.equal(mask[0, 0, rows, history] == 0, allowed), label
+                if table is None:
+                    allowed = torch.ones(tokens, past + tokens, dtype=torch.bool, device=DEVICE).tril(past)
+                    assert torch.equal(mask[0, 0, rows, history] == 0, allowed), label
                 at, new_at = at + past + tokens, new_at + tokens
-            assert (mask[0, 0] == 0).sum() == sum(t * p + t * (t + 1) // 2 for _, p, t in steps)  # nothing else
+            if table is None:
+                assert (mask[0, 0] == 0).sum() == sum(t * p + t * (t + 1) // 2 for _, p, t in steps)  # nothing else
+            else:
+                assert out[:, :, new_at:].isfinite().all()  # the padding row attends to the trash tail
         for request_id, _, tokens in steps:
             states[request_id].position_offset += tokens
 

@@ -15,7 +15,7 @@ from transformers.generation.continuous_batching.requests import RequestState
 from oscar_hf import OscarCache, OscarConfig
 from oscar_hf.serving import pool as pool_module
 from oscar_hf.serving import pool_config
-from oscar_hf.serving.pages import PageLayout
+from oscar_hf.serving.pages import PageLayout, stack_views, strided_view
 from oscar_hf.serving.pool import OscarPagedCache
 
 HEADS, HEAD_DIM, LAYERS = 2, 32, 2
@@ -207,3 +207,18 @@ def test_sectors_hold_pages_and_tails():
     pool.pool.try_to_free_sectors()
     assert pool.compute_free_capacity() == 1
     assert pool.max_request_tokens < pool.num_sectors * pool.bytes_per_sector // pool.pages.bytes_per_block * 128
+
+
+def test_stack_views_reads_and_writes_every_layer():
+    """One view over a field of consecutive layers: item (block, layer) is that layer's view's item of the block, and
+    a write through it lands in every layer's view; views that do not step evenly are refused."""
+    buffer = torch.randint(0, 255, (4096,), dtype=torch.uint8)
+    views = [strided_view(buffer, torch.float16, 16 + 96 * layer, 512, (3, 5)) for layer in range(3)]
+    stacked = stack_views(views)
+    assert stacked.shape == (views[-1].shape[0], 3, 3, 5)
+    for layer, view in enumerate(views):
+        assert torch.equal(stacked[:, layer].view(torch.int16), view[: stacked.shape[0]].view(torch.int16))
+    stacked[2] = torch.randn(3, 3, 5).half()
+    assert all(torch.equal(stacked[2, layer], view[2]) for layer, view in enumerate(views))
+    with pytest.raises(ValueError, match="evenly spaced"):
+        stack_views([views[0], views[1], strided_view(buffer, torch.float16, 16 + 96 * 3, 512, (3, 5))])

@@ -16,7 +16,7 @@ import math
 import torch
 from transformers.generation.continuous_batching.cache_allocators import FULL_ATTENTION, CacheAllocator, CachePool
 
-from .pages import PAGE_ALIGN, PageLayout, TailLayout, round_up
+from .pages import PAGE_ALIGN, PageLayout, TailLayout, round_up, stack_views
 
 _INDEX_PATHS = "the 2-bit pool reads and writes its pages in OscarPagedCache.update, not through per-token indices"
 
@@ -115,6 +115,7 @@ class TailAllocator(_PoolAllocator):
     def register_cache_tensor(self, bytes_per_sector, non_trash_bytes, cache_tensor, pool) -> None:
         self._register(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
         self.views = [self.tail.views(cache_tensor, self.bytes_per_block, i) for i in range(self.tail.layers)]
+        self.layers = tuple(stack_views(list(kv)) for kv in zip(*self.views))  # [blocks, layers, slots, heads, D]
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         return 0 if request_id in self.block_table else 1

@@ -45,6 +45,18 @@ def strided_view(buffer: torch.Tensor, dtype: torch.dtype, offset: int, block_by
     return typed.as_strided((blocks, *shape), (block_bytes // size, *strides), offset // size)
 
 
+def stack_views(views: list[torch.Tensor]) -> torch.Tensor:
+    """One `[blocks, len(views), ...]` view of `views`: `strided_view`s of one buffer with equal shapes and strides
+    whose offsets step evenly (one field of consecutive layers), so that one index writes a block's item of each."""
+    first = views[0]
+    step = views[1].storage_offset() - first.storage_offset() if len(views) > 1 else 0
+    for i, view in enumerate(views):
+        if view.stride() != first.stride() or view.storage_offset() != first.storage_offset() + i * step:
+            raise ValueError("stack_views: the views must be of one buffer, with equal strides and evenly spaced")
+    shape = (views[-1].shape[0], len(views), *first.shape[1:])  # the blocks every view has
+    return first.as_strided(shape, (first.stride(0), step, *first.stride()[1:]), first.storage_offset())
+
+
 @dataclass(frozen=True)
 class PageLayout:
     """Byte layout of one layer's page (see the module docstring) for K/V of `heads` KV heads of `head_dim`."""
@@ -144,6 +156,8 @@ class PageCodec:
     def __init__(self, config: OscarConfig, pages: list[QuantizedKV], backend: PortableBackend):
         self.config, self.pages, self.backend = config, pages, backend
         self.finite = FiniteCheck(config)  # outside its `gathered` scope: each write checked at once
+        # every layer's page of a block at once: `[blocks, layers, *field shape]`
+        self.layers = QuantizedKV(*(None if v[0] is None else stack_views(v) for v in zip(*pages)))
 
     def write(self, layer: int, blocks: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Quantize `keys`/`values` (`[n, heads, R, head_dim]`, model dtype) into layer `layer`'s pages of the `n`
@@ -152,6 +166,15 @@ class PageCodec:
         for view, field in zip(self.pages[layer], page):
             if view is not None:
                 view[blocks] = field
+
+    def write_layers(self, block: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Quantize `keys`/`values` (`[layers, heads, R, head_dim]`: every full-attention layer's tokens of one page)
+        into page block `block`, in one call of the quantizer (each layer's page is quantized on its own, as `write`
+        does it)."""
+        page = self.backend.quantize(keys, values, self.config, None, None, None, self.finite)
+        for view, field in zip(self.layers, page):
+            if view is not None:
+                view[block] = field
 
     def read(self, layer: int, blocks: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Dense keys and values (`[n, heads, R, head_dim]`, `dtype`) of layer `layer`'s pages of `blocks`, as a cache

@@ -313,16 +313,14 @@ class OscarPagedCache(PagedAttentionCache):
         block_table[self.pages.index, : len(row)].copy_(row)
 
     def _flush(self, tail: int, blocks: list[int]) -> None:
-        """Quantize the window of tail block `tail` (its R tokens after the sinks) into page block `blocks[0]`, in
-        every full-attention layer."""
+        """Quantize the window of tail block `tail` (its R tokens after the sinks) into page block `blocks[0]`, every
+        full-attention layer's in one call."""
         if len(blocks) != 1:
             raise RuntimeError(f"OscarPagedCache: a decode step found {len(blocks)} pages to quantize, not one")
         sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
-        target = torch.tensor(blocks, dtype=torch.long, device=self.device)
-        with self.codec.finite.gathered():  # every layer's page checked together (on CUDA, without waiting)
-            for layer, tails in enumerate(self.tails.views):
-                window = [kv[tail, sinks : sinks + page_tokens].transpose(0, 1)[None] for kv in tails]  # [1, Hkv, R, D]
-                self.codec.write(layer, target, *window)
+        window = [kv[tail, :, sinks : sinks + page_tokens].transpose(1, 2) for kv in self.tails.layers]  # [L, H, R, D]
+        with self.codec.finite.gathered():  # checked behind the kernels on CUDA: the host does not wait for them
+            self.codec.write_layers(blocks[0], *window)
 
     def _batch_plan(self, cu_seq_lens_q: torch.Tensor) -> BatchPlan:
         """The forward's plan, made at its first full-attention layer from the recorded requests."""
