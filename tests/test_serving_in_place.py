@@ -243,9 +243,9 @@ def in_place_calls(monkeypatch):
 
 
 def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch):
-    """A prompt shorter than the sinks, one over two pages (its decode steps attend to the pages in place), one whose
-    window fills in its first decode step (quantized when the next begins): the decode steps on transformers' decode
-    fast path (the block table, no host plan), the flush before the forward."""
+    """A prompt shorter than the sinks, one over two pages whose window fills in its first decode step (quantized when
+    the next begins): the decode steps on transformers' decode fast path (the block table, no host plan) attend to the
+    pages in place, the flush before the forward."""
     table_forwards, flushes = [], []
     for owner, name, calls in ((PagedBatch, "from_table", table_forwards), (OscarPagedCache, "_flush", flushes)):
         original = getattr(owner, name)
@@ -254,7 +254,7 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch
             _original(*args, **kwargs),
         )[1]
         monkeypatch.setattr(owner, name, staticmethod(counted) if name == "from_table" else counted)
-    prompts = random_prompts((3, 140, 4 + 2 * 64 + 63))
+    prompts = random_prompts((3, 4 + 2 * 64 + 63))
     in_place = generate_batch(llama, prompts, FUSED, 4)
     assert len(in_place_calls) == 2 * 4  # every forward's two full-attention layers
     assert len(table_forwards) == 3 and len(flushes) == 1  # the three decode steps; the third request's window
@@ -292,6 +292,7 @@ def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
         manager.warmup()
 
 
+@pytest.mark.slow  # ~25 s in the interpreter
 def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
     """Under CUDA graphs (a GPU's default for the pool: the decode-only forwards replayed) transformers pads every batch
     (prompt chunks to a multiple of 64 tokens with empty sequences, decode batches to a power of two with rows of -1 in
