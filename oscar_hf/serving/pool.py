@@ -198,14 +198,13 @@ class OscarPagedCache(PagedAttentionCache):
         # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
         # when they are submitted (`hooks`), since transformers' scheduler could never place them.
         self.max_request_tokens = infer_max_single_request_tokens(self)
-        # transformers' decode fast path (its block table, `fill_block_table`) where every full-attention layer reads
-        # in place: a decode-only forward then needs no host plan, and a CUDA graph can replay it
-        self.decode_table = lean
         if lean:
+            # transformers' decode fast path (its block table, `fill_block_table`) where every full-attention layer
+            # reads in place (`decode_fast_path`): a decode-only forward then needs no host plan, and a CUDA graph can
+            # replay it; a row addresses the pages of the longest request the pool holds
             pages = quantized_pages(self.max_request_tokens, sinks, window)
             self.max_blocks_per_request = TABLE_HEADER + pages
-            self.max_decode_fast_path_length = sinks + pages * window  # the longest past a table row addresses
-        if lean:
+            self.max_decode_fast_path_length = sinks + pages * window  # transformers takes a past below it: it fits
             # transformers' scheduler charges each request its history against the batch's read budget
             # (`max_tokens_read`, which also sizes its masks and index tensors); here it reads none of it
             self.read_cache_limit, self.max_tokens_read = 0, READ_COLUMNS
