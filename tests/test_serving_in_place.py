@@ -255,11 +255,11 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch
         )[1]
         monkeypatch.setattr(owner, name, staticmethod(counted) if name == "from_table" else counted)
     prompts = random_prompts((3, 4 + 2 * 64 + 63))
-    in_place = generate_batch(llama, prompts, FUSED, 4)
-    assert len(in_place_calls) == 2 * 4  # every forward's two full-attention layers
-    assert len(table_forwards) == 3 and len(flushes) == 1  # the three decode steps; the third request's window
-    assert in_place == generate_batch(llama, prompts, {**FUSED, "attention": "portable"}, 4)
-    assert in_place == [generate(llama, p, FUSED, 4) for p in prompts]
+    in_place = generate_batch(llama, prompts, FUSED, 3)
+    assert len(in_place_calls) == 2 * 3  # every forward's two full-attention layers
+    assert len(table_forwards) == 2 and len(flushes) == 1  # the two decode steps; the second request's window
+    assert in_place == generate_batch(llama, prompts, {**FUSED, "attention": "portable"}, 3)
+    assert in_place == [generate(llama, p, FUSED, 3) for p in prompts]
 
 
 @pytest.mark.slow  # ~1 min in the interpreter
