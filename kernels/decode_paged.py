@@ -21,9 +21,9 @@ pages [s * P, (s + 1) * P) of its request (P = ceil(its pages / splits): every r
 so the grid depends on the batch and the table's width only, not on the page counts, and a CUDA graph of it serves any
 count; by default as many splits as the cache's decode kernel makes for the table's width,
 `decode_tuning.num_splits`, so that the partials stay a few programs per SM), each page's tiles read from the block the
-table names, with
-the split kernel's tile step (`decode_tiles._quantized_block`: codes unpacked in registers, the rotated query, token
-norms on the scores); program (bh, splits) runs it over the tail's exact tokens (`decode_triton._residual_part`). The
+table names, with the split kernel's tile step (`decode_tiles._quantized_block`: codes unpacked in registers, the
+rotated query, token norms on the scores); program (bh, splits) runs it over the tail's exact tokens
+(`decode_triton._residual_part`). The
 merge kernel (decode_merge.py) then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the
 cache's own decode. A page is R tokens of a complete block, so no tile step is partial and no padding mask applies.
 Every key is rotated (the pool's method="paper"; `rotation=False`: none).
