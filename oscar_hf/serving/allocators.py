@@ -27,6 +27,12 @@ def quantized_pages(length: int, sinks: int, page_tokens: int) -> int:
     return max(length - sinks - 1, 0) // page_tokens
 
 
+def exact_tokens(length: int, sinks: int, page_tokens: int) -> int:
+    """Exact tokens a request of `length` tokens holds in its tail: its sinks, then the window of tokens after its
+    `quantized_pages`."""
+    return min(length, sinks) + max(length - sinks - quantized_pages(length, sinks, page_tokens) * page_tokens, 0)
+
+
 class _PoolAllocator(CacheAllocator):
     """What both allocators share: blocks of one padded size (one transformers "page" each: `pages_per_block` 1), no
     per-token index path, no kernel block table (yet)."""

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .allocators import quantized_pages
+from .allocators import exact_tokens, quantized_pages
 
 
 @dataclass(frozen=True)
@@ -131,7 +131,7 @@ class BatchPlan:
             # in-place reads: a decode step's exact tokens after the update, a chunk's copied before it
             history = step.pages[:complete]
             if T == 1:  # a decode step completes no page: `after == complete`
-                exact = min(L, S) + max(L - S - after * R, 0)
+                exact = exact_tokens(L, S, R)
                 self.reads.append(RequestReads(new_at, T, P, history, step.tail, min(L, S), exact, None))
             else:
                 exact = sinks_held + window + T

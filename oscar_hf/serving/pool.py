@@ -41,7 +41,7 @@ from ..cache.backends import TritonBackend, choose_backend
 from ..cache.step import FusedStep, hand_over
 from ..config import OscarConfig
 from ..reference import check_head_dim
-from .allocators import PageAllocator, TailAllocator, quantized_pages, sector_geometry
+from .allocators import PageAllocator, TailAllocator, exact_tokens, quantized_pages, sector_geometry
 from .history import TABLE_HEADER, PagedBatch, PagedHistory, PoolLayer
 from .memory import READ_COLUMNS, InPlaceMemoryHandler
 from .pages import PageCodec, PageLayout, TailLayout
@@ -82,14 +82,21 @@ def reads_in_place(backend, config) -> bool:
     return isinstance(backend, TritonBackend) and getattr(config, "attn_logit_softcapping", None) is None
 
 
+def reads_pages_only(backend, config, groups: dict[str, list[int]]) -> bool:
+    """Whether every attention read of the pool is an in-place read of its pages and tails (`reads_in_place`), none
+    through transformers' own index tensors and masks (sliding-window layers): then the memory handler charges what
+    the in-place reads need, and decode-only forwards take transformers' decode fast path (its block table, no host
+    plan: what a CUDA graph can replay)."""
+    return reads_in_place(backend, config) and SLIDING_ATTENTION not in groups
+
+
 def decode_fast_path(oscar_config: OscarConfig, config, device) -> bool:
-    """Whether the pool runs decode-only forwards on transformers' decode fast path (its block table, no host plan:
-    what a CUDA graph can replay): where every full-attention layer reads its pages in place (`reads_in_place`) and
-    no sliding-window layer reads through transformers' index tensors."""
+    """Whether the pool for this model (`config`, its text config taken) on `device` runs decode-only forwards on
+    transformers' decode fast path (`reads_pages_only`), before the pool exists."""
     config = config.get_text_config()
     heads, head_dim = find_num_key_value_heads(config), find_head_dim(config)
     backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
-    return reads_in_place(backend, config) and SLIDING_ATTENTION not in layer_groups(config)
+    return reads_pages_only(backend, config, layer_groups(config))
 
 
 class OscarPagedCache(PagedAttentionCache):
@@ -130,9 +137,7 @@ class OscarPagedCache(PagedAttentionCache):
         page = PageLayout.of(oscar_config, heads, head_dim)
         backend = choose_backend(oscar_config, config, False, torch.device(device), (head_dim, head_dim), heads)
         self.in_place = reads_in_place(backend, config)
-        # Without sliding-window layers (read through transformers' own index tensors and masks), nothing is read as
-        # dense K/V: the memory handler charges what the in-place reads need.
-        lean = self.in_place and SLIDING_ATTENTION not in groups
+        lean = reads_pages_only(backend, config, groups)
         sliding = None
         if SLIDING_ATTENTION in groups:
             sliding = SlidingAttentionCacheAllocator(
@@ -305,8 +310,7 @@ class OscarPagedCache(PagedAttentionCache):
         if pages > first:
             self._flush(tail, blocks[first:])
             self._quantized[request_id] = pages
-        exact = min(length, sinks) + max(length - sinks - pages * page_tokens, 0)
-        row = torch.tensor([pages, tail, exact, *blocks], dtype=torch.int32)
+        row = torch.tensor([pages, tail, exact_tokens(length, sinks, page_tokens), *blocks], dtype=torch.int32)
         # A blocking copy from pageable memory waits for the stream's earlier work, the flush included: the forward
         # runs on transformers' compute stream, which does not wait for this one.
         block_table[self.pages.index, : len(row)].copy_(row)
