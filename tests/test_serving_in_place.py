@@ -243,7 +243,7 @@ def in_place_calls(monkeypatch):
 
 
 def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch):
-    """A prompt shorter than the sinks, one over two pages whose window fills in its first decode step (quantized when
+    """A prompt shorter than the sinks, one over a page whose window fills in its first decode step (quantized when
     the next begins): the decode steps on transformers' decode fast path (the block table, no host plan) attend to the
     pages in place, the flush before the forward."""
     table_forwards, flushes = [], []
@@ -254,7 +254,7 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch
             _original(*args, **kwargs),
         )[1]
         monkeypatch.setattr(owner, name, staticmethod(counted) if name == "from_table" else counted)
-    prompts = random_prompts((3, 4 + 2 * 64 + 63))
+    prompts = random_prompts((3, 4 + 64 + 63))
     in_place = generate_batch(llama, prompts, FUSED, 3)
     assert len(in_place_calls) == 2 * 3  # every forward's two full-attention layers
     assert len(table_forwards) == 2 and len(flushes) == 1  # the two decode steps; the second request's window
