@@ -22,7 +22,9 @@ must read, the weights and the pool's used bytes, over the copy bandwidth measur
 `roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
 them). `--profile-steps N`: N all-decode steps after the first `PROFILE_AFTER` run under the profiler instead of the
 clock (the row's `profile`: wall and GPU-busy time per step, GPU idle time and the host operators in it, the kernels by
-GPU time). Ratios: the 2-bit pool's over every other row's.
+GPU time); `--profile-kind prompt` profiles steps with prompt tokens
+instead. `prompt_step_ms` (median) and `prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the
+first step (transformers' warmup, its graph captures). Ratios: the 2-bit pool's over every other row's.
 
 Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`; records.py's layout).
 """
@@ -46,7 +48,8 @@ from transformers.generation.continuous_batching.continuous_api import Continuou
 
 CACHES = ("bf16", "oscar", "oscar-eager")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
-PROFILE_AFTER = 2  # all-decode steps run before the profiled ones (the first ones compile Triton's kernels)
+PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
+PROFILE_KINDS = ("decode", "prompt")
 
 
 @dataclasses.dataclass
@@ -70,12 +73,13 @@ def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int =
 class StepClock:
     """Times every continuous-batching step (device synchronised) while it is entered: wraps
     `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only. With
-    `profile_steps`, the all-decode steps after the first `PROFILE_AFTER` run under the profiler instead, that many
-    (`profiler`; they are not timed)."""
+    `profile_steps`, the steps of `profile_kind` (all-decode, or with prompt tokens) after the first `PROFILE_AFTER` run
+    under the profiler instead, that many (`profiler`; they are not timed). `first_step`: when the first step began."""
 
-    def __init__(self, device: torch.device, profile_steps: int = 0):
-        self.device, self.steps, self.pool_tokens = device, [], None
-        self.profile_steps, self.profiler, self.profiling, self.profiled_wall = profile_steps, None, False, 0.0
+    def __init__(self, device: torch.device, profile_steps: int = 0, profile_kind: str = "decode"):
+        self.device, self.steps, self.pool_tokens, self.first_step = device, [], None, None
+        self.profile_steps, self.profile_kind = profile_steps, profile_kind
+        self.profiler, self.profiling, self.profiled_wall = None, False, 0.0
 
     def _sync(self):
         if self.device.type == "cuda":
@@ -91,9 +95,11 @@ class StepClock:
             batch = processor.inputs_and_outputs.requests_in_batch
             used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
             decode = all(future.query_length == 1 for future in batch)
-            profiled = decode and clock._profiling()
+            profiled = decode == (clock.profile_kind == "decode") and clock._profiling()
             clock._sync()
             start = time.perf_counter()
+            if clock.first_step is None:
+                clock.first_step = start
             original(processor, model)
             clock._sync()
             seconds = time.perf_counter() - start
@@ -108,9 +114,9 @@ class StepClock:
         return self
 
     def _profiling(self) -> bool:
-        """Whether the next all-decode step runs under the profiler (started at the first one it takes)."""
-        decode_steps = sum(step.decode for step in self.steps)
-        if not self.profile_steps or not PROFILE_AFTER <= decode_steps < PROFILE_AFTER + self.profile_steps:
+        """Whether the next step of the profiled kind runs under the profiler (started at the first one it takes)."""
+        seen = sum(step.decode == (self.profile_kind == "decode") for step in self.steps)
+        if not self.profile_steps or not PROFILE_AFTER <= seen < PROFILE_AFTER + self.profile_steps:
             return False
         if self.profiler is None:
             self.profiler, self.profiling = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), True
@@ -171,7 +177,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     bench.release(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with StepClock(device, args.profile_steps) as clock, torch.inference_mode():
+    with StepClock(device, args.profile_steps, args.profile_kind) as clock, torch.inference_mode():
         start = time.perf_counter()
         outputs = model.generate_batch(
             prompts,
@@ -185,6 +191,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
         raise RuntimeError(f"{len(prompts) - len(outputs)} requests missing, {len(failed)} failed: {failed[:1]}")
     ttft = sorted(o.timestamps[0] - o.created_time for o in outputs.values())
     decode = [s for s in clock.steps if s.decode and not s.profiled]
+    prompt = [s for s in clock.steps if not s.decode and not s.profiled]
     weights, bytes_per_s = records.weight_bytes(model), bandwidth["GBps"] * 1e9
     roofs = [(weights + s.used_bytes) / bytes_per_s for s in decode]
     return {
@@ -199,6 +206,9 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
         "roof_fraction": sum(roofs) / sum(s.seconds for s in decode) if decode else None,
         "steps": len(clock.steps),
         "decode_steps": len(decode),
+        "prompt_step_ms": 1000 * statistics.median(s.seconds for s in prompt) if prompt else None,
+        "prompt_steps_s": sum(s.seconds for s in prompt),
+        "setup_s": clock.first_step - start,
         "wall_s": wall,
         "profile": clock.profile_summary(),
     }
@@ -228,8 +238,12 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--num-blocks", type=int, default=None, help="blocks per pool instead (CPU runs)")
     parser.add_argument("--cache-config", type=bench_json, default={"bits": 2}, help="the 2-bit pool's cache_config")
     parser.add_argument(
-        "--profile-steps", type=int, default=0, help=f"profile that many all-decode steps (after {PROFILE_AFTER})"
+        "--profile-steps",
+        type=int,
+        default=0,
+        help=f"profile that many steps of --profile-kind (after {PROFILE_AFTER})",
     )
+    parser.add_argument("--profile-kind", choices=PROFILE_KINDS, default="decode", help="all-decode or prompt steps")
     parser.add_argument("--budget-s", type=float, default=480, help="no cache starts after this many seconds")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="the records' folder")
     args = parser.parse_args(argv)
@@ -289,7 +303,8 @@ def summary(row: dict) -> str:
     return (
         f"{row['cache']}: {row['output_tokens_per_s']:.1f} tokens/s, pool {row['pool_tokens']} tokens, "
         f"{row['peak_concurrent']} at once, first token p50 {row['ttft_p50_s']:.2f} s, "
-        f"p99 {row['ttft_p99_s']:.2f} s{peak}{roof}"
+        f"p99 {row['ttft_p99_s']:.2f} s{peak}{roof}; setup {row['setup_s']:.1f} s, prompt steps "
+        f"{row['prompt_steps_s']:.1f} s"
     )
 
 

@@ -30,10 +30,22 @@ def test_quick_run_records_both_pools(serving, tmp_path):
         assert 0 < row["ttft_p50_s"] <= row["ttft_p99_s"] and 1 <= row["peak_concurrent"] <= 8
         assert row["decode_steps"] >= serving.QUICK["new_tokens"] - 1  # at least the last request's own steps
         assert row["roof_ms"] > 0 and row["roof_fraction"] > 0  # the CPU's own copy bandwidth (records.py)
+        assert 0 < row["prompt_step_ms"] <= 1000 * row["prompt_steps_s"] < 1000 * row["wall_s"]
+        assert 0 <= row["setup_s"] < row["wall_s"] and row["profile"] is None
     rows = {row["cache"]: row for row in record["rows"]}
     [ratio] = record["ratios"]
     assert ratio["run"] == run and (ratio["oscar"], ratio["baseline"]) == ("oscar", "bf16")
     assert ratio["pool_tokens_ratio"] == rows["oscar"]["pool_tokens"] / rows["bf16"]["pool_tokens"]
+
+
+def test_profiles_prompt_steps(serving, tmp_path):
+    """`--profile-kind prompt`: that many steps with prompt tokens under the profiler, after PROFILE_AFTER of them,
+    none of them timed (small batches: a request set of many prompt steps)."""
+    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--caches", "oscar"]
+    args += ["--max-batch-tokens", "256", "--profile-steps", "2", "--profile-kind", "prompt", "--out", str(tmp_path)]
+    [row] = json.loads(serving.main(args).read_text())["rows"]
+    assert row["profile"]["steps"] == 2 and row["profile"]["wall_ms"] > 0, row
+    assert row["steps"] - row["decode_steps"] >= serving.PROFILE_AFTER + 2  # the prompt steps, profiled ones too
 
 
 def test_request_set_is_seeded(serving):
