@@ -20,11 +20,12 @@ Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), 
 over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
 must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
 `roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
-them). `--profile-steps N`: N all-decode steps after the first `PROFILE_AFTER` run under the profiler instead of the
-clock (the row's `profile`: wall and GPU-busy time per step, GPU idle time and the host operators in it, the kernels by
-GPU time); `--profile-kind prompt` profiles steps with prompt tokens
-instead. `prompt_step_ms` (median) and `prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the
-first step (transformers' warmup, its graph captures). Ratios: the 2-bit pool's over every other row's.
+them). `prompt_step_ms` (median) and `prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the first
+step (transformers' warmup, its graph captures). `--profile-steps N`: N steps of `--profile-kind` (all-decode, or
+`prompt`: with prompt tokens) after the first `PROFILE_AFTER` are profiled and not timed (the row's `profile`: wall and
+GPU-busy time per step, GPU idle time and the host operators in it, the kernels by GPU time); the profiler runs over
+the whole generation loop, so such a row's other timings carry its overhead: a profile's row says where time goes, not
+how fast. Ratios: the 2-bit pool's over every other row's.
 
 Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`; records.py's layout).
 """
@@ -32,6 +33,7 @@ Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import statistics
@@ -42,14 +44,18 @@ import bench_generate as bench
 import profile_generate
 import records
 import torch
-from torch.profiler import ProfilerActivity, profile
+from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import ContinuousBatchingConfig, GenerationConfig
-from transformers.generation.continuous_batching.continuous_api import ContinuousBatchProcessor
+from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingManager,
+    ContinuousBatchProcessor,
+)
 
 CACHES = ("bf16", "oscar", "oscar-eager")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
 PROFILE_KINDS = ("decode", "prompt")
+PROFILED_STEP = "bench_serving::profiled_step"  # the profiler's range around each profiled step
 
 
 @dataclasses.dataclass
@@ -73,20 +79,28 @@ def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int =
 class StepClock:
     """Times every continuous-batching step (device synchronised) while it is entered: wraps
     `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only. With
-    `profile_steps`, the steps of `profile_kind` (all-decode, or with prompt tokens) after the first `PROFILE_AFTER` run
-    under the profiler instead, that many (`profiler`; they are not timed). `first_step`: when the first step began."""
+    `profile_steps`, the steps of `profile_kind` (all-decode, or with prompt tokens) after the first `PROFILE_AFTER` are
+    marked for the profiler (`PROFILED_STEP`), that many, and not timed. The profiler runs from the generation loop's
+    start (after transformers' warmup) to the end, started and stopped on this thread (the profiler's own rule: the
+    loop's thread may not start it), so the row's other timings are taken under it. `first_step`: when the first step
+    began."""
 
     def __init__(self, device: torch.device, profile_steps: int = 0, profile_kind: str = "decode"):
         self.device, self.steps, self.pool_tokens, self.first_step = device, [], None, None
-        self.profile_steps, self.profile_kind = profile_steps, profile_kind
-        self.profiler, self.profiling, self.profiled_wall = None, False, 0.0
+        self.profile_steps, self.profile_kind, self.profiled_wall = profile_steps, profile_kind, 0.0
+        self.profiler = None
+        if profile_steps:  # the loop's thread's operators too
+            every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
+            activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
+            self.profiler = profile(activities=activities, experimental_config=every_thread)
 
     def _sync(self):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
     def __enter__(self):
-        original = self.original = ContinuousBatchProcessor._generation_step
+        self.original = ContinuousBatchProcessor._generation_step, ContinuousBatchingManager.start
+        original_step, original_start = self.original
         clock = self
 
         def timed(processor, model):
@@ -95,61 +109,76 @@ class StepClock:
             batch = processor.inputs_and_outputs.requests_in_batch
             used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
             decode = all(future.query_length == 1 for future in batch)
-            profiled = decode == (clock.profile_kind == "decode") and clock._profiling()
+            profiled = decode == (clock.profile_kind == "decode") and clock._profiled_next()
             clock._sync()
             start = time.perf_counter()
             if clock.first_step is None:
                 clock.first_step = start
-            original(processor, model)
-            clock._sync()
+            with record_function(PROFILED_STEP) if profiled else contextlib.nullcontext():
+                original_step(processor, model)
+                clock._sync()
             seconds = time.perf_counter() - start
             active = len(processor.scheduler.active_requests)
             clock.steps.append(Step(seconds, decode, int(used), active, profiled))
-            if profiled:
-                clock.profiled_wall += seconds
-                if sum(step.profiled for step in clock.steps) == clock.profile_steps:
-                    clock._stop_profiler()
+            clock.profiled_wall += seconds if profiled else 0.0
+
+        def start_profiled(manager):
+            clock.profiler.start()
+            original_start(manager)
 
         ContinuousBatchProcessor._generation_step = timed
+        if self.profiler is not None:
+            ContinuousBatchingManager.start = start_profiled
         return self
 
-    def _profiling(self) -> bool:
-        """Whether the next step of the profiled kind runs under the profiler (started at the first one it takes)."""
+    def _profiled_next(self) -> bool:
+        """Whether the next step of the profiled kind is one of the profiled ones."""
         seen = sum(step.decode == (self.profile_kind == "decode") for step in self.steps)
-        if not self.profile_steps or not PROFILE_AFTER <= seen < PROFILE_AFTER + self.profile_steps:
-            return False
-        if self.profiler is None:
-            self.profiler, self.profiling = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]), True
-            self.profiler.start()
-        return True
-
-    def _stop_profiler(self) -> None:
-        if self.profiling:
-            self.profiler.stop()
-            self.profiling = False
+        return PROFILE_AFTER <= seen < PROFILE_AFTER + self.profile_steps
 
     def __exit__(self, *exc):
-        ContinuousBatchProcessor._generation_step = self.original
-        self._stop_profiler()  # where the run ended before the profiled steps did
+        ContinuousBatchProcessor._generation_step, ContinuousBatchingManager.start = self.original
+        if self.profiler is not None and self.profiler.profiler is not None:
+            self.profiler.stop()
 
     def profile_summary(self, top: int = 15) -> dict | None:
         """Where the profiled steps' time went: wall and GPU-busy time per step, the kernels by GPU time, and the GPU's
-        idle time with the outermost host operators running in it (profile_generate.py's accounting)."""
+        idle time with the outermost host operators of the step running in it (profile_generate.py's accounting, over
+        each step's own events)."""
         steps = sum(step.profiled for step in self.steps)
         if not steps:
             return None
-        kernels = [e for e in self.profiler.key_averages() if profile_generate.is_kernel(e)]
-        idle_ms, idle_operators = profile_generate.idle_host_time(self.profiler.events(), steps, top)
+        events = self.profiler.events()
+        windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == PROFILED_STEP]
+        if len(windows) != steps:
+            raise RuntimeError(f"the profiler recorded {len(windows)} of the {steps} profiled steps")
+        kernels, idle_ms, idle_operators = {}, 0.0, {}
+        for lo, hi in windows:
+            inside = [e for e in events if lo <= e.time_range.start <= hi and e.name != PROFILED_STEP]
+            for e in filter(profile_generate.is_kernel, inside):
+                time_and_calls = kernels.setdefault(e.name, [0.0, 0])
+                time_and_calls[0] += e.time_range.elapsed_us()
+                time_and_calls[1] += 1
+            ms, operators = profile_generate.idle_host_time(
+                inside, 1, top, outermost=lambda e: e.cpu_parent is not None and e.cpu_parent.name == PROFILED_STEP
+            )
+            idle_ms += ms
+            for operator in operators:
+                idle_operators[operator["name"]] = idle_operators.get(operator["name"], 0.0) + operator["us_per_step"]
+        by_time = sorted(kernels.items(), key=lambda item: -item[1][0])
         return {
             "steps": steps,
             "wall_ms": 1000 * self.profiled_wall / steps,
-            "gpu_busy_ms": sum(e.self_device_time_total for e in kernels) / steps / 1000,
-            "gpu_idle_ms": idle_ms,
+            "gpu_busy_ms": sum(us for us, _ in kernels.values()) / steps / 1000,
+            "gpu_idle_ms": idle_ms / steps,
             "kernels": [
-                {"name": e.key, "us_per_step": e.self_device_time_total / steps, "calls_per_step": e.count / steps}
-                for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]
+                {"name": name, "us_per_step": us / steps, "calls_per_step": calls / steps}
+                for name, (us, calls) in by_time[:top]
             ],
-            "idle_host_operators": idle_operators,
+            "idle_host_operators": [
+                {"name": name, "us_per_step": us / steps}
+                for name, us in sorted(idle_operators.items(), key=lambda item: -item[1])[:top]
+            ],
         }
 
 

@@ -43,7 +43,7 @@ REGIONS = (
     ("update", layer.OscarLayer, "update"),
     ("rotation_choice", key_rotation.KeyRotation, "choose"),
     ("query_moment", fused_attention, "query_moment"),  # the prefill's queries, handed over by the sdpa entry
-    ("query_moment", key_rotation, "query_moment"),  # queries handed over by hand
+    ("query_moment", layer, "query_moment"),  # queries handed over by hand (`OscarLayer.observe_queries`)
     ("append_quantize", storage.KVStorage, "append"),
     ("decode_attention", history.DecodeHistory, "attention"),
     ("chunk_attention", history.ChunkHistory, "attention"),
@@ -51,7 +51,7 @@ REGIONS = (
     ("bits_observe", layer_bits.LayerBits, "observe"),  # bits="auto": the prompt's cost sums
     ("bits_choice", oscar_cache.OscarCache, "choose_bits"),  # bits="auto": the widths chosen, every layer converted
     ("bits_costs", layer_bits.LayerBits, "costs"),
-    ("bits_convert", layer_bits.LayerBits, "convert"),
+    ("bits_convert", layer.OscarLayer, "set_widths"),
 )
 # --cache: the cache_implementation and cache_config of each choice ("oscar": the default config).
 CACHES = {
@@ -102,9 +102,10 @@ def is_kernel(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not event.key.startswith("oscar::")
 
 
-def idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
+def idle_host_time(events, steps: int, top: int, outermost=lambda event: event.cpu_parent is None):
     """The GPU's idle time per step (gaps between kernels, first to last kernel of the window) and the outermost host
-    operators overlapping those gaps, by time per step; the rest of the idle time is Python between operators."""
+    operators (`outermost(event)`) overlapping those gaps, by time per step; the rest of the idle time is Python
+    between operators."""
     kernels = sorted((e.time_range.start, e.time_range.end) for e in events if is_kernel(e))
     if not kernels:  # a CPU run
         return 0.0, []
@@ -115,7 +116,7 @@ def idle_host_time(events, steps: int, top: int) -> tuple[float, list[dict]]:
         busy_until = max(busy_until, end)
     overlap: dict[str, float] = {}
     for e in events:
-        if e.device_type == torch.autograd.DeviceType.CPU and e.cpu_parent is None:
+        if e.device_type == torch.autograd.DeviceType.CPU and outermost(e):
             lo, hi = e.time_range.start, e.time_range.end
             inside = sum(max(0.0, min(hi, b) - max(lo, a)) for a, b in gaps)
             if inside > 0:

@@ -285,10 +285,12 @@ def test_gemma3_hybrid_tokens_equal_generate(in_place_calls, tiny_gemma3):
 
 
 def test_fused_attention_is_refused_where_the_kernels_cannot_run(tiny_llama):
-    """attention="fused" demands the kernels, as a cache layer does: a head_dim they lack is refused by name."""
+    """attention="fused" demands the kernels, as a cache layer does: a head_dim they lack is refused by name (on a GPU
+    as the manager starts, where it asks whether the decode steps can replay CUDA graphs; on a CPU as the pool is
+    built)."""
     model = tiny_llama().to(DEVICE)  # head_dim 32
-    manager = model.init_continuous_batching(generation_config=generation_config({"attention": "fused"}, 2))
     with pytest.raises(ValueError, match="head dims 32/32 are not one of"):
+        manager = model.init_continuous_batching(generation_config=generation_config({"attention": "fused"}, 2))
         manager.warmup()
 
 
