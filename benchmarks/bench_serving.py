@@ -149,7 +149,8 @@ class StepClock:
         if not steps:
             return None
         events = self.profiler.events()
-        windows = [(e.time_range.start, e.time_range.end) for e in events if e.name == PROFILED_STEP]
+        marks = [e for e in events if e.name == PROFILED_STEP and e.device_type == torch.autograd.DeviceType.CPU]
+        windows = [(e.time_range.start, e.time_range.end) for e in marks]  # not the range's GPU-side twin
         if len(windows) != steps:
             raise RuntimeError(f"the profiler recorded {len(windows)} of the {steps} profiled steps")
         kernels, idle_ms, idle_operators = {}, 0.0, {}
