@@ -7,10 +7,9 @@ Each request of the forward (`plan.RequestReads`) attends to its own history:
 - the decode steps (one query token each), together, by the paged decode kernel (kernels/decode_paged.py): each
   request's pages read through the block table, its exact tokens (sinks, window, its own token) from its tail
   (`PagedBatch`: the block table, page counts, tail blocks and exact token counts, made once per forward);
-- a prompt chunk with history, by the cache's chunk attention (`TritonBackend.chunk_attention`) over its pages gathered
-  into one quantized region (`pages.gather_pages`: the 2-bit bytes of one request and one layer) and its exact tokens
-  (the sinks and the window before it, then its own, causal);
-- a prompt chunk without history, by torch's causal sdpa over its own tokens (as a cache layer's first prefill).
+- a prompt chunk, by the cache's chunk attention (`TritonBackend.chunk_attention`) over its pages gathered into one
+  quantized region (`pages.gather_pages`: the 2-bit bytes of one request and one layer) and its exact tokens (the
+  sinks and the window before it, then its own, causal); a request's first chunk over its own tokens only.
 
 Nothing of the batch's dense K/V and no batch-wide mask: `dense()` and `dense_mask()` build them only for attention
 features the kernels lack (`backends.attention_blockers`).
@@ -22,7 +21,6 @@ import itertools
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers.generation.continuous_batching.utils import build_attention_mask
 
 from ..cache.backends import TritonBackend
@@ -119,11 +117,6 @@ class PagedHistory:
         for read, pages in zip(batch.chunks, batch.chunk_pages):
             rows = slice(read.query_at, read.query_at + read.new)
             keys, values = (own.transpose(0, 1)[None] for own in self._exact_of(read))
-            if read.past == 0:
-                out[:, :, rows] = F.scaled_dot_product_attention(
-                    query[:, :, rows], keys, values, is_causal=True, scale=scaling, enable_gqa=True
-                )
-                continue
             quantized = gather_pages(self.pages, pages) if read.pages else None
             out[:, :, rows] = self.backend.chunk_attention(
                 query[:, :, rows], quantized, keys, values, None, scaling, self.config, None
