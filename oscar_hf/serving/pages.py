@@ -112,8 +112,11 @@ class PageLayout:
 def gather_pages(pages: QuantizedKV, blocks: torch.Tensor) -> QuantizedKV:
     """The pages of `blocks` (in position order) of one layer's field views (`PageLayout.views`) as one quantized
     region of `len(blocks) * R` tokens in the storage contract (`oscar_hf.layout`, a batch of one): a page's groups
-    and packed words never cross its boundary, so the pages' rows follow each other."""
-    return QuantizedKV(*(None if view is None else view[blocks].transpose(0, 1).flatten(1, 2)[None] for view in pages))
+    and packed words never cross its boundary, so the pages' rows follow each other. One gather per field, into the
+    region's layout (`[heads, pages, ...]`: the flatten is a view)."""
+    return QuantizedKV(
+        *(None if view is None else view.transpose(0, 1)[:, blocks].flatten(1, 2)[None] for view in pages)
+    )
 
 
 @dataclass(frozen=True)
