@@ -253,14 +253,16 @@ def chunk_attention(
     scaling: float,
     config: OscarConfig,
     key_rotated: torch.Tensor | None = None,
+    *,
+    prefer_flash: bool = False,
 ) -> torch.Tensor:
     """`chunk_attention_triton`'s attention by the faster path for this call: `chunk_attention_flash` for a chunk of
     at least `FLASH_MIN_QUERIES` queries without padding where torch's fused attention (cuDNN or flash) takes its
-    tensors, else the fused kernel."""
+    tensors, else the fused kernel. `prefer_flash`: see `chunk_attention_flash`."""
     args = (query, quantized, exact_keys, exact_values)
     long_chunk = key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES
     if long_chunk and _torch_attention_backend(query, exact_keys):
-        return chunk_attention_flash(*args, scaling, config, key_rotated)
+        return chunk_attention_flash(*args, scaling, config, key_rotated, prefer_flash=prefer_flash)
     return chunk_attention_triton(*args, key_padding_mask, scaling, config, key_rotated)
 
 
@@ -274,14 +276,19 @@ def chunk_attention_flash(
     key_rotated: torch.Tensor | None = None,
     *,
     piece_tokens: int | None = None,
+    prefer_flash: bool = False,
 ) -> torch.Tensor:
     """`chunk_attention_triton`'s attention without padding, by torch's fused attention over the chunk's own tokens
     and over the history dequantized piece by piece (module docstring): `[B, Hq, T, D]`, a view of a `[B, T, Hq, D]`
-    tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 2 T."""
+    tensor. `piece_tokens`: quantized tokens per piece (rounded up to the group size), else 2 T. `prefer_flash`:
+    torch's flash kernel before cuDNN, for callers whose shapes are new at nearly every call (a serving step's
+    chunks): cuDNN builds an execution plan for each new shape (cached per thread by shape), ~1.5 ms of host time per
+    call in a serving step on an H100 (`serving_h100-80gb-hbm3.json`, the prompt profile), more than its faster kernel
+    saves there."""
     who = "chunk_attention_flash"
     num_quantized = _validate(query, quantized, exact_keys, exact_values, None, config, who)
     check_key_rotated(key_rotated, query.shape[0], exact_keys.shape[1], query.device, config, who)
-    backend = _torch_attention_backend(query, exact_keys)
+    backend = _torch_attention_backend(query, exact_keys, prefer_flash)
     if backend is None:
         raise ValueError(
             "chunk_attention_flash: torch's fused attention (cuDNN or flash) does not take these tensors here (on CUDA "
@@ -349,13 +356,10 @@ def _attend(backend: str, query, keys, values, scaling: float, causal: bool) -> 
     return out, lse
 
 
-def _torch_attention_backend(query: torch.Tensor, keys: torch.Tensor) -> str | None:
-    """The torch attention backend that takes these tensors: on CUDA "flash" or "cudnn" (device, dtype, head_dim,
-    GQA, enabled by the user; flash first), on CPU (Triton's interpreter) "cpu", torch's CPU flash kernel, where flash
-    is enabled; None if none does. Flash first: cuDNN builds an execution plan for every new shape (~50 ms for a
-    serving step's chunk on an H100, cached per thread by shape), and a chunk's shapes rarely recur (its length and
-    its history's change from chunk to chunk and from step to step); its faster kernel pays that back only where they
-    do."""
+def _torch_attention_backend(query: torch.Tensor, keys: torch.Tensor, prefer_flash: bool = False) -> str | None:
+    """The torch attention backend that takes these tensors: on CUDA "cudnn" or "flash" (device, dtype, head_dim,
+    GQA, enabled by the user; cuDNN first, flash first with `prefer_flash`), on CPU (Triton's interpreter) "cpu",
+    torch's CPU flash kernel, where flash is enabled; None if none does."""
     if query.device.type == "cpu":
         return "cpu" if torch.backends.cuda.flash_sdp_enabled() else None
     if query.device.type != "cuda":
@@ -363,9 +367,9 @@ def _torch_attention_backend(query: torch.Tensor, keys: torch.Tensor) -> str | N
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
 
     params = SDPAParams(query, keys, keys, None, 0.0, False, True)
-    if can_use_flash_attention(params):
-        return "flash"
-    return "cudnn" if can_use_cudnn_attention(params) else None
+    usable = {"cudnn": can_use_cudnn_attention(params), "flash": can_use_flash_attention(params)}
+    order = ("flash", "cudnn") if prefer_flash else ("cudnn", "flash")
+    return next((backend for backend in order if usable[backend]), None)
 
 
 def _validate(

@@ -172,13 +172,24 @@ class TritonBackend(PortableBackend):
         )
 
     @staticmethod
-    def chunk_attention(query, quantized, exact_keys, exact_values, key_padding_mask, scaling, config, key_rotated):
+    def chunk_attention(
+        query, quantized, exact_keys, exact_values, key_padding_mask, scaling, config, key_rotated, prefer_flash=False
+    ):
         """A chunk's attention `[B, Hq, T, D]`: the faster of the fused kernel over the packed history and flash
-        attention over it dequantized piece by piece (`kernels.chunk_attention.chunk_attention`)."""
+        attention over it dequantized piece by piece (`kernels.chunk_attention.chunk_attention`, `prefer_flash`
+        its)."""
         from ..kernels.chunk_attention import chunk_attention
 
         return chunk_attention(
-            query, quantized, exact_keys, exact_values, key_padding_mask, scaling, config, key_rotated
+            query,
+            quantized,
+            exact_keys,
+            exact_values,
+            key_padding_mask,
+            scaling,
+            config,
+            key_rotated,
+            prefer_flash=prefer_flash,
         )
 
 

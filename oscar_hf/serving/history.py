@@ -9,7 +9,8 @@ Each request of the forward (`plan.RequestReads`) attends to its own history:
   (`PagedBatch`: the block table, page counts, tail blocks and exact token counts, made once per forward);
 - a prompt chunk, by the cache's chunk attention (`TritonBackend.chunk_attention`) over its pages gathered into one
   quantized region (`pages.gather_pages`: the 2-bit bytes of one request and one layer) and its exact tokens (the
-  sinks and the window before it, then its own, causal); a request's first chunk over its own tokens only.
+  sinks and the window before it, then its own, causal); a request's first chunk over its own tokens only. torch's
+  flash kernel before cuDNN's (`prefer_flash`): a step's chunk lengths are new at every step, and cuDNN plans each.
 
 Nothing of the batch's dense K/V and no batch-wide mask: `dense()` and `dense_mask()` build them only for attention
 features the kernels lack (`backends.attention_blockers`).
@@ -119,7 +120,7 @@ class PagedHistory:
             keys, values = (own.transpose(0, 1)[None] for own in self._exact_of(read))
             quantized = gather_pages(self.pages, pages) if read.pages else None
             out[:, :, rows] = self.backend.chunk_attention(
-                query[:, :, rows], quantized, keys, values, None, scaling, self.config, None
+                query[:, :, rows], quantized, keys, values, None, scaling, self.config, None, prefer_flash=True
             )
         return out
 

@@ -19,6 +19,7 @@ from devices import DEVICE, slow_on_cpu
 from oscar_hf.kernels.chunk_attention import (
     FLASH_MIN_QUERIES,
     ChunkTuning,
+    _torch_attention_backend,
     chunk_attention,
     chunk_attention_flash,
     chunk_attention_triton,
@@ -252,6 +253,17 @@ def test_chunk_attention_flash_fuzzed():
         out = chunk_attention_flash(*_without_mask(inputs), piece_tokens=piece_tokens)
         ref = attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
         assert_close_to_reference(out, ref, case.dtype, f"{case.id} seed {seed} pieces of {piece_tokens}")
+
+
+@pytest.mark.gpu
+def test_prefer_flash_orders_the_backends():
+    """cuDNN first by default, flash first with `prefer_flash` (the serving pool's chunks), each where torch takes the
+    tensors; the user's switches still rule."""
+    query, _, keys, *_ = make_inputs(FLASH_CASES[0][0])
+    assert _torch_attention_backend(query, keys, prefer_flash=True) == "flash"
+    assert _torch_attention_backend(query, keys) == ("cudnn" if torch.backends.cuda.cudnn_sdp_enabled() else "flash")
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
+        assert _torch_attention_backend(query, keys, prefer_flash=True) == "cudnn"
 
 
 @pytest.mark.gpu
