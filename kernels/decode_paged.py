@@ -45,9 +45,15 @@ from .decode_triton import _residual_part
 from .decode_tuning import default_tuning, few_heads, num_splits
 
 _LOG2E = 1.4426950408889634
+# A pool's forwards bring new batch sizes, table widths and split counts at nearly every step (the decode rows of steps
+# with prompt chunks have their own table): nothing of them may pick a compiled variant, or a serving run would compile
+# one for each new combination while requests wait. So the split count and the table's stride are not specialised,
+# the tables' sections start 16-byte aligned (`history.PagedBatch`), and the merge reads the partials in tiles of a
+# fixed count (looping over more).
+MERGE_SLOTS = 16
 
 
-@triton.jit(do_not_specialize=["num_splits"])
+@triton.jit(do_not_specialize=["num_splits", "stride_table"])
 def paged_split_kernel(
     # pointers
     q_ptr,
@@ -265,7 +271,6 @@ def paged_decode_attention(
         stride_table=block_table.stride(0),
     )
     out = torch.empty_like(query)
-    merge_slots = min(triton.next_power_of_2(max(splits, 1)), max(1, tuning.merge_tile // head_dim))
     with on_device(query.device):  # Triton launches on the current device
         paged_split_kernel[(batch * kv_heads, splits + 1)](
             query,
@@ -316,8 +321,8 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
-            BLOCK_S=merge_slots,
+            BLOCK_S=MERGE_SLOTS,
             WAIT_FOR_PARTIALS=False,
-            num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
+            num_warps=triton.cdiv(MERGE_SLOTS * head_dim, tuning.merge_tile_per_warp),
         )
     return out

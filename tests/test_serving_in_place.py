@@ -28,6 +28,7 @@ from oscar_hf.serving import pool_config
 from oscar_hf.serving.history import PagedBatch, PagedHistory
 from oscar_hf.serving.memory import READ_COLUMNS
 from oscar_hf.serving.pages import gather_pages
+from oscar_hf.serving.plan import RequestReads
 from oscar_hf.serving.pool import OscarPagedCache
 from oscar_hf.testing import assert_close_to_reference
 
@@ -330,3 +331,23 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
         assert len(replays) >= 3 and 4 in rows  # three decode steps replayed; a graph of four rows captured
     else:
         assert rows[-3:] == [4, 4, 4] and padded_rows[-3:] == [1, 1, 1]  # three requests' steps padded to four rows
+
+
+@pytest.mark.parametrize("requests", [1, 2, 3, 5])
+def test_decode_tables_are_aligned_at_every_batch_size(requests: int):
+    """A forward's decode table (`PagedBatch`): each request's page count, tail block, exact tokens and pages, and every
+    section 16-byte aligned whatever the batch size, so that the paged kernel compiles one variant for all of them
+    (kernels/decode_paged.py)."""
+    reads = [
+        RequestReads(query_at=i, new=1, past=130 * i, pages=list(range(10 * i, 10 * i + i)), tail=7 + i, sinks=0,
+                     exact=3 + i, exact_at=None)
+        for i in range(requests)
+    ]  # fmt: skip
+    batch = PagedBatch(reads, torch.device("cpu"))
+    tensors = (batch.page_counts, batch.tail_blocks, batch.exact_tokens, batch.block_table)
+    assert all(t.data_ptr() % 16 == 0 and t.dtype == torch.int32 for t in tensors)
+    assert batch.page_counts.tolist() == list(range(requests))
+    assert batch.tail_blocks.tolist() == [7 + i for i in range(requests)]
+    assert batch.exact_tokens.tolist() == [3 + i for i in range(requests)]
+    assert [row[:i] for i, row in enumerate(batch.block_table.tolist())] == [r.pages for r in reads]
+    assert batch.decode_rows == slice(0, requests)

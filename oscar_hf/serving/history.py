@@ -59,10 +59,14 @@ class PagedBatch:
         self.decode_rows = slice(start, start + count) if contiguous else torch.tensor(rows, device=device)
         width = max(len(read.pages) for read in decode)
         table = [[*read.pages, *[0] * (width - len(read.pages))] for read in decode]
+        # each of the four sections 16-byte aligned (a multiple of 4 entries before it): the kernel's pointers then
+        # specialise alike at every batch size (kernels/decode_paged.py)
+        padded = -(-count // 4) * 4
         counts = [[len(read.pages) for read in decode], [read.tail for read in decode], [read.exact for read in decode]]
+        counts = [[*column, *[0] * (padded - count)] for column in counts]
         flat = torch.tensor(list(itertools.chain(*counts, *table)), dtype=torch.int32).to(device)  # one copy
-        self.page_counts, self.tail_blocks, self.exact_tokens = flat[: 3 * count].view(3, count)
-        self.block_table = flat[3 * count :].view(count, width)
+        self.page_counts, self.tail_blocks, self.exact_tokens = flat[: 3 * padded].view(3, padded)[:, :count]
+        self.block_table = flat[3 * padded :].view(count, width)
 
     @classmethod
     def from_table(cls, table: torch.Tensor, trash_tail: int) -> PagedBatch:

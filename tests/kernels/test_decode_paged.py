@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 import pytest
 import torch
 from devices import DEVICE
-from oscar_hf.kernels.decode_paged import paged_decode_attention
+from oscar_hf.kernels.decode_paged import MERGE_SLOTS, paged_decode_attention
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
@@ -144,6 +144,8 @@ CASES = [
     # token-norm imbalance: a key token 40x larger in every page (2-bit keys; with 4-bit keys and fp16 the tile's fp16
     # dequantization is past the fp16 tolerance there, in the cache's own decode kernel as well)
     replace(BASE, seed=7, outlier=40.0, max_pages=3),
+    # more splits than the merge reads in one tile (MERGE_SLOTS): its loop over tiles (18 and 19 pages here)
+    replace(BASE, seed=14, batch=2, kv_heads=1, gqa=2, window=64, max_pages=MERGE_SLOTS + 3, splits=MERGE_SLOTS + 3),
 ]
 
 
