@@ -258,10 +258,12 @@ def chunk_attention(
 ) -> torch.Tensor:
     """`chunk_attention_triton`'s attention by the faster path for this call: `chunk_attention_flash` for a chunk of
     at least `FLASH_MIN_QUERIES` queries without padding where torch's fused attention (cuDNN or flash) takes its
-    tensors, else the fused kernel. `prefer_flash`: see `chunk_attention_flash`."""
+    tensors, else the fused kernel; a chunk without history (its own tokens only: plain causal attention) by torch's
+    at any length. `prefer_flash`: see `chunk_attention_flash`."""
     args = (query, quantized, exact_keys, exact_values)
-    long_chunk = key_padding_mask is None and query.shape[-2] >= FLASH_MIN_QUERIES
-    if long_chunk and _torch_attention_backend(query, exact_keys):
+    own_only = quantized is None and exact_keys.shape[-2] == query.shape[-2]
+    torch_pays = key_padding_mask is None and (query.shape[-2] >= FLASH_MIN_QUERIES or own_only)
+    if torch_pays and _torch_attention_backend(query, exact_keys):
         return chunk_attention_flash(*args, scaling, config, key_rotated, prefer_flash=prefer_flash)
     return chunk_attention_triton(*args, key_padding_mask, scaling, config, key_rotated)
 

@@ -255,6 +255,17 @@ def test_chunk_attention_flash_fuzzed():
         assert_close_to_reference(out, ref, case.dtype, f"{case.id} seed {seed} pieces of {piece_tokens}")
 
 
+def test_chunk_without_history_takes_torch_attention():
+    """A chunk over its own tokens only (a request's first chunk in the serving pool) is plain causal attention:
+    torch's at any length (here 20 queries, under `FLASH_MIN_QUERIES`), equal to the float64 reference."""
+    inputs = make_inputs(chunk_case(20, window=0, quantized=0, head_dim=128, dtype=torch.bfloat16))
+    assert inputs[1] is None and inputs[4] is None  # no history, no padding
+    out = chunk_attention(*inputs)
+    assert torch.equal(out, chunk_attention_flash(*_without_mask(inputs)))
+    ref = attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(out, ref, torch.bfloat16, "own tokens only")
+
+
 @pytest.mark.gpu
 def test_prefer_flash_orders_the_backends():
     """cuDNN first by default, flash first with `prefer_flash` (the serving pool's chunks), each where torch takes the
