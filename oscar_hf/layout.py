@@ -28,6 +28,7 @@ more rows than it uses (it grows by doubling); kernels take strides and the leng
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -69,8 +70,10 @@ class StorageLayout:
         return cls(c.key_bits, c.value_bits, c.group_size, c.token_scaling, c.scale_torch_dtype)
 
     @staticmethod
-    def codes_per_word(bits: int) -> int:
-        return WORD_BITS // bits
+    def codes_per_word(bits: int) -> Fraction:
+        """Tokens per row of codes: `WORD_BITS // bits` where `bits` divides the word, else bit planes (3 bits: `bits`
+        rows per `WORD_BITS` tokens)."""
+        return Fraction(WORD_BITS, bits)
 
     @property
     def tokens_per_row(self) -> QuantizedKV:
@@ -138,7 +141,9 @@ class StorageLayout:
     @staticmethod
     def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         """`[..., N, D]` integer codes of `bits` bits -> `[..., N // W, D]` int32 words, packed along the token axis."""
-        per_word = StorageLayout.codes_per_word(bits)
+        if WORD_BITS % bits:
+            return _pack_planes(codes, bits)
+        per_word = WORD_BITS // bits
         grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // per_word, per_word))
         words = torch.zeros_like(grouped[..., 0, :])
         for j in range(per_word):
@@ -148,7 +153,31 @@ class StorageLayout:
     @staticmethod
     def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
         """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes of `bits` bits."""
-        per_word = StorageLayout.codes_per_word(bits)
+        if WORD_BITS % bits:
+            return _unpack_planes(words, bits)
+        per_word = WORD_BITS // bits
         shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(bits).view(per_word, 1)
         codes = (words.unsqueeze(-2) >> shifts) & (2**bits - 1)  # arithmetic shift; the mask drops sign bits
         return codes.flatten(-3, -2).to(torch.uint8)
+
+
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit planes: `[..., N, D]` codes -> `[..., N * bits // WORD_BITS, D]` words; word `g * bits + p` holds bit p of
+    tokens `g * WORD_BITS + j` at bit j."""
+    grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // WORD_BITS, WORD_BITS))
+    planes = []
+    for p in range(bits):
+        words = torch.zeros_like(grouped[..., 0, :])
+        for j in range(WORD_BITS):
+            words |= ((grouped[..., j, :] >> p) & 1) << j
+        planes.append(words)
+    return torch.stack(planes, -2).flatten(-3, -2)
+
+
+def _unpack_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_pack_planes`."""
+    planes = words.unflatten(-2, (words.shape[-2] // bits, bits))  # [..., G, bits, D]
+    shifts = torch.arange(WORD_BITS, device=words.device, dtype=torch.int32).view(WORD_BITS, 1)
+    bit = (planes.unsqueeze(-2) >> shifts) & 1  # [..., G, bits, WORD_BITS, D]
+    codes = sum(bit[..., p, :, :] << p for p in range(bits))
+    return codes.flatten(-3, -2).to(torch.uint8)
