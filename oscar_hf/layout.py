@@ -70,15 +70,19 @@ class StorageLayout:
         return cls(c.key_bits, c.value_bits, c.group_size, c.token_scaling, c.scale_torch_dtype)
 
     @staticmethod
-    def codes_per_word(bits: int) -> Fraction:
-        """Tokens per row of codes: `WORD_BITS // bits` where `bits` divides the word, else bit planes (3 bits: `bits`
-        rows per `WORD_BITS` tokens)."""
+    def codes_per_word(bits: int) -> int:
+        return WORD_BITS // bits
+
+    @staticmethod
+    def tokens_per_code_row(bits: int) -> Fraction:
+        """`WORD_BITS // bits` where `bits` divides the word; bit planes (3 bits) hold `WORD_BITS` tokens in `bits`
+        rows."""
         return Fraction(WORD_BITS, bits)
 
     @property
     def tokens_per_row(self) -> QuantizedKV:
         """How many tokens one row (index along dim 2) of each field covers (None for an absent field)."""
-        wk, wv, g = self.codes_per_word(self.key_bits), self.codes_per_word(self.value_bits), self.group_size
+        wk, wv, g = self.tokens_per_code_row(self.key_bits), self.tokens_per_code_row(self.value_bits), self.group_size
         return QuantizedKV(wk, g, g, 1 if self.token_scaling else None, wv, 1, 1)
 
     @property
