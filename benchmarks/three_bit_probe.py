@@ -11,6 +11,7 @@ long_prompt_ppl.py's protocol and record. Rows named `...-w234` are bits="auto" 
 from __future__ import annotations
 
 import contextlib
+import operator
 import sys
 
 import long_prompt_ppl
@@ -31,8 +32,7 @@ PROBE_METHODS = {
     "oscar-auto-3.6-sinks4": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 4}),
 }
 WIDTHS3 = {name for name, (_, options) in PROBE_METHODS.items() if name.endswith("-w234") or 3 in options.values()}
-# The config accepts width 3 throughout (the rows' bits are counted outside a document's run); the chooser's modules
-# see (2, 3, 4) only while a `-w234` row runs.
+# The chooser's modules see (2, 3, 4) only while a `-w234` row runs; the config accepts width 3 throughout (`install`).
 CHOOSER_MODULES = (layer_widths, layer_bits)
 
 
@@ -49,16 +49,23 @@ def widths(supported: tuple[int, ...]):
             m.SUPPORTED_WIDTHS = s
 
 
-original = long_prompt_ppl.document_nll
+def install(setattr=setattr, setitem=operator.setitem) -> None:
+    """Add the probe's methods to `METHODS` and width 3 to what long_prompt_ppl.py runs: the config accepts it (a
+    row's bits are counted outside its documents' runs) and each document of a row runs under its candidate widths.
+    `setattr`, `setitem`: how to set each attribute and method (a test passes pytest's `monkeypatch`'s, which undo
+    them)."""
+    original = long_prompt_ppl.document_nll
 
+    def document_nll(model, method, ids, prompt, chunk):
+        with widths((2, 3, 4) if method in WIDTHS3 else (2, 4)):
+            return original(model, method, ids, prompt, chunk)
 
-def document_nll(model, method, ids, prompt, chunk):
-    with widths((2, 3, 4) if method in WIDTHS3 else (2, 4)):
-        return original(model, method, ids, prompt, chunk)
+    for name, method in PROBE_METHODS.items():
+        setitem(METHODS, name, method)
+    setattr(config_module, "SUPPORTED_WIDTHS", (2, 3, 4))
+    setattr(long_prompt_ppl, "document_nll", document_nll)
 
 
 if __name__ == "__main__":
-    METHODS.update(PROBE_METHODS)
-    long_prompt_ppl.document_nll = document_nll
-    config_module.SUPPORTED_WIDTHS = (2, 3, 4)
+    install()
     sys.exit(long_prompt_ppl.main())
