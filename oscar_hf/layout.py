@@ -80,10 +80,10 @@ class StorageLayout:
         return WORD_BITS // bits
 
     @staticmethod
-    def tokens_per_code_row(bits: int) -> Fraction:
+    def tokens_per_code_row(bits: int) -> int | Fraction:
         """`WORD_BITS // bits` where `bits` divides the word; bit planes (3 bits) hold `WORD_BITS` tokens in `bits`
-        rows."""
-        return Fraction(WORD_BITS, bits)
+        rows. An int where it can be: the cache slices rows on its steps, and Fraction arithmetic costs microseconds."""
+        return WORD_BITS // bits if WORD_BITS % bits == 0 else Fraction(WORD_BITS, bits)
 
     @property
     def tokens_per_row(self) -> QuantizedKV:
