@@ -2,7 +2,8 @@
 
 Width 3 exists only in the portable backend here (the layout's bit-plane packing in plain PyTorch; no kernel unpacks
 it), so this script adds 3 to the widths for the methods that need it while they run (`WIDTHS3`), on the CPU, through
-long_prompt_ppl.py's protocol and record. Rows named `...-w234` are bits="auto" with the candidate widths (2, 3, 4)
+long_prompt_ppl.py's protocol, into its own records (benchmarks/results/three_bit_probe_<model>.json, the runs layout of
+long_prompt_<model>.json). Rows named `...-w234` are bits="auto" with the candidate widths (2, 3, 4)
 (its start chain then K2V2, K3V2, K3V3, K4V3, K4V4); the others run with today's widths (2, 4).
 
     python benchmarks/three_bit_probe.py --models qwen2.5-0.5b --docs 2
@@ -64,6 +65,7 @@ def install(setattr=setattr, setitem=operator.setitem) -> None:
         setitem(METHODS, name, method)
     setattr(config_module, "SUPPORTED_WIDTHS", (2, 3, 4))
     setattr(long_prompt_ppl, "document_nll", document_nll)
+    setattr(long_prompt_ppl, "RECORD", "three_bit_probe_{}.json")
 
 
 if __name__ == "__main__":

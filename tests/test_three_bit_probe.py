@@ -12,6 +12,7 @@ def test_probe_rows_store_three_bit_codes_and_restore_the_chooser(tiny_llama, mo
     """A K3V2 row stores 3-bit key codes (3 rows per 32 tokens) and counts them (`average_bits`); a `-w234` row
     chooses among widths that include 3; after each row the chooser sees (2, 4) again."""
     three_bit_probe.install(monkeypatch.setattr, monkeypatch.setitem)
+    assert long_prompt_ppl.RECORD.format("m") == "three_bit_probe_m.json"  # run_accuracy.py's tables stay apart
     torch.manual_seed(0)
     model = tiny_llama()
     ids = torch.randint(3, model.config.vocab_size, (1, 385))
