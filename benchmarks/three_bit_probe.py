@@ -29,6 +29,7 @@ PROBE_METHODS = {
     "oscar-auto-3.2-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 4}),
     "oscar-auto-3.4-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": 3.4, "sink_tokens": 4}),
     "oscar-auto-3.6-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 4}),
+    "oscar-auto-3.7-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": 3.7, "sink_tokens": 4}),  # K3V2 and a bit
     "oscar-auto-3.9-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": 3.9, "sink_tokens": 4}),
     "oscar-auto-3.6-sinks4": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 4}),
 }
