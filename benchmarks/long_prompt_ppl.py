@@ -17,7 +17,7 @@ units; chunks of one document are not independent, so it is a floor), and the ch
     python benchmarks/long_prompt_ppl.py --models smollm2-135m --docs 4
     python benchmarks/long_prompt_ppl.py --models gemma-3-270m --methods bf16 oscar-auto-3.2-sinks4 oscar-k4v2
 
-Rows go to benchmarks/results/long_prompt_<model>.json (runs layout, `records.start_run`).
+Rows go to benchmarks/results/long_prompt_<model>.json (runs layout, `records.start_run`; `RECORD`).
 """
 
 from __future__ import annotations
@@ -43,6 +43,9 @@ from oscar_hf.offline_models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
+# Each model's record (`str.format` of the model's name); three_bit_probe.py keeps its rows apart, since its methods are
+# no names of `METHODS` outside it (run_accuracy.py tabulates this file's latest runs).
+RECORD = "long_prompt_{}.json"
 MODELS = ["smollm2-135m", "qwen2.5-0.5b", "gemma-3-270m", "qwen2.5-1.5b"]
 # The default; the fixed configs a budget of about its bits or of 4.1 bits could choose, with and without sinks; the
 # budgets 3.6, 3.9 (4.1 effective bits at 4K with its sinks) and 4.1; the peers at about those bits (KIVI as our cache
@@ -244,7 +247,7 @@ def main() -> None:
         start = time.perf_counter()
         rows = measure(model, ran, docs, args.prompt, args.chunk)
         header = records.header("perplexity after a long prompt", "cpu")
-        path = RESULTS / f"long_prompt_{name}.json"
+        path = RESULTS / RECORD.format(name)
         record = records.start_run(
             path, header, model=name, dtype="float32", machine=records.machine(), docs=len(docs), prompt=args.prompt,
             scored=args.scored, chunk=args.chunk, seconds=round(time.perf_counter() - start, 1),

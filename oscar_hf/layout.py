@@ -23,11 +23,18 @@ at bits `[j * b, (j + 1) * b)` (token r*W in the least significant bits). Both K
 row of D words (512 bytes at D=128) is a single coalesced load covering W tokens of a head. The cache may allocate
 more rows than it uses (it grows by doubling); kernels take strides and the length. Dequantization:
 `x = code * scale + min`; a zero range stores scale 0, so every code decodes to the minimum.
+
+3-bit codes (not in `SUPPORTED_WIDTHS`: no kernel unpacks them yet; benchmarks/three_bit_probe.py stores them through
+the portable backend) are bit planes: 32 tokens take 3 words, word `[b, h, 3 g + p, d]` holding bit p of tokens
+`32 g + j` at bit j, so a row covers 32 / 3 tokens (`tokens_per_code_row`) and a group of 32 tokens is whole rows.
+Ten 3-bit codes a word would spread 32 tokens over 4 words (4 bits a code); planes keep 3, and each plane unpacks
+as 1-bit codes, 32 a word, one shift and mask per code as at 2 and 4 bits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import NamedTuple
 
 import torch
@@ -72,10 +79,16 @@ class StorageLayout:
     def codes_per_word(bits: int) -> int:
         return WORD_BITS // bits
 
+    @staticmethod
+    def tokens_per_code_row(bits: int) -> int | Fraction:
+        """`WORD_BITS // bits` where `bits` divides the word; bit planes (3 bits) hold `WORD_BITS` tokens in `bits`
+        rows. An int where it can be: the cache slices rows on its steps, and Fraction arithmetic costs microseconds."""
+        return WORD_BITS // bits if WORD_BITS % bits == 0 else Fraction(WORD_BITS, bits)
+
     @property
     def tokens_per_row(self) -> QuantizedKV:
         """How many tokens one row (index along dim 2) of each field covers (None for an absent field)."""
-        wk, wv, g = self.codes_per_word(self.key_bits), self.codes_per_word(self.value_bits), self.group_size
+        wk, wv, g = self.tokens_per_code_row(self.key_bits), self.tokens_per_code_row(self.value_bits), self.group_size
         return QuantizedKV(wk, g, g, 1 if self.token_scaling else None, wv, 1, 1)
 
     @property
@@ -138,7 +151,9 @@ class StorageLayout:
     @staticmethod
     def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         """`[..., N, D]` integer codes of `bits` bits -> `[..., N // W, D]` int32 words, packed along the token axis."""
-        per_word = StorageLayout.codes_per_word(bits)
+        if WORD_BITS % bits:
+            return _pack_planes(codes, bits)
+        per_word = WORD_BITS // bits
         grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // per_word, per_word))
         words = torch.zeros_like(grouped[..., 0, :])
         for j in range(per_word):
@@ -148,7 +163,31 @@ class StorageLayout:
     @staticmethod
     def unpack_codes(words: torch.Tensor, bits: int) -> torch.Tensor:
         """`[..., N // W, D]` int32 words -> `[..., N, D]` uint8 codes of `bits` bits."""
-        per_word = StorageLayout.codes_per_word(bits)
+        if WORD_BITS % bits:
+            return _unpack_planes(words, bits)
+        per_word = WORD_BITS // bits
         shifts = torch.arange(per_word, device=words.device, dtype=torch.int32).mul_(bits).view(per_word, 1)
         codes = (words.unsqueeze(-2) >> shifts) & (2**bits - 1)  # arithmetic shift; the mask drops sign bits
         return codes.flatten(-3, -2).to(torch.uint8)
+
+
+def _pack_planes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Bit planes: `[..., N, D]` codes -> `[..., N * bits // WORD_BITS, D]` words; word `g * bits + p` holds bit p of
+    tokens `g * WORD_BITS + j` at bit j."""
+    grouped = codes.to(torch.int32).unflatten(-2, (codes.shape[-2] // WORD_BITS, WORD_BITS))
+    planes = []
+    for p in range(bits):
+        words = torch.zeros_like(grouped[..., 0, :])
+        for j in range(WORD_BITS):
+            words |= ((grouped[..., j, :] >> p) & 1) << j
+        planes.append(words)
+    return torch.stack(planes, -2).flatten(-3, -2)
+
+
+def _unpack_planes(words: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of `_pack_planes`."""
+    planes = words.unflatten(-2, (words.shape[-2] // bits, bits))  # [..., G, bits, D]
+    shifts = torch.arange(WORD_BITS, device=words.device, dtype=torch.int32).view(WORD_BITS, 1)
+    bit = (planes.unsqueeze(-2) >> shifts) & 1  # [..., G, bits, WORD_BITS, D]
+    codes = sum(bit[..., p, :, :] << p for p in range(bits))
+    return codes.flatten(-3, -2).to(torch.uint8)

@@ -29,6 +29,30 @@ def test_pack_bit_order_is_token_major_in_low_bits():
     assert StorageLayout.pack_codes(codes, 2).item() == (3 << 2) | (1 << 30)
 
 
+def test_three_bit_codes_are_bit_planes_of_32_tokens():
+    """Word 3 g + p holds bit p of tokens 32 g .. 32 g + 31, token 32 g + j at bit j; every code round-trips."""
+    codes = torch.randint(0, 8, (2, 3, 96, 5), dtype=torch.uint8)
+    codes[0, 0, :32, 0] = 7  # all-ones planes: the sign bit is set
+    codes[0, 0, 32:64, 0] = 0
+    codes[0, 0, 33, 0] = 5  # token 1 of the second group: planes 0 and 2
+    words = StorageLayout.pack_codes(codes, 3)
+    assert words.dtype == torch.int32 and words.shape == (2, 3, 9, 5)
+    assert torch.equal(StorageLayout.unpack_codes(words, 3), codes)
+    assert words[0, 0, :3, 0].tolist() == [-1, -1, -1]
+    assert words[0, 0, 3:6, 0].tolist() == [1 << 1, 0, 1 << 1]
+
+
+def test_three_bit_rows_cover_whole_key_groups():
+    """A 3-bit layout's shapes and row views: 3 code rows per 32 tokens, whole rows per key group."""
+    layout = StorageLayout(3, 2, 32, True, torch.float16)
+    shapes = layout.shapes(1, 2, 64, 2, 64, 96)
+    assert shapes.key_codes == (1, 2, 9, 64) and shapes.value_codes == (1, 2, 6, 64)
+    codes = torch.randint(0, 8, (1, 2, 96, 64), dtype=torch.uint8)
+    qkv = layout.empty(1, 2, 64, 2, 64, 96, "cpu")._replace(key_codes=StorageLayout.pack_codes(codes, 3))
+    part = layout.rows(qkv, 32, 96)
+    assert torch.equal(StorageLayout.unpack_codes(part.key_codes, 3), codes[:, :, 32:96])
+
+
 @pytest.mark.parametrize(
     "config",
     [
