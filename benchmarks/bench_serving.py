@@ -82,8 +82,8 @@ class StepClock:
     `profile_steps`, the steps of `profile_kind` (all-decode, or with prompt tokens) after the first `PROFILE_AFTER` are
     marked for the profiler (`PROFILED_STEP`), that many, and not timed. The profiler runs from the generation loop's
     start (after transformers' warmup) to the end, started and stopped on this thread (CUPTI refuses a start on the
-    loop's thread once it registered on this one), so the row's other timings are taken under it. `first_step`: when the first step
-    began."""
+    loop's thread once it registered on this one), so the row's other timings are taken under it. `first_step`: when
+    the first step began."""
 
     def __init__(self, device: torch.device, profile_steps: int = 0, profile_kind: str = "decode"):
         self.device, self.steps, self.pool_tokens, self.first_step = device, [], None, None
