@@ -122,6 +122,8 @@ class TailAllocator(_PoolAllocator):
         self._register(bytes_per_sector, non_trash_bytes, cache_tensor, pool)
         self.views = [self.tail.views(cache_tensor, self.bytes_per_block, i) for i in range(self.tail.layers)]
         self.layers = tuple(stack_views(list(kv)) for kv in zip(*self.views))  # [blocks, layers, slots, heads, D]
+        # each layer's keys and values together, `[blocks, slots, 2, heads, D]`: one index moves both
+        self.kv_views = [stack_views(list(kv)).transpose(1, 2) for kv in self.views]
 
     def needs_new_blocks(self, request_id: str, past_length: int, query_length: int) -> int:
         return 0 if request_id in self.block_table else 1

@@ -369,21 +369,20 @@ class OscarPagedCache(PagedAttentionCache):
         if kwargs.get("block_table") is not None:
             return self._table_step(layer, key_states, value_states, kwargs)
         plan = self._batch_plan(kwargs["cu_seq_lens_q"])
-        tails = self.tails.views[layer]
+        tails, tails_kv = self.tails.views[layer], self.tails.kv_views[layer]
         new = [states[0].transpose(0, 1) for states in (key_states, value_states)]  # [tokens, heads, head_dim]
+        new_kv = torch.stack(new, 1)  # [tokens, 2, heads, head_dim]: keys and values move together
         heads, dim, page_tokens = new[0].shape[1], new[0].shape[2], self.pages.tokens_per_page
 
         pages = len(plan.quantize_blocks)
         if pages:  # 1. the pages that complete, from the window's exact tokens and the new ones
-            staged = []
-            for states, tail in zip(new, tails):
-                stage = states.new_empty(pages * page_tokens, heads, dim)
-                _gather(stage, plan.stage_tail, tail)
-                _gather(stage, plan.stage_new, states)
-                staged.append(stage.view(pages, page_tokens, heads, dim).transpose(1, 2))
-            self.codec.write(layer, plan.quantize_blocks, *staged)
+            stage = new_kv.new_empty(pages * page_tokens, 2, heads, dim)
+            _gather(stage, plan.stage_tail, tails_kv)
+            _gather(stage, plan.stage_new, new_kv)
+            staged = stage.view(pages, page_tokens, 2, heads, dim).transpose(1, 3)  # [pages, heads, 2, R, D]
+            self.codec.write(layer, plan.quantize_blocks, staged[:, :, 0], staged[:, :, 1])
         if self.in_place:
-            return self._in_place_step(plan, layer, key_states, value_states, new, kwargs)
+            return self._in_place_step(plan, layer, key_states, value_states, new_kv, kwargs)
         dense = [states.new_empty(plan.tokens, heads, dim) for states in new]
         for out, states, tail in zip(dense, new, tails):
             _gather(out, plan.out_tail, tail)
@@ -395,14 +394,14 @@ class OscarPagedCache(PagedAttentionCache):
             into = rows[start * page_tokens : (start + len(blocks)) * page_tokens]
             for out, pages in zip(dense, self.codec.read(layer, blocks, key_states.dtype)):
                 out[into] = pages.transpose(1, 2).reshape(-1, heads, dim)
-        self._write_tails(plan, new, tails)
+        self._write_tails(plan, new_kv, tails_kv)
         return tuple(out.transpose(0, 1).unsqueeze(0) for out in dense)
 
-    def _write_tails(self, plan: BatchPlan, new: list[torch.Tensor], tails: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """3. the new tokens that stay exact."""
+    @staticmethod
+    def _write_tails(plan: BatchPlan, new_kv: torch.Tensor, tails_kv: torch.Tensor) -> None:
+        """3. the new tokens that stay exact (`new_kv` `[tokens, 2, heads, D]`, into `TailAllocator.kv_views`)."""
         destination, source, blocks = plan.tail_writes
-        for states, tail in zip(new, tails):
-            tail[blocks, destination] = states[source]
+        tails_kv[blocks, destination] = new_kv[source]
 
     def _table_step(self, layer: int, key_states, value_states, kwargs: dict) -> tuple:
         """A decode-only forward on the fast path: every step of it on the device, from the block table
@@ -423,19 +422,19 @@ class OscarPagedCache(PagedAttentionCache):
         hand_over(key_states, kwargs)
         return key_states, value_states
 
-    def _in_place_step(self, plan: BatchPlan, layer: int, key_states, value_states, new, kwargs: dict) -> tuple:
+    def _in_place_step(self, plan: BatchPlan, layer: int, key_states, value_states, new_kv, kwargs: dict) -> tuple:
         """2. and 3. read in place: the chunks' exact tokens copied before the tails are written, then the new tokens
         returned carrying the step (handed to the attention call too, as `OscarCache.update` hands its steps)."""
         if self._layers[layer].fused_step is not None and self._layers[layer].fused_step.unattended:
             raise RuntimeError(UNATTENDED_STEP)
-        tails = self.tails.views[layer]
+        tails, tails_kv = self.tails.views[layer], self.tails.kv_views[layer]
         exact = None
         if plan.exact_tokens:
-            exact = [states.new_empty(plan.exact_tokens, *states.shape[1:]) for states in new]
-            for out, states, tail in zip(exact, new, tails):
-                _gather(out, plan.exact_tail, tail)
-                _gather(out, plan.exact_new, states)
-        self._write_tails(plan, new, tails)
+            exact_kv = new_kv.new_empty(plan.exact_tokens, *new_kv.shape[1:])
+            _gather(exact_kv, plan.exact_tail, tails_kv)
+            _gather(exact_kv, plan.exact_new, new_kv)
+            exact = exact_kv[:, 0], exact_kv[:, 1]
+        self._write_tails(plan, new_kv, tails_kv)
         history = PagedHistory(
             self._batch, self.pages.views[layer], tails, exact, self.codec, layer, self.backend, self.oscar_config
         )
