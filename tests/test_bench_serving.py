@@ -41,8 +41,9 @@ def test_quick_run_records_both_pools(serving, tmp_path):
 def test_profiles_prompt_steps(serving, tmp_path):
     """`--profile-kind prompt`: that many steps with prompt tokens under the profiler, after PROFILE_AFTER of them,
     none of them timed (small batches: a request set of many prompt steps)."""
-    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--caches", "oscar"]
-    args += ["--max-batch-tokens", "256", "--profile-steps", "2", "--profile-kind", "prompt", "--out", str(tmp_path)]
+    args = ["--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--caches", "oscar", "--requests", "2"]
+    args += ["--min-prompt", "300", "--max-prompt", "300", "--new-tokens", "1", "--max-batch-tokens", "128"]
+    args += ["--profile-steps", "2", "--profile-kind", "prompt", "--out", str(tmp_path)]
     [row] = json.loads(serving.main(args).read_text())["rows"]
     assert row["profile"]["steps"] == 2 and row["profile"]["wall_ms"] > 0, row
     assert row["steps"] - row["decode_steps"] >= serving.PROFILE_AFTER + 2  # the prompt steps, profiled ones too
