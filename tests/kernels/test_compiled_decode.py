@@ -159,7 +159,8 @@ def _tiny_gemma3(window: int, **overrides) -> Gemma3ForCausalLM:
 HYBRIDS = {"gemma3": Gemma3ForCausalLM, "gemma3n": Gemma3nForCausalLM, "qwen3next": Qwen3NextForCausalLM}
 
 
-@pytest.mark.parametrize("family", list(HYBRIDS))
+# Gemma 3 in the default run on a CPU; Gemma 3n's KV sharing and Qwen3-Next's linear attention there in `-m slow`
+@pytest.mark.parametrize("family", ["gemma3", slow_on_cpu("gemma3n"), slow_on_cpu("qwen3next")])
 def test_generate_auto_compiles_a_hybrid_model(request, family):
     """Gemma 3 (issue 36): the sliding-window layers are static, the full-attention ones OScaR layers, and generate's
     automatic compile takes the whole decode step: a prompt shorter than the window (16), which fills during decode,
@@ -469,6 +470,7 @@ def test_eager_decode_refuses_a_non_finite_block_at_the_next_step(tiny_llama):
     assert refused_at == 129
 
 
+@pytest.mark.slow_on_cpu  # ~22 s in the interpreter; the default config's sinks compile in the default run
 def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
     """sink_tokens=4 on a batch whose row 1 has 2 padding positions: 4 sink slots, each row's own first real tokens;
     the 5-token prompt holds 3 of row 1's, so the first compiled step writes its last sink into its slot (row 0's
