@@ -88,7 +88,7 @@ class StepClock:
     def __init__(self, device: torch.device, profile_steps: int = 0, profile_kind: str = "decode"):
         self.device, self.steps, self.pool_tokens, self.first_step = device, [], None, None
         self.profile_steps, self.profile_kind, self.profiled_wall = profile_steps, profile_kind, 0.0
-        self.profiler = None
+        self.profiler, self.profiling = None, False
         if profile_steps:  # the loop's thread's operators too
             every_thread = torch._C._profiler._ExperimentalConfig(profile_all_threads=True)
             activities = [ProfilerActivity.CPU, ProfilerActivity.CUDA]
@@ -124,6 +124,7 @@ class StepClock:
 
         def start_profiled(manager):
             clock.profiler.start()
+            clock.profiling = True
             original_start(manager)
 
         ContinuousBatchProcessor._generation_step = timed
@@ -138,8 +139,9 @@ class StepClock:
 
     def __exit__(self, *exc):
         ContinuousBatchProcessor._generation_step, ContinuousBatchingManager.start = self.original
-        if self.profiler is not None and self.profiler.profiler is not None:
+        if self.profiling:
             self.profiler.stop()
+            self.profiling = False
 
     def profile_summary(self, top: int = 15) -> dict | None:
         """Where the profiled steps' time went: wall and GPU-busy time per step, the kernels by GPU time, and the GPU's

@@ -369,9 +369,9 @@ def _torch_attention_backend(query: torch.Tensor, keys: torch.Tensor, prefer_fla
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention, can_use_flash_attention
 
     params = SDPAParams(query, keys, keys, None, 0.0, False, True)
-    usable = {"cudnn": can_use_cudnn_attention(params), "flash": can_use_flash_attention(params)}
+    takes = {"cudnn": can_use_cudnn_attention, "flash": can_use_flash_attention}
     order = ("flash", "cudnn") if prefer_flash else ("cudnn", "flash")
-    return next((backend for backend in order if usable[backend]), None)
+    return next((backend for backend in order if takes[backend](params)), None)
 
 
 def _validate(
