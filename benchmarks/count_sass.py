@@ -27,7 +27,7 @@ from unittest import mock
 
 import torch
 import triton
-from oscar_hf.kernels import decode_attention, decode_gluon
+from oscar_hf.kernels import decode_attention, decode_gluon, decode_paged
 from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -37,8 +37,49 @@ from triton.runtime.jit import create_function_from_signature
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import StorageLayout
+from oscar_hf.serving.pages import PageLayout, TailLayout, round_up
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
+
+
+def _paged_launch_arguments(tuning, gqa: int, head_dim: int, key_bits: int, value_bits: int) -> dict:
+    """The arguments `paged_decode_attention` passes the Gluon kernel (its launch forced, as on a GPU) for a decode
+    step of the serving pool: B=16, Hkv=8, 80 pages of 128 tokens each, one page per layer of a 32-layer block (the
+    pool's strides), on CPU tensors as `_launch_arguments`'."""
+    batch, kv_heads, pages_each, layers = 16, 8, 80, 32
+    config = OscarConfig(method="paper", key_bits=key_bits, value_bits=value_bits, sink_tokens=4)
+    page = PageLayout.of(config, kv_heads, head_dim)
+    block_bytes = round_up(layers * page.bytes, 512)
+    blocks = batch * pages_each
+    pages = page.views(torch.empty(blocks * block_bytes, dtype=torch.uint8), block_bytes, layers - 1)
+    tail = TailLayout(layers, config.sink_tokens, config.residual_length, kv_heads, head_dim, torch.bfloat16)
+    tail_bytes = round_up(tail.bytes, 512)
+    tail_keys, tail_values = tail.views(torch.empty(batch * tail_bytes, dtype=torch.uint8), tail_bytes, layers - 1)
+    table = torch.randperm(blocks, dtype=torch.int32).view(batch, pages_each)
+    counts = torch.full((batch,), pages_each, dtype=torch.int32)
+    query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
+    recorded = {}
+    gluon_kernel = decode_gluon._gluon_split_kernel
+    with (
+        mock.patch.object(decode_paged, "paged_split_kernel", _recorder(decode_paged.paged_split_kernel, recorded)),
+        mock.patch.object(decode_paged, "merge_kernel", _recorder(decode_paged.merge_kernel, recorded)),
+        mock.patch.object(decode_gluon, "_gluon_split_kernel", _recorder(gluon_kernel, recorded)),
+        mock.patch.object(decode_paged, "gluon_splits_for", lambda *args: (4, "")),
+    ):
+        decode_paged.paged_decode_attention(
+            query, pages, tail_keys, tail_values, table, counts, torch.arange(batch, dtype=torch.int32),
+            torch.full((batch,), 70, dtype=torch.int32), head_dim**-0.5, config, tuning=tuning,
+        )  # fmt: skip
+    return gluon_kernel, recorded[gluon_kernel]
+
+
+def _recorder(kernel, recorded: dict):
+    """A stand-in for `kernel` whose `[grid](...)` records the arguments by name in `recorded[kernel]`."""
+
+    def launch(*args, **kwargs):
+        recorded[kernel] = dict(zip(kernel.arg_names, args)) | kwargs
+
+    return mock.Mock(__getitem__=lambda self, grid: launch, arg_names=kernel.arg_names, fn=kernel.fn)
 
 
 def _launch_arguments(
@@ -58,19 +99,12 @@ def _launch_arguments(
     mask = torch.ones(batch, context + residual, dtype=torch.bool) if masked else None
     key_rotated = torch.ones(batch, kv_heads, dtype=torch.bool) if per_head else None
     recorded = {}
-
-    def recorder(kernel):
-        def launch(*args, **kwargs):
-            recorded[kernel] = dict(zip(kernel.arg_names, args)) | kwargs
-
-        return mock.Mock(__getitem__=lambda self, grid: launch, arg_names=kernel.arg_names, fn=kernel.fn)
-
     gluon_kernel = decode_gluon._gluon_split_kernel
     with (
-        mock.patch.object(decode_attention, "split_kernel", recorder(decode_attention.split_kernel)),
-        mock.patch.object(decode_attention, "merge_kernel", recorder(decode_attention.merge_kernel)),
-        mock.patch.object(decode_gluon, "_gluon_split_kernel", recorder(gluon_kernel)),
-        mock.patch.object(decode_attention, "_gluon_splits", lambda *args: (16, "") if gluon else (0, "not asked")),
+        mock.patch.object(decode_attention, "split_kernel", _recorder(decode_attention.split_kernel, recorded)),
+        mock.patch.object(decode_attention, "merge_kernel", _recorder(decode_attention.merge_kernel, recorded)),
+        mock.patch.object(decode_gluon, "_gluon_split_kernel", _recorder(gluon_kernel, recorded)),
+        mock.patch.object(decode_attention, "gluon_splits_for", lambda *args: (16, "") if gluon else (0, "not asked")),
         mock.patch.object(decode_attention, "interpreting", lambda: True),
         mock.patch.object(decode_attention, "_PLANS", {}),  # plans made with these stand-ins are not kept
     ):
@@ -82,13 +116,18 @@ def _launch_arguments(
 
 
 def compile_kernel(
-    tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False, key_bits=2, value_bits=2
-):
-    """The split kernel (or with `gluon` the Gluon kernel) compiled for sm_`arch` with the launch's arguments,
-    specialized as Triton's launcher does."""
-    kernel, arguments = _launch_arguments(
-        tuning, gqa, head_dim, per_head, masked, gluon=gluon, key_bits=key_bits, value_bits=value_bits
-    )
+    tuning, gqa: int, head_dim: int, arch: int, per_head=False, masked=False, gluon=False, key_bits=2, value_bits=2,
+    paged=False,
+):  # fmt: skip
+    """The split kernel (or with `gluon` the Gluon kernel, with `paged` the Gluon kernel over the serving pool's pages)
+    compiled for sm_`arch` with the launch's arguments, specialized as Triton's launcher does."""
+    if paged:
+        kernel, arguments = _paged_launch_arguments(tuning, gqa, head_dim, key_bits, value_bits)
+        gluon = True
+    else:
+        kernel, arguments = _launch_arguments(
+            tuning, gqa, head_dim, per_head, masked, gluon=gluon, key_bits=key_bits, value_bits=value_bits
+        )
     target = GPUTarget("cuda", arch, 32)
     backend = make_backend(target)
     binder = create_function_from_signature(kernel.signature, kernel.params, backend)
@@ -141,6 +180,7 @@ def main() -> None:
     parser.add_argument("--per-head", action="store_true", help='method="oscar": key rotation chosen per KV head')
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
+    parser.add_argument("--paged", action="store_true", help="the Gluon kernel over the serving pool's pages")
     parser.add_argument("--key-bits", type=int, default=2, choices=[2, 4])
     parser.add_argument("--value-bits", type=int, default=2, choices=[2, 4])
     args = parser.parse_args()
@@ -149,12 +189,12 @@ def main() -> None:
         launch, block_n=args.block_n or launch.block_n, num_warps=args.warps or launch.num_warps
     )
     args.block_n, args.warps = launch.block_n, launch.num_warps
-    if args.gluon:
+    if args.gluon or args.paged:
         args.block_n, args.warps = decode_gluon.BLOCK.value, decode_gluon.WARPS
 
     kernel = compile_kernel(
         launch, args.gqa, args.head_dim, args.arch, per_head=args.per_head, masked=args.masked, gluon=args.gluon,
-        key_bits=args.key_bits, value_bits=args.value_bits,
+        key_bits=args.key_bits, value_bits=args.value_bits, paged=args.paged,
     )  # fmt: skip
     body, opcodes, usage = loop_report(kernel)
     per_code = args.warps * 32 * len(body) / (args.block_n * 2 * args.head_dim)

@@ -60,9 +60,9 @@ from .quantize_pack import check_key_rotated
 # Gluon (Triton's layout-explicit dialect, still `experimental`, its API changing between releases) reads the full
 # blocks of the usual decode step with the Triton versions it was built and checked with: 3.6 on the GPUs, 3.9 compiled
 # on the CPU. With an older Triton the Triton kernel reads every token.
-_gluon = None
+decode_gluon = None
 if tuple(int(part) for part in triton.__version__.split(".")[:2]) >= (3, 6):
-    from . import decode_gluon as _gluon
+    from . import decode_gluon
 
 _LOG2E = 1.4426950408889634
 _MAX_PLANS = 256  # plans kept (oldest dropped first): an eager decode makes one per R steps, a compiled one one
@@ -122,7 +122,9 @@ def _launch(plan: DecodePlan, inputs: tuple, quantized: QuantizedKV, length, sca
     residual, mask = inputs[8].shape[2], inputs[10]
     plan.split(direct, *inputs, part_o, part_ml, q_op, q_scale, residual, scaling * _LOG2E, mask.stride(0))
     if plan.gluon:
-        _gluon.launch(plan.gluon, direct, q_op, q_scale, quantized, inputs[4], mask, length, part_o, part_ml, residual)
+        decode_gluon.launch(
+            plan.gluon, direct, q_op, q_scale, quantized, inputs[4], mask, length, part_o, part_ml, residual
+        )
     plan.merge(direct, part_o, part_ml, out)
 
 
@@ -251,10 +253,10 @@ def _make_plan(
     block_n = tuning.block_n
     block_m = max(tuning.block_m, triton.next_power_of_2(rows))
     num_blocks = triton.cdiv(num_quantized, block_n)
-    gluon_splits, why_not_gluon = _gluon_splits(query, quantized, config, block_m, num_quantized, tuning)
+    gluon_splits, why_not_gluon = gluon_splits_for(query, quantized, config, block_m, num_quantized, tuning)
     gluon_blocks_per_split = 0
     if gluon_splits:  # the Triton kernel's one quantized program reads what follows the Gluon kernel's full blocks
-        gluon_block = _gluon.BLOCK.value
+        gluon_block = decode_gluon.BLOCK.value
         splits, blocks_per_split = 1, gluon_block // block_n
         gluon_blocks_per_split = triton.cdiv(num_quantized // gluon_block, gluon_splits)
         gluon_splits = triton.cdiv(num_quantized // gluon_block, gluon_blocks_per_split)
@@ -264,7 +266,7 @@ def _make_plan(
         blocks_per_split = triton.cdiv(num_blocks, splits) if splits else 0
         if splits:
             splits = triton.cdiv(num_blocks, blocks_per_split)
-    gluon_parts = gluon_splits * _gluon.WARPS if gluon_splits else 0  # a partial per warp
+    gluon_parts = gluon_splits * decode_gluon.WARPS if gluon_splits else 0  # a partial per warp
     # programmatic dependent launch (griddepcontrol) needs compute capability 9.0 (and a GPU: the CPU tests stand in
     # for the Gluon kernel); asked only where the Gluon kernel runs
     pdl = (
@@ -321,7 +323,7 @@ def _make_plan(
     )
     gluon = None
     if gluon_splits:
-        gluon = _gluon.bind(
+        gluon = decode_gluon.bind(
             (batch * kv_heads, gluon_splits), quantized, key_norms, mask, length, num_quantized,
             gluon_blocks_per_split, num_parts, rows, config.key_bits, config.value_bits, config.token_scaling,
             key_padding_mask is not None, tuning.gluon_max_registers, tuning.gluon_ptxas_options, pdl, sinks,
@@ -358,17 +360,19 @@ def _make_plan(
     )
 
 
-def _gluon_splits(query, quantized, config, block_m: int, num_quantized: int, tuning: DecodeTuning) -> tuple[int, str]:
+def gluon_splits_for(
+    query, quantized, config, block_m: int, num_quantized: int, tuning: DecodeTuning
+) -> tuple[int, str]:
     """Programs per KV head of the Gluon kernel, and why it does not run where that is 0 (the Triton kernel then reads
     every quantized token)."""
-    if _gluon is None:
+    if decode_gluon is None:
         return 0, f"Triton {triton.__version__} predates the Gluon kernel's (3.6)"
     if tuning.gluon_programs_per_sm == 0:
         return 0, "the tuning runs no Gluon kernel (gluon_programs_per_sm=0)"
-    full_blocks = num_quantized // _gluon.BLOCK.value
+    full_blocks = num_quantized // decode_gluon.BLOCK.value
     if full_blocks == 0:
-        return 0, f"no full {_gluon.BLOCK.value}-token block of quantized tokens"
-    ok, reason = _gluon.supports(query, quantized, config, block_m)
+        return 0, f"no full {decode_gluon.BLOCK.value}-token block of quantized tokens"
+    ok, reason = decode_gluon.supports(query, quantized, config, block_m)
     if not ok:
         return 0, reason
     return gluon_programs_per_head(query.shape[0] * quantized.key_codes.shape[1], full_blocks, tuning, query.device), ""

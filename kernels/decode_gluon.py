@@ -94,6 +94,7 @@ from .decode_gluon_layouts import (
     expand,
     tokens,
 )
+from .decode_workspace import nothing
 from .launching import BoundKernel
 
 # Gluon names that changed after Triton 3.6 (the GPU image's): the cp.async copy and the CTA barrier
@@ -138,28 +139,44 @@ def _grid_dependency(instruction: gl.constexpr):
 
 
 @gluon.jit
-def _copy_block(smem, src, block, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr):
+def _copy_block(
+    smem, src, pages, block, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr,
+    PAGED: gl.constexpr,
+):  # fmt: skip
     """Start copying block `block`'s codes and parameters into shared-memory stage block % 2 (cp.async by both warps,
-    no registers held while they travel: the step that reads them waits for them)."""
+    no registers held while they travel: the step that reads them waits for them). PAGED: the block is the page that
+    the request's row of the block table names (`pages`: that row, and each field's page stride)."""
     kw_s, vw_s, ks_s, km_s, vs_s, vm_s, kn_s = smem
     kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr = src
     stage = block % 2
-    o_rk = block * (4 * KEY_BITS) + gl.arange(0, 4 * KEY_BITS, layout=gl.SliceLayout(1, WORDS_COPY))  # word rows
-    o_rv = block * (4 * VALUE_BITS) + gl.arange(0, 4 * VALUE_BITS, layout=gl.SliceLayout(1, WORDS_COPY))
+    first = block  # the block's place in the storage the pointers address
+    if PAGED:  # a page holds one block: its own rows start at the page's origin
+        table_ptr, stride_kcp, stride_ksp, stride_kmp, stride_knp, stride_vcp, stride_vsp, stride_vmp = pages
+        page = gl.load(table_ptr + block).to(gl.int64)
+        kc_ptr += page * stride_kcp
+        ks_ptr += page * stride_ksp
+        km_ptr += page * stride_kmp
+        kn_ptr += page * stride_knp
+        vc_ptr += page * stride_vcp
+        vs_ptr += page * stride_vsp
+        vm_ptr += page * stride_vmp
+        first = 0
+    o_rk = first * (4 * KEY_BITS) + gl.arange(0, 4 * KEY_BITS, layout=gl.SliceLayout(1, WORDS_COPY))  # word rows
+    o_rv = first * (4 * VALUE_BITS) + gl.arange(0, 4 * VALUE_BITS, layout=gl.SliceLayout(1, WORDS_COPY))
     o_d = gl.arange(0, D, layout=gl.SliceLayout(0, WORDS_COPY))
     _async_load(kw_s.index(stage), kc_ptr + o_rk[:, None] * stride_kcr + o_d[None, :])
     _async_load(vw_s.index(stage), vc_ptr + o_rv[:, None] * stride_vcr + o_d[None, :])
-    o_grp = block * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
+    o_grp = first * 4 + gl.arange(0, 4, layout=gl.SliceLayout(1, K_PARAMS_COPY))
     o_c = gl.arange(0, 64, layout=gl.SliceLayout(0, K_PARAMS_COPY))
     _async_load(ks_s.index(stage), ks_ptr + o_grp[:, None] * stride_ksg + o_c[None, :])
     _async_load(km_s.index(stage), km_ptr + o_grp[:, None] * stride_kmg + o_c[None, :])
     # value parameters and key norms in each warp's logical token order (the order its MMA fragments hold them in)
-    o_k = block * BLOCK + tokens(gl.SliceLayout(2, V_PARAMS_COPY))
+    o_k = first * BLOCK + tokens(gl.SliceLayout(2, V_PARAMS_COPY))
     o_vg = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, V_PARAMS_COPY)))
     _async_load(vs_s.index(stage), vs_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
     _async_load(vm_s.index(stage), vm_ptr + o_k[:, :, None] * 4 + o_vg[None, None, :])
     if TOKEN_SCALING:
-        _async_load(kn_s.index(stage), kn_ptr + block * BLOCK + tokens(NORMS_COPY))
+        _async_load(kn_s.index(stage), kn_ptr + first * BLOCK + tokens(NORMS_COPY))
 
 
 @gluon.jit
@@ -244,8 +261,9 @@ def _value_operand(words, VALUE_BITS: gl.constexpr):
 
 @gluon.jit
 def _step(
-    acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
+    acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, pages, mask_ptr, block, block_hi, stride_mt,
     KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr, MASKED: gl.constexpr,
+    PAGED: gl.constexpr,
 ):  # fmt: skip
     """One 128-token step of both warps' online softmax: scores, softmax update, P^T V with the value parameters
     folded. Its data is in shared memory (`_copy_block` started it one step earlier); it starts the next block's copy
@@ -255,7 +273,7 @@ def _step(
     async_copy.wait_group(0)  # this block's copies (the only ones in flight) have landed ...
     _barrier()  # ... for every thread, and every thread is done reading the other stage
     if block + 1 < block_hi:
-        _copy_block(smem, src, block + 1, KEY_BITS, VALUE_BITS, TOKEN_SCALING)
+        _copy_block(smem, src, pages, block + 1, KEY_BITS, VALUE_BITS, TOKEN_SCALING, PAGED)
     async_copy.commit_group()
 
     k_op = _key_operand(
@@ -322,19 +340,21 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
-_NOT_SPECIALISED = ("num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb")
+_NOT_SPECIALISED = (
+    "num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb", "stride_table",
+)  # fmt: skip
 
 
 @gluon.jit(do_not_specialize=_NOT_SPECIALISED)
 def _gluon_split_kernel(
     q_op_ptr, q_scale_ptr, kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, mask_ptr, length_ptr,
-    part_o_ptr, part_ml_ptr,
+    table_ptr, count_ptr, part_o_ptr, part_ml_ptr,
     num_kv_heads, num_quantized, num_residual, num_sinks, blocks_per_split, num_parts,
     stride_kcb, stride_kch, stride_kcr, stride_ksb, stride_ksh, stride_ksg, stride_kmb, stride_kmh, stride_kmg,
     stride_knb, stride_vcb, stride_vch, stride_vcr, stride_vsb, stride_vsh, stride_vmb, stride_vmh, stride_mb,
-    stride_mt,
+    stride_mt, stride_table, stride_kcp, stride_ksp, stride_kmp, stride_knp, stride_vcp, stride_vsp, stride_vmp,
     ROWS_USED: gl.constexpr, KEY_BITS: gl.constexpr, VALUE_BITS: gl.constexpr, TOKEN_SCALING: gl.constexpr,
-    HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr, PDL: gl.constexpr,
+    HAS_MASK: gl.constexpr, DEVICE_LENGTH: gl.constexpr, PDL: gl.constexpr, PAGED: gl.constexpr,
 ):  # fmt: skip
     """Program (bh, s) runs the online softmax over full blocks [s * blocks_per_split, ...) of KV head bh, each warp
     over its half of every block, and writes partial slots 2 s (warp 0) and 2 s + 1 (warp 1). `q_op_ptr`
@@ -343,7 +363,10 @@ def _gluon_split_kernel(
     (int32 views) are contiguous, the value parameters [tokens, 4] and norms [tokens] too. PDL (launched as a
     programmatic dependent of the Triton split kernel, which writes the query operand): the programs start while that
     kernel runs and copy their first block (the cache was written before it started) before they wait for it; the
-    merge kernel is launched the same way, at once."""
+    merge kernel is launched the same way, at once.
+    PAGED (the serving pool's pages, `decode_paged.py`): request b's blocks are the `count_ptr[b]` pages its row of
+    `table_ptr` names, spread over the splits as the Triton paged kernel spreads them (the batch strides are 0, each
+    field's page stride is `stride_*p`); no padding mask, no device length."""
     if PDL:
         _grid_dependency("griddepcontrol.launch_dependents;")
     bh = gl.program_id(0).to(gl.int64)
@@ -354,6 +377,11 @@ def _gluon_split_kernel(
         held = gl.load(length_ptr)
         window = num_residual - num_sinks
         num_quantized = (gl.maximum(held - num_sinks - 1, 0) // window * window).to(gl.int32)
+    if PAGED:
+        count = gl.load(count_ptr + b)
+        num_quantized = count * BLOCK
+        blocks_per_split = (count + gl.num_programs(1) - 1) // gl.num_programs(1)
+        table_ptr += b * stride_table
     kc_ptr += b * stride_kcb + h * stride_kch
     ks_ptr += b * stride_ksb + h * stride_ksh
     km_ptr += b * stride_kmb + h * stride_kmh
@@ -382,8 +410,9 @@ def _gluon_split_kernel(
         gl.allocate_shared_memory(gl.float32, [2, 2, HALF if TOKEN_SCALING else 1], NORMS_SMEM),
     )
     src = (kc_ptr, ks_ptr, km_ptr, kn_ptr, vc_ptr, vs_ptr, vm_ptr, stride_kcr, stride_ksg, stride_kmg, stride_vcr)
+    pages = (table_ptr, stride_kcp, stride_ksp, stride_kmp, stride_knp, stride_vcp, stride_vsp, stride_vmp)
     if block_lo < block_hi:
-        _copy_block(smem, src, block_lo, KEY_BITS, VALUE_BITS, TOKEN_SCALING)
+        _copy_block(smem, src, pages, block_lo, KEY_BITS, VALUE_BITS, TOKEN_SCALING, PAGED)
     async_copy.commit_group()
     if PDL:
         _grid_dependency("griddepcontrol.wait;")
@@ -398,14 +427,14 @@ def _gluon_split_kernel(
     if HAS_MASK and _any_masked(mask_ptr, block_lo * BLOCK, block_hi * BLOCK, stride_mt):
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
-                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                KEY_BITS, VALUE_BITS, TOKEN_SCALING, True,
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, pages, mask_ptr, block, block_hi,
+                stride_mt, KEY_BITS, VALUE_BITS, TOKEN_SCALING, True, PAGED,
             )  # fmt: skip
     else:
         for block in range(block_lo, block_hi):
             acc0, acc1, acc2, acc3, bias, m_i, l_i = _step(
-                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, mask_ptr, block, block_hi, stride_mt,
-                KEY_BITS, VALUE_BITS, TOKEN_SCALING, False,
+                acc0, acc1, acc2, acc3, bias, m_i, l_i, q, q_scale, smem, src, pages, mask_ptr, block, block_hi,
+                stride_mt, KEY_BITS, VALUE_BITS, TOKEN_SCALING, False, PAGED,
             )  # fmt: skip
 
     # partials as the Triton kernel's: part_o [B * Hkv, parts, rows, D], part_ml [..., rows, 2] (m, l), fp32; warp h
@@ -483,17 +512,61 @@ def bind(
         **dict(zip(("stride_vsb", "stride_vsh"), vs.stride()[:2])),
         **dict(zip(("stride_vmb", "stride_vmh"), vm.stride()[:2])),
         stride_mt=mask.stride(1),
+        **block_strides(quantized, key_bits, value_bits),
     )
+    unpaged = nothing(kc.device, 1)  # no block table
     constants = dict(
+        table_ptr=unpaged, count_ptr=unpaged, stride_table=0,
         num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks,
         blocks_per_split=blocks_per_split, num_parts=num_parts, **strides,
         ROWS_USED=rows, KEY_BITS=key_bits, VALUE_BITS=value_bits, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask,
-        DEVICE_LENGTH=length is not None, PDL=pdl,
+        DEVICE_LENGTH=length is not None, PDL=pdl, PAGED=False,
         num_warps=WARPS, launch_pdl=pdl,
         **({"maxnreg": max_registers} if max_registers else {}),
         **({"ptx_options": ptxas_options} if ptxas_options else {}),
     )  # fmt: skip
     return BoundKernel(_gluon_split_kernel, grid, constants, _PER_CALL)
+
+
+def block_strides(quantized, key_bits: int, value_bits: int) -> dict[str, int]:
+    """The kernel's page strides for a cache's contiguous storage: a block's words, parameters and norms (the
+    parameters' channel pairs as int32) are the next block's less one block's rows, so that block i is "page" i."""
+    return dict(
+        stride_kcp=4 * key_bits * quantized.key_codes.stride(2),
+        stride_ksp=4 * quantized.key_scale.view(torch.int32).stride(2),
+        stride_kmp=4 * quantized.key_min.view(torch.int32).stride(2),
+        stride_knp=BLOCK.value,
+        stride_vcp=4 * value_bits * quantized.value_codes.stride(2),
+        stride_vsp=BLOCK.value * 4,
+        stride_vmp=BLOCK.value * 4,
+    )
+
+
+def launch_paged(grid, q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config) -> None:
+    """`_gluon_split_kernel` over the serving pool's pages (`decode_paged.paged_decode_attention`, which checked
+    `supports` and wrote the query operand): program (bh, s) reads its share of request b's pages, each page one
+    block, and writes partial slots 2 s and 2 s + 1 of `part_o`'s. Launched through `kernel[grid]`: a pool's batch,
+    table and split count change from step to step (its decode steps run under CUDA graphs)."""
+    kc, vc, vs, vm = pages.key_codes, pages.value_codes, pages.value_scale, pages.value_min
+    ks, km = pages.key_scale.view(torch.int32), pages.key_min.view(torch.int32)  # channel pairs
+    norms = pages.key_norms if config.token_scaling else kc  # a placeholder pointer without scaling
+    unused = nothing(kc.device, 1)  # no padding mask, no device length
+    batch_strides = dict.fromkeys(("stride_kcb", "stride_ksb", "stride_kmb", "stride_knb", "stride_vcb"), 0)
+    batch_strides.update(stride_vsb=0, stride_vmb=0)  # each page's place comes from the table
+    _gluon_split_kernel[grid](
+        q_op, q_scale, kc, ks, km, norms, vc, vs, vm, unused, unused, block_table, page_counts, part_o, part_ml,
+        num_kv_heads=kc.shape[1], num_quantized=0, num_residual=0, num_sinks=0, blocks_per_split=0,
+        num_parts=part_o.shape[1], **batch_strides,
+        stride_kch=kc.stride(1), stride_kcr=kc.stride(2), stride_ksh=ks.stride(1), stride_ksg=ks.stride(2),
+        stride_kmh=km.stride(1), stride_kmg=km.stride(2), stride_vch=vc.stride(1), stride_vcr=vc.stride(2),
+        stride_vsh=vs.stride(1), stride_vmh=vm.stride(1), stride_mb=0, stride_mt=0,
+        stride_table=block_table.stride(0), stride_kcp=kc.stride(0), stride_ksp=ks.stride(0), stride_kmp=km.stride(0),
+        stride_knp=norms.stride(0) if config.token_scaling else 0, stride_vcp=vc.stride(0), stride_vsp=vs.stride(0),
+        stride_vmp=vm.stride(0),
+        ROWS_USED=part_o.shape[2], KEY_BITS=config.key_bits, VALUE_BITS=config.value_bits,
+        TOKEN_SCALING=config.token_scaling, HAS_MASK=False, DEVICE_LENGTH=False, PDL=False, PAGED=True,
+        num_warps=WARPS,
+    )  # fmt: skip
 
 
 def launch(

@@ -27,6 +27,12 @@ rotated query, token norms on the scores); program (bh, splits) runs it over the
 merge kernel (decode_merge.py) then combines the partials by log-sum-exp and un-rotates the quantized sum, as for the
 cache's own decode. A page is R tokens of a complete block, so no tile step is partial and no padding mask applies.
 Every key is rotated (the pool's method="paper"; `rotation=False`: none).
+
+Where the cache's decode runs its Gluon kernel over full 128-token blocks (`decode_gluon.supports`: a CUDA GPU,
+D = 128, groups of 32, fp16 scales; and here R = 128, so that a page is one of its blocks), that kernel reads the pages
+(`decode_gluon.launch_paged`: each block's words and parameters copied from the page the table names) with two
+partials per program, and this kernel runs the tails only, its tail programs writing the query operand the Gluon
+kernel reads; as for the cache, the Triton kernel reads everything elsewhere.
 """
 
 from __future__ import annotations
@@ -39,10 +45,11 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 
 from .common import on_device
+from .decode_attention import decode_gluon, gluon_splits_for
 from .decode_merge import merge_kernel
 from .decode_tiles import _quantized_block, query_operand, tile_tokens
 from .decode_triton import _residual_part
-from .decode_tuning import default_tuning, few_heads, num_splits
+from .decode_tuning import DecodeTuning, default_tuning, few_heads, num_splits
 
 _LOG2E = 1.4426950408889634
 # A pool's forwards bring new batch sizes, table widths and split counts at nearly every step (the decode rows of steps
@@ -53,7 +60,7 @@ _LOG2E = 1.4426950408889634
 MERGE_SLOTS = 16
 
 
-@triton.jit(do_not_specialize=["num_splits", "stride_table"])
+@triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_table"])
 def paged_split_kernel(
     # pointers
     q_ptr,
@@ -72,9 +79,12 @@ def paged_split_kernel(
     exact_ptr,
     part_o_ptr,
     part_ml_ptr,
+    q_op_ptr,
+    q_scale_ptr,
     # sizes
     num_kv_heads,
     num_splits,
+    num_parts,
     qk_scale,
     # strides
     stride_qb,
@@ -124,7 +134,12 @@ def paged_split_kernel(
     BLOCK_R: tl.constexpr,
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
+    GLUON: tl.constexpr,
 ):
+    """Program (bh, s < num_splits) reads request b's share of its pages, program (bh, num_splits) its tail; each
+    writes partial slot first + s of num_parts, first = num_parts - num_splits - 1. GLUON: `_gluon_split_kernel`
+    reads every page (slots 0 .. first - 1, num_splits = 0), and the tail's program writes the query operand and
+    score scale that kernel reads."""
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
@@ -136,6 +151,12 @@ def paged_split_kernel(
     q = tl.load(p_q[:, None] + o_d[None, :] * stride_qd, mask=m_m[:, None], other=0.0)
 
     if pid_s == num_splits:  # the tail: sinks, window and the query's own token, one contiguous run of slots
+        if GLUON:  # [D, BLOCK_M] per KV head, as the Gluon kernel loads its second MMA operand
+            b_q, q_scale = query_operand(
+                q, False, qk_scale, ks_ptr.dtype.element_ty, BLOCK_M, HEAD_DIM, LOG2_D, ROTATION, False
+            )
+            tl.store(q_op_ptr + pid_bh * HEAD_DIM * BLOCK_M + o_d[None, :] * BLOCK_M + o_m[:, None], b_q)
+            tl.store(q_scale_ptr + pid_bh, q_scale)
         tail = tl.load(tail_ptr + b).to(tl.int64)
         acc, m_i, l_i = _residual_part(
             q,
@@ -203,8 +224,8 @@ def paged_split_kernel(
                     BLOCK_N, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, False,
                 )  # fmt: skip
 
-    # partials: part_o [B * Hkv, num_splits + 1, GQA, D], part_ml [..., 2] (m, l), fp32
-    o_part = (pid_bh * (num_splits + 1) + pid_s) * GQA + o_m
+    # partials: part_o [B * Hkv, num_parts, GQA, D], part_ml [..., 2] (m, l), fp32
+    o_part = (pid_bh * num_parts + num_parts - num_splits - 1 + pid_s) * GQA + o_m
     tl.store(part_o_ptr + o_part[:, None] * HEAD_DIM + o_d[None, :], acc, mask=m_m[:, None])
     tl.store(part_ml_ptr + o_part * 2, m_i, mask=m_m)
     tl.store(part_ml_ptr + o_part * 2 + 1, l_i, mask=m_m)
@@ -222,9 +243,11 @@ def paged_decode_attention(
     scaling: float,
     config: OscarConfig,
     splits: int | None = None,
+    tuning: DecodeTuning | None = None,
 ) -> torch.Tensor:
     """Attention of each request's decode query over its pages and its tail (see the module docstring); `splits`:
-    programs over each request's pages, else chosen from the batch, the table's width and the device."""
+    the Triton kernel's programs over each request's pages, else chosen from the batch, the table's width and the
+    device; `tuning`: `default_tuning`'s for these shapes unless given (`gluon_programs_per_sm=0`: no Gluon kernel)."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = pages.key_codes.shape[1]
     if q_len != 1 or q_heads % kv_heads:
@@ -236,19 +259,28 @@ def paged_decode_attention(
         if tensor.stride()[-2:] != (head_dim // config.group_size, 1):
             raise ValueError(f"paged_decode_attention: pages.{name} must be contiguous over its last two axes")
     gqa = q_heads // kv_heads
-    tuning = default_tuning(head_dim, gqa, config.scale_torch_dtype)
+    tuning = tuning or default_tuning(head_dim, gqa, config.scale_torch_dtype)
     block_n = tuning.block_n
     if config.residual_length % block_n:
         block_n = config.group_size  # a divisor of the page (residual_length is a multiple of group_size)
     block_m = max(tuning.block_m, triton.next_power_of_2(gqa))
     max_pages = block_table.shape[1]
-    if splits is None:  # as many splits as the cache's decode would make for the table's width, at most one a page
-        heads = batch * kv_heads
-        tiles = max_pages * (config.residual_length // block_n)
-        splits = num_splits(heads, tiles, query.device, tuning, few_heads(heads, query.device))
-    splits = max(1, min(splits, max_pages))
-    part_o = query.new_empty(batch * kv_heads, splits + 1, gqa, head_dim, dtype=torch.float32)
-    part_ml = query.new_empty(batch * kv_heads, splits + 1, gqa, 2, dtype=torch.float32)
+    heads = batch * kv_heads
+    gluon_splits = 0
+    if decode_gluon is not None and config.residual_length == decode_gluon.BLOCK.value:  # a page is one block
+        gluon_splits, _ = gluon_splits_for(query, pages, config, block_m, max_pages * config.residual_length, tuning)
+    if gluon_splits:
+        splits = 0  # the Triton kernel runs the tails only
+    else:
+        if splits is None:  # as many splits as the cache's decode would make for the table's width
+            tiles = max_pages * (config.residual_length // block_n)
+            splits = num_splits(heads, tiles, query.device, tuning, few_heads(heads, query.device))
+        splits = max(1, min(splits, max_pages))  # at most one a page
+    num_parts = gluon_splits * (decode_gluon.WARPS if gluon_splits else 0) + splits + 1
+    part_o = query.new_empty(heads, num_parts, gqa, head_dim, dtype=torch.float32)
+    part_ml = query.new_empty(heads, num_parts, gqa, 2, dtype=torch.float32)
+    q_op = query.new_empty((heads, head_dim, block_m) if gluon_splits else (0,), dtype=torch.float16)
+    q_scale = query.new_empty(heads if gluon_splits else 0, dtype=torch.float32)
     strides = {}
     for prefix, tensor, axes in (
         ("q", query[:, :, 0], "bhd"),
@@ -289,8 +321,11 @@ def paged_decode_attention(
             exact_tokens,
             part_o,
             part_ml,
+            q_op,
+            q_scale,
             kv_heads,
             splits,
+            num_parts,
             scaling * _LOG2E,
             **strides,
             GQA=gqa,
@@ -305,14 +340,19 @@ def paged_decode_attention(
             BLOCK_R=tuning.residual_block,
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
+            GLUON=gluon_splits > 0,
             num_warps=tuning.num_warps,
         )
+        if gluon_splits:
+            decode_gluon.launch_paged(
+                (heads, gluon_splits), q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config
+            )
         merge_kernel[(batch * kv_heads * gqa,)](
             part_o,
             part_ml,
             out,
             kv_heads,
-            splits + 1,
+            num_parts,
             *out[:, :, 0].stride()[:2],
             0,
             out.stride(-1),

@@ -6,10 +6,10 @@ Small shapes run everywhere (CPU CI: Triton's interpreter); `gpu`-marked ones ne
 
 from __future__ import annotations
 
-import itertools
 import random
 from dataclasses import replace
 
+import gluon_stand_in
 import pytest
 import torch
 import triton
@@ -23,7 +23,7 @@ from oscar_hf.kernels.decode_tuning import DecodeTuning, default_tuning, few_hea
 
 from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import decode_attention as decode_attention_reference
-from oscar_hf.reference import dequantize_groups, quantize_kv
+from oscar_hf.reference import quantize_kv
 from oscar_hf.testing import Case, assert_close_to_reference, check_decode_case, decode_inputs, random_decode_case
 
 BASE = Case()
@@ -301,48 +301,6 @@ def _gluon_tuning(case: Case) -> DecodeTuning:
     return default_tuning(case.head_dim, case.gqa * case.q_len, getattr(torch, case.scale_dtype))
 
 
-def _gluon_partials_in_torch(
-    bound, stream, q_op, q_scale, quantized, key_norms, mask, length, part_o, part_ml, num_residual
-) -> None:
-    """What `_gluon_split_kernel` writes, in float64 PyTorch (`decode_gluon.launch`'s signature; the other sizes as
-    `decode_gluon.bind` bound them): program (bh, s) runs over full 128-token blocks [s * blocks_per_split, ...), its
-    warp w over tokens 64 w .. 64 w + 63 of each block (word rows 4 w .. 4 w + 3), and warp w fills partial slot
-    2 s + w with (o, m, l): o in the values' stored domain, m and the scores in base 2 (the query operand [D, 8] and
-    score scale that the Triton kernel wrote). Keys of `KEY_BITS` bits, values of `VALUE_BITS`, groups of 32."""
-    grid, sizes = bound.grid, bound.constants
-    num_quantized, blocks_per_split = sizes["num_quantized"], sizes["blocks_per_split"]
-    rows, token_scaling, has_mask = sizes["ROWS_USED"], sizes["TOKEN_SCALING"], sizes["HAS_MASK"]
-    key_bits, value_bits = sizes["KEY_BITS"], sizes["VALUE_BITS"]
-    bh_count, splits = grid
-    if length is not None:
-        num_quantized = (int(length) - 1) // num_residual * num_residual
-    unpack, f64 = StorageLayout.unpack_codes, torch.float64
-    keys = dequantize_groups(unpack(quantized.key_codes, key_bits), quantized.key_scale, quantized.key_min, 32, -2, f64)
-    if token_scaling:
-        keys = keys * key_norms.to(f64).unsqueeze(-1)
-    values = dequantize_groups(
-        unpack(quantized.value_codes, value_bits), quantized.value_scale, quantized.value_min, 32, -1, f64
-    )
-    kv_heads = quantized.key_codes.shape[1]
-    for bh in range(bh_count):
-        b, h = divmod(bh, kv_heads)
-        q = q_op[bh, :, :rows].double().T
-        for split, warp in itertools.product(range(splits), range(launcher._gluon.WARPS)):
-            lo = split * blocks_per_split * 128
-            hi = max(lo, min((split + 1) * blocks_per_split, num_quantized // 128) * 128)
-            tokens = torch.arange(lo, hi, device=q.device)
-            tokens = tokens[tokens % 128 // 64 == warp]
-            scores = q @ keys[b, h, tokens].T * float(q_scale[bh])
-            if has_mask:
-                scores = scores.masked_fill(mask[b, tokens] == 0, float("-inf"))
-            empty = torch.full((rows,), float("-inf"), dtype=scores.dtype, device=q.device)
-            m = scores.amax(-1) if len(tokens) else empty
-            p = torch.exp2(scores - torch.where(m == float("-inf"), 0.0, m)[:, None])
-            slot = split * launcher._gluon.WARPS + warp
-            part_o[bh, slot] = (p @ values[b, h, tokens]).to(part_o.dtype)
-            part_ml[bh, slot, :, 0], part_ml[bh, slot, :, 1] = m, p.sum(-1)
-
-
 @pytest.mark.parametrize(
     "case, held",
     [
@@ -361,8 +319,8 @@ def test_gluon_partial_slots(case: Case, held, monkeypatch):
     The step must match the reference; a wrong query operand, slot or block offset would not."""
     query, quantized, rk, rv, mask, scaling, config, key_rotated = decode_inputs(case, seed=3)
     monkeypatch.setattr(launcher, "_PLANS", {})  # plans made here (with the stand-in) are not kept for other tests
-    monkeypatch.setattr(launcher, "_gluon_splits", lambda *args: (2, ""))
-    monkeypatch.setattr(launcher._gluon, "launch", _gluon_partials_in_torch)
+    monkeypatch.setattr(launcher, "gluon_splits_for", lambda *args: (2, ""))
+    monkeypatch.setattr(launcher.decode_gluon, "launch", gluon_stand_in.contiguous_launch)
     length = None if held is None else torch.tensor(sum(held), device=DEVICE)
     out = decode_attention_triton(query, quantized, rk, rv, mask, scaling, config, key_rotated, length)
     if held is not None:  # the reference over the tokens held (`test_device_length_reads_only_what_is_held`)

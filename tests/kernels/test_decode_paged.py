@@ -10,8 +10,12 @@ from dataclasses import dataclass, replace
 
 import pytest
 import torch
+import triton
 from devices import DEVICE
+from gluon_stand_in import paged_launch
+from oscar_hf.kernels import decode_paged
 from oscar_hf.kernels.decode_paged import MERGE_SLOTS, paged_decode_attention
+from oscar_hf.kernels.decode_tuning import default_tuning
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
@@ -40,6 +44,7 @@ class Case:
     token_scaling: bool = True
     splits: int = 2
     outlier: float = 10.0  # one key token per page this many times larger
+    gluon: bool = True  # the Gluon kernel reads the pages where it supports them (a GPU, D = 128, R = 128)
 
     @property
     def config(self) -> OscarConfig:
@@ -146,13 +151,24 @@ CASES = [
     replace(BASE, seed=7, outlier=40.0, max_pages=3),
     # more splits than the merge reads in one tile (MERGE_SLOTS): its loop over tiles (18 and 19 pages here)
     replace(BASE, seed=14, batch=2, kv_heads=1, gqa=2, window=64, max_pages=MERGE_SLOTS + 3, splits=MERGE_SLOTS + 3),
+    # the Gluon kernel's shapes (D = 128, R = 128, fp16 scales) read by the Triton kernel
+    replace(BASE, seed=15, head_dim=128, gqa=4, max_pages=5, gluon=False),
+]
+GLUON_CASES = [  # shapes the Gluon kernel reads (on a GPU); every width, with and without token scaling
+    replace(BASE, seed=20, head_dim=128, gqa=4, max_pages=5),
+    replace(BASE, seed=21, head_dim=128, gqa=8, batch=4, key_bits=4, value_bits=2, max_pages=7),
+    replace(BASE, seed=22, head_dim=128, gqa=1, kv_heads=3, key_bits=2, value_bits=4, sinks=0),
+    replace(BASE, seed=23, head_dim=128, gqa=2, key_bits=4, value_bits=4, rotation=False, token_scaling=False),
 ]
 
 
 def _check(case: Case) -> None:
     inputs, requests = build(case)
     scaling = case.head_dim**-0.5
-    out = paged_decode_attention(*inputs, scaling, case.config, splits=case.splits)
+    tuning = default_tuning(case.head_dim, case.gqa, case.config.scale_torch_dtype)
+    if not case.gluon:
+        tuning = replace(tuning, gluon_programs_per_sm=0)
+    out = paged_decode_attention(*inputs, scaling, case.config, splits=case.splits, tuning=tuning)
     assert out.shape == inputs[0].shape and out.dtype == case.dtype
     assert_close_to_reference(
         out, reference(inputs[0], requests, scaling, case.config).to(out.device), case.dtype, str(case)
@@ -180,7 +196,37 @@ def random_case(seed: int) -> Case:
         window=rng.choice([64, 128]),
         max_pages=rng.randint(1, 5),
         splits=rng.randint(1, 4),
+        gluon=rng.random() < 0.5,
     )
+
+
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"seed{c.seed}")
+def test_paged_gluon_partial_slots(case: Case, monkeypatch):
+    """The launch around the Gluon kernel over pages, on any device (CPU: Triton's interpreter): a float64 stand-in
+    for the Gluon kernel (`gluon_stand_in.paged_launch`) fills the first partial slots from the query operand that
+    the tail's program writes, the Triton kernel reads the tails only, the merge combines them all. Must match the
+    reference; a wrong query operand, slot or page spread would not."""
+    if decode_paged.decode_gluon is None:
+        pytest.skip(f"Triton {triton.__version__} predates the Gluon kernel")
+    calls = []
+    monkeypatch.setattr(decode_paged, "gluon_splits_for", lambda *args: (3, ""))
+    monkeypatch.setattr(
+        decode_paged.decode_gluon, "launch_paged", lambda grid, *args: calls.append(grid) or paged_launch(grid, *args)
+    )
+    _check(case)
+    assert calls == [(case.batch * case.kv_heads, 3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GLUON_CASES, ids=lambda c: f"seed{c.seed}")
+def test_paged_gluon_matches_reference(case: Case, monkeypatch):
+    """The Gluon kernel itself over pages (a GPU): launched (not left to the Triton kernel), and against the
+    float64 reference."""
+    launches = []
+    launch = decode_paged.decode_gluon.launch_paged
+    monkeypatch.setattr(decode_paged.decode_gluon, "launch_paged", lambda *args: launches.append(1) or launch(*args))
+    _check(case)
+    assert launches, "the Gluon kernel did not read the pages"
 
 
 # Cases of the fuzz: a minute in the interpreter, the issue's thousand on a GPU.
