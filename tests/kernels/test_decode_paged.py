@@ -229,17 +229,19 @@ def test_paged_gluon_matches_reference(case: Case, monkeypatch):
     assert launches, "the Gluon kernel did not read the pages"
 
 
-# Cases of the fuzz: a minute in the interpreter, the issue's thousand on a GPU.
-FUZZ_CASES = 1000 if DEVICE.type == "cuda" else 40
+# Cases of the fuzz: a minute in the interpreter, the issue's thousand on a GPU; in slices for pytest-xdist's workers.
+FUZZ_CASES, FUZZ_SLICES = (1000, 8) if DEVICE.type == "cuda" else (40, 2)
 
 
 @pytest.mark.slow
-def test_paged_decode_fuzz():
-    """Random shapes, widths, sinks, block tables, page counts and tails: `FUZZ_CASES` cases, every failure listed."""
+@pytest.mark.parametrize("part", range(FUZZ_SLICES))
+def test_paged_decode_fuzz(part: int):
+    """Random shapes, widths, sinks, block tables, page counts and tails, Gluon or Triton kernel: slice `part` of
+    `FUZZ_CASES` cases, every failure listed."""
     failures = []
-    for seed in range(100, 100 + FUZZ_CASES):
+    for seed in range(100 + part, 100 + FUZZ_CASES, FUZZ_SLICES):
         try:
             _check(random_case(seed))
         except AssertionError as error:
             failures.append(str(error).splitlines()[0])
-    assert not failures, f"{len(failures)} of {FUZZ_CASES} cases failed:\n" + "\n".join(failures[:10])
+    assert not failures, f"{len(failures)} cases of slice {part} failed:\n" + "\n".join(failures[:10])
