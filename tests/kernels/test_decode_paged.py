@@ -183,6 +183,10 @@ def random_case(seed: int) -> Case:
         window=rng.choice([64, 128]),
         max_pages=rng.randint(1, 5),
         splits=rng.randint(1, 4),
+        # the 10x key token with 2-bit keys only: with wider keys the tile's fp16 dequantization can pass the fp16
+        # tolerance there (seed 124, K3V2 fp16: 3.1e-3 relative RMSE; the same draw with fp32 scales 2e-7), as seed 7's
+        # case says of 4-bit keys
+        outlier=10.0 if bits[0] == 2 else 1.0,
     )
 
 
