@@ -95,7 +95,7 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
-        widths = " or ".join(map(str, SUPPORTED_WIDTHS))
+        widths = ", ".join(map(str, SUPPORTED_WIDTHS[:-1])) + f" or {SUPPORTED_WIDTHS[-1]}"
         check(
             self.bits in (None, "auto", *SUPPORTED_WIDTHS),
             f"bits={self.bits!r} is not supported; use 'auto' (default: layer-wise widths under avg_bits), {widths}.",
@@ -112,7 +112,7 @@ class OscarConfig:
             value = getattr(self, name)
             check(
                 value in (None, *SUPPORTED_WIDTHS),
-                f"{name}={value} is not supported; use {' or '.join(map(str, SUPPORTED_WIDTHS))} (default 2).",
+                f"{name}={value} is not supported; use {widths} (default 2).",
             )
         if self.bits is None and self.key_bits is None and self.value_bits is None:
             object.__setattr__(self, "bits", "auto")  # no width given: each layer's is chosen under the budget
