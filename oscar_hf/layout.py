@@ -28,7 +28,7 @@ more rows than it uses (it grows by doubling); kernels take strides and the leng
 holding bit p of tokens `32 g + j` at bit j, so a row covers 32 / 3 tokens (`tokens_per_code_row`) and a group of 32
 tokens is whole rows. Ten 3-bit codes a word would spread 32 tokens over 4 words (4 bits a code); planes keep 3, and
 each plane unpacks as 1-bit codes, 32 a word, one shift and mask per code as at 2 and 4 bits. At every width the
-first row of the tokens from t (a multiple of 32) is `t * bits // WORD_BITS`, the kernels' row arithmetic.
+first row of the tokens from t (a multiple of 32) is `t * bits // WORD_BITS` (the kernels' `common.code_row`).
 """
 
 from __future__ import annotations
