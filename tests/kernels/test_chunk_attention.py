@@ -60,7 +60,8 @@ CASES = [
     replace(BASE, rotation=False),
     replace(BASE, scale_dtype="float32", quantized=64),
     # key and value bit widths of their own (2-, 3- and 4-bit tiles order their tokens differently)
-    *(replace(BASE, key_bits=k, value_bits=v, left_pad=13) for k, v in ((4, 4), (4, 2), (2, 4), (3, 2), (3, 3))),
+    *(replace(BASE, key_bits=k, value_bits=v, left_pad=13) for k, v in ((4, 4), (4, 2), (2, 4), (3, 2))),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=3, left_pad=13)),
     replace(BASE, key_bits=2, value_bits=3, method="oscar", head_dim=128),
 ]
 

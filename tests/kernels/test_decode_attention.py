@@ -54,11 +54,11 @@ CASES = [
     # 3-bit bit planes (32 tokens a word group): K3V2 (a partial last block), alone and against 2 and 4 bits, with
     # padding across a block, speculative queries at D=256, per-head key rotation, fp32 scales, 64-token groups
     replace(BASE, key_bits=3, value_bits=2, head_dim=128),
-    replace(BASE, key_bits=3, value_bits=3, quantized=320, left_pad=77),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=3, quantized=320, left_pad=77)),
     replace(BASE, key_bits=2, value_bits=3, q_len=3, residual=7, head_dim=256, batch=1),
     replace(BASE, key_bits=4, value_bits=3, method="oscar", kv_heads=3, gqa=2, left_pad=5),
-    replace(BASE, key_bits=3, value_bits=4, scale_dtype="float32", dtype=torch.float32),
-    replace(BASE, key_bits=3, value_bits=2, group_size=64, quantized=192, head_dim=128, views=True),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=4, scale_dtype="float32", dtype=torch.float32)),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=2, group_size=64, quantized=192, head_dim=128, views=True)),
     # residual lengths 1 .. residual_length
     *(replace(BASE, residual=r, batch=1) for r in (1, 127, 128)),
     # quantized lengths: none, one group, two blocks, across block and split boundaries
