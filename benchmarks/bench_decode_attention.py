@@ -22,7 +22,7 @@ call, from a wall clock around enqueueing one round: what the launcher costs eve
 shapes cycle through enough input copies to exceed 4x the L2 cache. Also measured in the same run: device-to-device
 copy bandwidth (bytes read + written), and the quantize kernel's time as a fraction of a 32K-token causal bf16 SDPA
 prefill with the same heads. `--sweep` times launch variants of the fused kernel on the `--shapes` given (else B=8 and
-B=1 at 32K). `--widths` times the fused kernel with keys and values at each of 2/4 bits (K2V2, K4V4, K4V2, K2V4) on the
+B=1 at 32K). `--widths` times the fused kernel at K2V2, K4V4, K4V2, K2V4 and the 3-bit K3V2 and K3V3 on the
 same shapes, each checked against the reference first, with its time per byte read relative to K4V4's (issue 39: K4V2
 within 1.2x of INT4's), and again with the Triton kernel reading every block (`triton_only`). `--sinks 4 16 64` times
 the INT2 kernel with that many exact sink tokens read with the window, relative to none (issue 39: within 3 %), at one
@@ -315,7 +315,8 @@ def sweep(config, gen, shapes, changes=None) -> list:
     return rows
 
 
-WIDTHS = {"K2V2": (2, 2), "K4V4": (4, 4), "K4V2": (4, 2), "K2V4": (2, 4)}  # name: (key_bits, value_bits)
+# name: (key_bits, value_bits); K3V2 and K3V3: 3-bit bit planes, which the Triton kernel reads (the Gluon one declines)
+WIDTHS = {"K2V2": (2, 2), "K4V4": (4, 4), "K4V2": (4, 2), "K2V4": (2, 4), "K3V2": (3, 2), "K3V3": (3, 3)}
 MIXED_WIDTH_TARGET = 1.2  # issue 39: time per byte read of K4V2 (and K2V4) at most this times K4V4's
 
 
@@ -507,7 +508,7 @@ def main() -> None:
     parser.add_argument("--shapes", nargs="+", metavar="BxTOKENS", help="e.g. 8x32768 1x131072 (instead of all)")
     parser.add_argument("--sweep", action="store_true", help="also time launch variants of the fused kernel")
     parser.add_argument("--variants", help='with --sweep: a JSON list of launch changes, e.g. [{"num_warps": 2}]')
-    parser.add_argument("--widths", action="store_true", help="also time K2V2/K4V4/K4V2/K2V4 (see the docstring)")
+    parser.add_argument("--widths", action="store_true", help="also time each of WIDTHS (see the docstring)")
     parser.add_argument("--sinks", type=int, nargs="+", metavar="S", help="also time the kernel with S sink tokens")
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64, 128 (default) or 256")

@@ -36,7 +36,7 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from triton.runtime.jit import create_function_from_signature
 
 from oscar_hf.config import OscarConfig
-from oscar_hf.layout import StorageLayout
+from oscar_hf.layout import SUPPORTED_WIDTHS, StorageLayout
 from oscar_hf.serving.pages import PageLayout, TailLayout, round_up
 
 _BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -181,8 +181,8 @@ def main() -> None:
     parser.add_argument("--masked", action="store_true", help="with a key padding mask (a left-padded batch)")
     parser.add_argument("--gluon", action="store_true", help="the Gluon kernel's loop (128-token steps, two warps)")
     parser.add_argument("--paged", action="store_true", help="the Gluon kernel over the serving pool's pages")
-    parser.add_argument("--key-bits", type=int, default=2, choices=[2, 4])
-    parser.add_argument("--value-bits", type=int, default=2, choices=[2, 4])
+    parser.add_argument("--key-bits", type=int, default=2, choices=SUPPORTED_WIDTHS)
+    parser.add_argument("--value-bits", type=int, default=2, choices=SUPPORTED_WIDTHS)
     args = parser.parse_args()
     launch = default_tuning(args.head_dim, args.gqa, torch.float16)
     launch = dataclasses.replace(

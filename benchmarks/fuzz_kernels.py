@@ -4,7 +4,7 @@
 
 Each case is drawn by `oscar_hf.testing.random_decode_case` (batch 1-64, GQA 1/2/4/5/8, head_dim 64/128/256,
 quantized and residual lengths that are multiples of nothing but the group size, 1-128 residual tokens, 1-16 query
-tokens, left padding, strided capacity views, bf16/fp16, 2 or 4 bits for keys and values each, rotation and token
+tokens, left padding, strided capacity views, bf16/fp16, 2, 3 or 4 bits for keys and values each, rotation and token
 scaling on or off, fp16/fp32 scales) and checked with the kernel tests' tolerances (`TOLERANCES`, same module); CI
 runs a seeded slice of the same sampler under Triton's interpreter (`test_fuzz_slice`). Writes
 `kernel_fuzz_<gpu>.json` (under benchmarks/results by default): cases, failures (with their ids and messages), the

@@ -53,7 +53,7 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 
 from . import DECODE_HEAD_DIMS
 from .common import MODEL_DTYPES, announce_first_launch, fwht_rows, interpreting, on_device
-from .decode_tiles import any_masked, dot, online_softmax_step, quantized_blocks, query_operand
+from .decode_tiles import any_masked, check_block_n, dot, online_softmax_step, quantized_blocks, query_operand
 from .decode_workspace import no_storage, nothing
 from .dequantize import dequantize_kv_triton
 from .quantize_pack import check_key_rotated
@@ -216,6 +216,7 @@ def chunk_attention_triton(
         announce_first_launch()
     gqa = q_heads // kv_heads
     tuning = tuning or default_chunk_tuning(head_dim)
+    check_block_n(tuning.block_n, config, "chunk_attention_triton")
     block_m = max(16, min(tuning.block_m, triton.next_power_of_2(gqa * q_len)))  # tl.dot: at least 16 rows
     if quantized is None or num_quantized == 0:  # nothing to read: empty stand-ins, never dereferenced
         quantized = no_storage(query, exact_keys, config)

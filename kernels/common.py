@@ -19,8 +19,33 @@ logger = logging.get_logger(__name__)
 MODEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 # The storage's code words (`oscar_hf.layout.WORD_BITS`) as a kernel constant: a word of b-bit codes holds
-# `WORD_BITS // b` of them.
+# `WORD_BITS // b` of them (b = 2, 4), or one bit of `WORD_BITS` tokens (b = 3: bit planes, `word_tokens`).
 WORD_BITS: tl.constexpr = tl.constexpr(_WORD_BITS)
+
+
+@triton.constexpr_function
+def word_tokens(bits):
+    """Tokens one code word covers at `bits` bits: `WORD_BITS // bits` codes side by side where the width divides the
+    word (2, 4 bits), else `WORD_BITS` tokens, one bit of each (3 bits: a bit plane; `word_planes` words per group of
+    `WORD_BITS` tokens, `oscar_hf.layout`). `WORD_BITS // word_tokens(bits)` bits of each token are in a word."""
+    return _WORD_BITS // bits if _WORD_BITS % bits == 0 else _WORD_BITS
+
+
+@triton.constexpr_function
+def word_planes(bits):
+    """Consecutive code rows that hold the same `word_tokens(bits)` tokens: 1, or `bits` bit planes (plane p at row
+    offset p, bit p of each code)."""
+    return 1 if _WORD_BITS % bits == 0 else bits
+
+
+@triton.jit
+def code_row(t0, BITS: tl.constexpr):
+    """The first code row of the tokens from `t0` (a multiple of `word_tokens(BITS)`), one formula for every width:
+    `t0 // W` where W codes share a word, `3 * (t0 // 32)` for 3-bit planes. Every kernel's row arithmetic. (Not
+    `t0 * BITS // WORD_BITS`, the same number: a division of the product compiles to more instructions and, in the
+    decode loop, 28 more registers at 2 bits.)"""
+    return t0 // word_tokens(BITS) * word_planes(BITS)
+
 
 # Triton's CPU interpreter (the CPU CI), as a kernel constant: it multiplies raw bf16 bit patterns in tl.dot (3.9), so
 # dot operands are upcast there, and it cannot run PTX, so codes are unpacked there with plain integer ops.

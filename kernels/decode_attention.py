@@ -51,6 +51,7 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from . import DECODE_HEAD_DIMS, DECODE_MAX_QUERY_ROWS, DECODE_MAX_QUERY_TOKENS, launching
 from .common import MODEL_DTYPES, announce_first_launch, interpreting, on_device
 from .decode_merge import merge_kernel
+from .decode_tiles import check_block_n
 from .decode_triton import split_kernel
 from .decode_tuning import SHORT_CONTEXT, DecodeTuning, default_tuning, few_heads, gluon_programs_per_head, num_splits
 from .decode_workspace import no_storage, nothing, workspace
@@ -251,6 +252,7 @@ def _make_plan(
     if num_quantized == 0:
         quantized = no_storage(query, residual_keys, config)
     block_n = tuning.block_n
+    check_block_n(block_n, config, "decode_attention_triton")
     block_m = max(tuning.block_m, triton.next_power_of_2(rows))
     num_blocks = triton.cdiv(num_quantized, block_n)
     gluon_splits, why_not_gluon = gluon_splits_for(query, quantized, config, block_m, num_quantized, tuning)

@@ -461,7 +461,13 @@ def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
     """Whether this kernel can read the full blocks of these inputs, and why not: it is compiled for what the usual
     decode step has, a CUDA GPU of compute capability 8.0 or newer (mma.sync), D = 128, keys and values whose codes fill
     whole bytes (2 or 4 bits) in groups of 32, fp16 scales, query tiles of 8 rows per KV head, the storage's channels
-    contiguous."""
+    contiguous. The widths are checked first, so that the reason for 3-bit codes is the same on any device."""
+    if any(8 % bits for bits in (config.key_bits, config.value_bits)):  # its unpacking reads codes byte by byte
+        return (
+            False,
+            f"compiled for codes that fill whole bytes (2 or 4 bits; 3-bit codes are bit planes, whose fragments it "
+            f"does not unpack); got {config.key_bits}-bit keys, {config.value_bits}-bit values",
+        )
     if query.device.type != "cuda" or interpreting():
         return False, "Gluon kernels run on CUDA GPUs only (Triton's interpreter cannot run them)"
     if torch.cuda.get_device_capability(query.device) < (8, 0):
@@ -474,11 +480,6 @@ def supports(query, quantized, config, block_m: int) -> tuple[bool, str]:
         )
     if block_m != ROWS.value:
         return False, f"compiled for query tiles of {ROWS.value} rows per KV head; these need {block_m}"
-    if any(8 % bits for bits in (config.key_bits, config.value_bits)):  # its unpacking reads codes byte by byte
-        return (
-            False,
-            f"compiled for codes that fill whole bytes; got {config.key_bits}-bit keys, {config.value_bits}-bit values",
-        )
     codes_and_pairs = (quantized.key_codes, quantized.key_scale, quantized.key_min, quantized.value_codes)
     if any(t.stride(-1) != 1 or t.storage_offset() % 2 for t in codes_and_pairs):  # int32 views of fp16 pairs
         return False, "the codes' and key parameters' channels must be contiguous, the parameters at even offsets"

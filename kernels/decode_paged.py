@@ -44,10 +44,10 @@ import triton.language as tl
 from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 
-from .common import on_device
+from .common import code_row, on_device, word_tokens
 from .decode_attention import decode_gluon, gluon_splits_for
 from .decode_merge import merge_kernel
-from .decode_tiles import _quantized_block, query_operand, tile_tokens
+from .decode_tiles import _quantized_block, query_operand, tile_tokens, word_offsets
 from .decode_triton import _residual_part
 from .decode_tuning import DecodeTuning, default_tuning, few_heads, num_splits
 
@@ -177,8 +177,8 @@ def paged_split_kernel(
             False,
         )
     else:
-        KW: tl.constexpr = 32 // KEY_BITS
-        VW: tl.constexpr = 32 // VALUE_BITS
+        KW: tl.constexpr = word_tokens(KEY_BITS)
+        VW: tl.constexpr = word_tokens(VALUE_BITS)
         NKG: tl.constexpr = BLOCK_N // GROUP if BLOCK_N >= GROUP else 1
         NVG: tl.constexpr = HEAD_DIM // GROUP
         b_q, q_scale = query_operand(
@@ -187,8 +187,8 @@ def paged_split_kernel(
         # offsets inside a tile, as `decode_tiles.quantized_blocks` lays them out
         o_dc = tl.arange(0, HEAD_DIM)[:, None]
         o_c = tl.arange(0, BLOCK_N)
-        off_kw = tl.arange(0, BLOCK_N // KW)[None, :] * stride_kcr + o_dc * stride_kcd
-        off_vw = tl.arange(0, BLOCK_N // VW)[None, :] * stride_vcr + o_dc * stride_vcd
+        off_kw = word_offsets(stride_kcr, stride_kcd, HEAD_DIM, BLOCK_N, KEY_BITS)
+        off_vw = word_offsets(stride_vcr, stride_vcd, HEAD_DIM, BLOCK_N, VALUE_BITS)
         o_kg = tl.arange(0, NKG)[None, :, None]
         off_ks = o_kg * stride_ksg + o_dc[:, :, None] * stride_ksd
         off_km = o_kg * stride_kmg + o_dc[:, :, None] * stride_kmd
@@ -213,15 +213,16 @@ def paged_split_kernel(
             for t0 in tl.static_range(0, PAGE, BLOCK_N):
                 acc, m_i, l_i = _quantized_block(
                     acc, m_i, l_i, b_q, q_scale,
-                    kc + (t0 // KW) * stride_kcr + off_kw,
+                    kc + code_row(t0, KEY_BITS) * stride_kcr + off_kw,
                     ks + (t0 // GROUP) * stride_ksg + off_ks,
                     km + (t0 // GROUP) * stride_kmg + off_km,
                     kn + t0 * stride_knt + off_kn,
-                    vc + (t0 // VW) * stride_vcr + off_vw,
+                    vc + code_row(t0, VALUE_BITS) * stride_vcr + off_vw,
                     vs + t0 * NVG + off_vparams,
                     vm + t0 * NVG + off_vparams,
                     kn,  # no padding mask
-                    BLOCK_N, HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, False,
+                    BLOCK_N, stride_kcr, stride_vcr,
+                    HEAD_DIM, KEY_BITS, VALUE_BITS, GROUP, BLOCK_M, BLOCK_N, TOKEN_SCALING, False, False,
                 )  # fmt: skip
 
     # partials: part_o [B * Hkv, num_parts, GQA, D], part_ml [..., 2] (m, l), fp32

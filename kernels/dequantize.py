@@ -28,19 +28,27 @@ from oscar_hf.layout import QuantizedKV, StorageLayout
 from oscar_hf.reference import check_head_dim, per_head_rotation
 
 from . import DECODE_HEAD_DIMS
-from .common import MODEL_DTYPES, WORD_BITS, fwht_rows
+from .common import MODEL_DTYPES, code_row, fwht_rows, word_planes, word_tokens
 from .quantize_pack import check_key_rotated, quantize_kv_triton
 
 
 @triton.jit
-def _unpack(words_ptr, first_row, d, row_stride, d_stride, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """fp32 codes `[BLOCK_T, D]` of the tokens whose packed words are rows `first_row ...` (W = WORD_BITS // BITS
-    tokens a row, token r * W + j at bits [j * BITS, (j + 1) * BITS)): each word is loaded once and shifted W ways."""
-    W: tl.constexpr = WORD_BITS // BITS
-    rows = first_row + tl.arange(0, BLOCK_T // W)
-    words = tl.load(words_ptr + rows[:, None] * row_stride + d[None, :] * d_stride)
-    shifts = tl.arange(0, W) * BITS
-    codes = (words[:, None, :] >> shifts[None, :, None]) & ((1 << BITS) - 1)  # arithmetic shift; the mask drops sign
+def _unpack(words_ptr, start, d, row_stride, d_stride, BLOCK_T: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """fp32 codes `[BLOCK_T, D]` of tokens `start ...` (a multiple of BLOCK_T), in the layout's bits: W =
+    `word_tokens(BITS)` tokens a word, token r * W + j at bits [j * b, (j + 1) * b) of each of its `word_planes` rows
+    (b = BITS in one row, or b = 1 in 3 bit planes, plane p holding bit p). Each word is loaded once and shifted once
+    per token it holds in this tile: a tile of fewer than W tokens (16 at D = 256, 3-bit planes of 32) reads its part
+    of the word, from its offset."""
+    W: tl.constexpr = word_tokens(BITS)
+    PLANES: tl.constexpr = word_planes(BITS)
+    B: tl.constexpr = BITS // PLANES  # bits of a token in each word
+    T: tl.constexpr = W if BLOCK_T >= W else BLOCK_T  # tokens of each word in this tile
+    rows = code_row(start // W * W, BITS) + tl.arange(0, BLOCK_T // T) * PLANES
+    shifts = (start % W + tl.arange(0, T)) * B  # start % W: 0 unless the tile is part of a word
+    codes = tl.zeros((BLOCK_T // T, T, D), tl.int32)
+    for p in tl.static_range(PLANES):
+        words = tl.load(words_ptr + (rows + p)[:, None] * row_stride + d[None, :] * d_stride)
+        codes += ((words[:, None, :] >> shifts[None, :, None]) & ((1 << B) - 1)) << p  # the mask drops sign bits
     return tl.reshape(codes, (BLOCK_T, D)).to(tl.float32)
 
 
@@ -90,8 +98,7 @@ def _dequantize_kernel(
     d = tl.arange(0, D)
 
     # keys: per channel, per group of G tokens (one group per tile)
-    first_row = start // (WORD_BITS // KEY_BITS)
-    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, first_row, d, kc_r, kc_d, BLOCK_T, D, KEY_BITS)
+    codes = _unpack(key_codes_ptr + b * kc_b + h * kc_h, start, d, kc_r, kc_d, BLOCK_T, D, KEY_BITS)
     params = b * ks_b + h * ks_h + (start // G) * ks_r + d * ks_d
     k = codes * tl.load(key_scale_ptr + params).to(tl.float32)[None, :]
     k = k + tl.load(key_min_ptr + params).to(tl.float32)[None, :]
@@ -106,8 +113,7 @@ def _dequantize_kernel(
     tl.store(out, k.to(out_keys_ptr.dtype.element_ty))
 
     # values: per token, per group of G channels (each parameter loaded once, broadcast over its group)
-    first_row = start // (WORD_BITS // VALUE_BITS)
-    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, first_row, d, vc_r, vc_d, BLOCK_T, D, VALUE_BITS)
+    codes = _unpack(value_codes_ptr + b * vc_b + h * vc_h, start, d, vc_r, vc_d, BLOCK_T, D, VALUE_BITS)
     groups = tl.arange(0, D // G)
     params = b * vs_b + h * vs_h + tokens[:, None] * vs_r + groups[None, :] * vs_d
     v = codes * _per_channel(tl.load(value_scale_ptr + params), BLOCK_T, D, G)

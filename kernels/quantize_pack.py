@@ -5,7 +5,7 @@
     inputs   keys, values   [B, Hkv, N, D]   bf16 / fp16 / fp32, any strides; N a multiple of G = group_size,
                                              D a power of two that G divides (64, 128, 256)
     outputs  a new contiguous `QuantizedKV` of N tokens in the layout of `oscar_hf.layout.StorageLayout` (its
-             `_pack_tokens` below writes the bits that `StorageLayout.pack_codes` defines), or tokens
+             `_store_codes` below writes the bits that `StorageLayout.pack_codes` defines), or tokens
              [start, start + N) of a storage's buffers (`out`, `start`): a prefill's blocks go straight to the cache
 
 As in the reference, scale and min are rounded to the scale dtype before the codes are computed, so the codes are
@@ -35,14 +35,16 @@ from oscar_hf.reference import check_head_dim
 
 from .common import (
     MODEL_DTYPES,
-    WORD_BITS,
     add,
     announce_first_launch,
+    code_row,
     fwht_rows,
     interpreting,
     maximum,
     minimum,
     on_device,
+    word_planes,
+    word_tokens,
 )
 
 
@@ -61,13 +63,23 @@ def _quantize(x, mn, mx, LEVELS: tl.constexpr, SCALE_DTYPE: tl.constexpr):
 
 
 @triton.jit
-def _pack_tokens(codes, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
-    """[G, D] int32 codes -> [G // W, D] int32 words, token r * W + j at bits [j * BITS, (j + 1) * BITS) of row r."""
-    W: tl.constexpr = WORD_BITS // BITS
-    shifts = tl.arange(0, W) * BITS
-    # The shifted codes occupy disjoint bits, so their sum is their bitwise or, without a carry or a signed overflow;
-    # a sum, unlike an or, is a reduction that Triton's interpreter runs in numpy.
-    return tl.reduce(tl.reshape(codes, (G // W, W, D)) << shifts[None, :, None], 1, add)
+def _store_codes(codes_ptr, codes, first_token, G: tl.constexpr, D: tl.constexpr, BITS: tl.constexpr):
+    """Pack [G, D] int32 codes of tokens `first_token ...` (a multiple of G) into the rows of a contiguous [rows, D]
+    head at `codes_ptr`, the bits `StorageLayout.pack_codes` defines: with W = `word_tokens(BITS)` tokens a word,
+    token r * W + j at bits [j * b, (j + 1) * b) of its plane p (b = BITS, p = 0 where BITS divides the word; else
+    b = 1 and p = 0 .. BITS - 1 holds bit p of the code, `word_planes` rows a group)."""
+    W: tl.constexpr = word_tokens(BITS)
+    PLANES: tl.constexpr = word_planes(BITS)
+    B: tl.constexpr = BITS // PLANES  # bits of a token in each word
+    grouped = tl.reshape(codes, (G // W, W, D))
+    shifts = tl.arange(0, W) * B
+    rows = code_row(first_token, BITS) + tl.arange(0, G // W) * PLANES
+    o_d = tl.arange(0, D)
+    for p in tl.static_range(PLANES):
+        plane = (grouped >> p) & ((1 << B) - 1)
+        # The shifted codes occupy disjoint bits, so their sum is their bitwise or, without a carry or a signed
+        # overflow; a sum, unlike an or, is a reduction that Triton's interpreter runs in numpy.
+        tl.store(codes_ptr + (rows + p)[:, None] * D + o_d[None, :], tl.reduce(plane << shifts[None, :, None], 1, add))
 
 
 @triton.jit
@@ -132,8 +144,6 @@ def _quantize_pack_kernel(
     FLUSH_WINDOW: tl.constexpr,
     CHECK_FINITE: tl.constexpr,
 ):
-    KEY_W: tl.constexpr = WORD_BITS // KEY_BITS
-    VALUE_W: tl.constexpr = WORD_BITS // VALUE_BITS
     KEY_LEVELS: tl.constexpr = (1 << KEY_BITS) - 1
     VALUE_LEVELS: tl.constexpr = (1 << VALUE_BITS) - 1
     NUM_VGROUPS: tl.constexpr = HEAD_DIM // GROUP
@@ -154,8 +164,6 @@ def _quantize_pack_kernel(
         o_t_valid = out_g * GROUP + tl.arange(0, GROUP)  # ... or, flushing, the cache's positions
     o_t_out = out_g * GROUP + tl.arange(0, GROUP)
     o_d = tl.arange(0, HEAD_DIM)
-    o_kw = out_g * (GROUP // KEY_W) + tl.arange(0, GROUP // KEY_W)
-    o_vw = out_g * (GROUP // VALUE_W) + tl.arange(0, GROUP // VALUE_W)
     o_vg = tl.arange(0, NUM_VGROUPS)
     p_k = k_ptr + pid_b * stride_kb + o_t[:, None] * stride_kt + o_d[None, :] * stride_kd
     p_v = v_ptr + pid_b * stride_vb + o_t[:, None] * stride_vt + o_d[None, :] * stride_vd
@@ -204,8 +212,8 @@ def _quantize_pack_kernel(
             b_k, tl.where(any_valid, k_min, 0.0), tl.where(any_valid, k_max, 0.0), KEY_LEVELS, SCALE_DTYPE
         )
         codes = tl.where(valid[:, None], codes, 0)  # padding may hold anything, NaN included: its code is 0
-        p_codes = pid_b * stride_kcodes_b + h * stride_kcodes_h + o_kw[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(key_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, KEY_BITS))
+        p_codes = key_codes_ptr + pid_b * stride_kcodes_b + h * stride_kcodes_h
+        _store_codes(p_codes, codes, out_g * GROUP, GROUP, HEAD_DIM, KEY_BITS)
         o_kparam = pid_b * stride_kparam_b + h * stride_kparam_h + out_g * HEAD_DIM + o_d[None, :]
         tl.store(key_scale_ptr + o_kparam, scale)
         tl.store(key_min_ptr + o_kparam, mn)
@@ -217,8 +225,8 @@ def _quantize_pack_kernel(
         v_min, v_max = tl.reduce(b_v3, 2, minimum)[:, :, None], tl.reduce(b_v3, 2, maximum)[:, :, None]
         codes, scale, mn = _quantize(b_v3, v_min, v_max, VALUE_LEVELS, SCALE_DTYPE)
         codes = tl.reshape(codes, (GROUP, HEAD_DIM))
-        p_codes = pid_b * stride_vcodes_b + h * stride_vcodes_h + o_vw[:, None] * HEAD_DIM + o_d[None, :]
-        tl.store(value_codes_ptr + p_codes, _pack_tokens(codes, GROUP, HEAD_DIM, VALUE_BITS))
+        p_codes = value_codes_ptr + pid_b * stride_vcodes_b + h * stride_vcodes_h
+        _store_codes(p_codes, codes, out_g * GROUP, GROUP, HEAD_DIM, VALUE_BITS)
         o_vparam = pid_b * stride_vparam_b + h * stride_vparam_h + o_t_out[:, None] * NUM_VGROUPS + o_vg[None, :]
         tl.store(value_scale_ptr + o_vparam, tl.reshape(scale, (GROUP, NUM_VGROUPS)))
         tl.store(value_min_ptr + o_vparam, tl.reshape(mn, (GROUP, NUM_VGROUPS)))

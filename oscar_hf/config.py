@@ -11,8 +11,9 @@ import torch
 from transformers.utils import logging
 
 # The bits a stored key or value may have, narrowest first: the one list the config, the storage layout, bits="auto"'s
-# layer widths and the kernels read (a new width is added here, then in the kernels' unpacking).
-SUPPORTED_WIDTHS = (2, 4)
+# layer widths and the kernels read (a new width is added here, then in the kernels' unpacking). 2 and 4 bits pack
+# whole codes into a word; 3 bits are stored as bit planes (`oscar_hf.layout`).
+SUPPORTED_WIDTHS = (2, 3, 4)
 _SCALE_DTYPES = {"float16": torch.float16, "float32": torch.float32}
 _METHODS = ("auto", "oscar", "paper")
 # bits="auto"'s default budget: a little above the 2-bit cache's memory (3.125 at head_dim 128); with 4 sinks it is the
@@ -28,23 +29,23 @@ class OscarConfig:
 
     Args:
         bits (`int` or `str`, *optional*, defaults to `"auto"`):
-            Bits per stored K/V value, one of `SUPPORTED_WIDTHS` (2 is the paper's setting): the shorthand for
+            Bits per stored K/V value, one of `SUPPORTED_WIDTHS` (2, 3, 4; 2 is the paper's setting): the shorthand for
             `key_bits` and `value_bits` both. "auto" (the default when no width is given): each full-attention layer
             chooses its own key and value widths from the prompt, under the budget `avg_bits` (`cache/layer_bits.py`).
         avg_bits (`float`, *optional*):
             The budget of bits="auto" (refused with fixed widths; given alone it implies bits="auto"): the average
             stored bits per K/V element over the layers, counted as `oscar_hf.average_bits` counts them (at head_dim
-            128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). Every layer starts at the widest fixed config
-            the budget affords (K2V2, K4V2 or K4V4), then layers whose prompt shows the largest attention error per
-            added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
+            128: all 2-bit 3.125, 3-bit keys 3.625, all 4-bit 5.125). Every layer starts at the widest fixed config
+            of the chain K2V2, K3V2, K3V3, K4V3, K4V4 the budget affords, then layers whose prompt shows the largest
+            attention error per added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
             `DEFAULT_AVG_BITS`, or the model's all-2-bit cost where its head shape stores more (`budget`). A budget
             below the all-2-bit cost is an error naming the minimum; above the all-4-bit cost every layer is 4-bit.
         key_bits (`int`, *optional*), value_bits (`int`, *optional*):
-            Bits per stored key and per stored value where they differ (keys are the sensitive half: `key_bits=4,
-            value_bits=2`). One given alone fixes the other at 2; given with `bits`, they must equal it (no silent
-            precedence). After construction fixed widths set all three (`bits` the common width, or None where keys
-            and values differ); bits="auto" leaves `key_bits` and `value_bits` None. (With `dataclasses.replace`,
-            pass `bits` alone, or `key_bits` and `value_bits` with `bits=None`.)
+            Bits per stored key and per stored value where they differ (keys are the sensitive half: `key_bits=3,
+            value_bits=2` or `key_bits=4, value_bits=2`). One given alone fixes the other at 2; given with `bits`, they
+            must equal it (no silent precedence). After construction fixed widths set all three (`bits` the common
+            width, or None where keys and values differ); bits="auto" leaves `key_bits` and `value_bits` None. (With
+            `dataclasses.replace`, pass `bits` alone, or `key_bits` and `value_bits` with `bits=None`.)
         group_size (`int`, *optional*, defaults to 32):
             Tokens per key quantization group (per channel) and channels per value group (per token): 32, 64 or 128.
         residual_length (`int`, *optional*, defaults to 128):
@@ -94,7 +95,7 @@ class OscarConfig:
             if not ok:
                 raise ValueError(f"OscarConfig: {message}")
 
-        widths = " or ".join(map(str, SUPPORTED_WIDTHS))
+        widths = ", ".join(map(str, SUPPORTED_WIDTHS[:-1])) + f" or {SUPPORTED_WIDTHS[-1]}"
         check(
             self.bits in (None, "auto", *SUPPORTED_WIDTHS),
             f"bits={self.bits!r} is not supported; use 'auto' (default: layer-wise widths under avg_bits), {widths}.",
@@ -111,7 +112,7 @@ class OscarConfig:
             value = getattr(self, name)
             check(
                 value in (None, *SUPPORTED_WIDTHS),
-                f"{name}={value} is not supported; use {' or '.join(map(str, SUPPORTED_WIDTHS))} (default 2).",
+                f"{name}={value} is not supported; use {widths} (default 2).",
             )
         if self.bits is None and self.key_bits is None and self.value_bits is None:
             object.__setattr__(self, "bits", "auto")  # no width given: each layer's is chosen under the budget

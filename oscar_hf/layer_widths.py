@@ -102,9 +102,9 @@ def choose_layer_bits(
     `key_costs`, `value_costs` (`[L, W]`, `layer_bit_costs`): what each width costs each layer; `bits` (`[L, W, W]`):
     the stored bits per K/V element of layer l at key width i and value width j (`oscar_hf.average_bits`); `weights`
     (`[L]`): the K/V elements per token of each layer (KV heads x head_dim). Every layer starts at the widest fixed
-    config within the budget of the chain K2V2, K4V2, K4V4 (keys first: `uniform_start`); then, of the upgrades that
-    keep the weighted average of `bits` within `avg_bits` (one layer's keys or values to the next width), the one that
-    lowers the cost most per added bit is taken, until none fits or none lowers the cost."""
+    config within the budget of the chain K2V2, K3V2, K3V3, K4V3, K4V4 (keys first: `uniform_start`); then, of the
+    upgrades that keep the weighted average of `bits` within `avg_bits` (one layer's keys or values to the next width),
+    the one that lowers the cost most per added bit is taken, until none fits or none lowers the cost."""
     layers, widths = key_costs.shape
     costs = key_costs.double().cpu()[:, :, None] + value_costs.double().cpu()[:, None, :]  # [L, key width, value width]
     bits, weights = bits.double().cpu(), weights.double().cpu()
@@ -134,7 +134,8 @@ def choose_layer_bits(
 
 def uniform_start(bits: torch.Tensor, weights: torch.Tensor, limit: float) -> tuple[int, int]:
     """Where `choose_layer_bits` starts every layer: the (key, value) width indices of the widest config of the chain
-    K2V2, K4V2, K4V4 (keys one step ahead of values: the fixed configs, keys the sensitive half) whose weighted bits
+    K2V2, K3V2, K3V3, K4V3, K4V4 (each step one width up, keys one step ahead of values: keys the sensitive half; no
+    K4V2, which costs K3V3's bits and scored no better, docs/accuracy.md) whose weighted bits
     (`bits` `[L, W, W]` times `weights` `[L]`) stay within `limit` (K2V2 if none does; the budget's check refuses
     that). The greedy's upgrades, priced by a per-layer model of the attention error, only add bits to this, so the
     choice never stores less than the best fixed config it could afford: that model does not see what a layer's error

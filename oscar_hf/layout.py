@@ -24,11 +24,11 @@ row of D words (512 bytes at D=128) is a single coalesced load covering W tokens
 more rows than it uses (it grows by doubling); kernels take strides and the length. Dequantization:
 `x = code * scale + min`; a zero range stores scale 0, so every code decodes to the minimum.
 
-3-bit codes (not in `SUPPORTED_WIDTHS`: no kernel unpacks them yet; benchmarks/three_bit_probe.py stores them through
-the portable backend) are bit planes: 32 tokens take 3 words, word `[b, h, 3 g + p, d]` holding bit p of tokens
-`32 g + j` at bit j, so a row covers 32 / 3 tokens (`tokens_per_code_row`) and a group of 32 tokens is whole rows.
-Ten 3-bit codes a word would spread 32 tokens over 4 words (4 bits a code); planes keep 3, and each plane unpacks
-as 1-bit codes, 32 a word, one shift and mask per code as at 2 and 4 bits.
+3-bit codes, whose width does not divide the word, are bit planes: 32 tokens take 3 words, word `[b, h, 3 g + p, d]`
+holding bit p of tokens `32 g + j` at bit j, so a row covers 32 / 3 tokens (`tokens_per_code_row`) and a group of 32
+tokens is whole rows. Ten 3-bit codes a word would spread 32 tokens over 4 words (4 bits a code); planes keep 3, and
+each plane unpacks as 1-bit codes, 32 a word, one shift and mask per code as at 2 and 4 bits. At every width the
+first row of the tokens from t (a multiple of 32) is `t * bits // WORD_BITS` (the kernels' `common.code_row`).
 """
 
 from __future__ import annotations

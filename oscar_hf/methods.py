@@ -28,6 +28,9 @@ METHODS: dict[str, tuple[str | None, dict]] = {
     # a 64-token exact window: 32 fewer exact tokens on average, 0.09 effective bits less at 4K tokens
     "oscar-k4v2-sinks4-window64": ("oscar", {"key_bits": 4, "value_bits": 2, "sink_tokens": 4, "residual_length": 64}),
     "oscar-paper-int4": ("oscar", {"bits": 4, "sink_tokens": 0, "method": "paper"}),  # the paper's method at 4 bits
+    # 3-bit keys (bit planes): K3V2 stores half a bit more than K2V2 for most of K4V2's gain; K3V3 costs K4V2's bits
+    "oscar-k3v2-sinks4": ("oscar", {"key_bits": 3, "value_bits": 2, "sink_tokens": 4}),
+    "oscar-k3v3-sinks4": ("oscar", {"key_bits": 3, "value_bits": 3, "sink_tokens": 4}),
     # layer-wise widths chosen from each prompt under a budget of average stored bits per K/V element
     "oscar-auto-3.2": ("oscar", {"bits": "auto", "avg_bits": 3.2, "sink_tokens": 0}),  # INT2's memory, a few 4-bit
     "oscar-auto-3.6": ("oscar", {"bits": "auto", "avg_bits": 3.6, "sink_tokens": 0}),

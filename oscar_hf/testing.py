@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import OscarConfig
+from .config import SUPPORTED_WIDTHS, OscarConfig
 from .kernels import DECODE_MAX_QUERY_ROWS, decode_attention_triton
 from .layout import QuantizedKV
 from .reference import decode_attention as decode_attention_reference
@@ -194,7 +194,7 @@ def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64,
     per_row = max_tokens // (batch * kv_heads)
     quantized = group_size * rng.randint(1, max(1, (per_row - residual) // group_size))
     batch = max(1, min(batch, max_tokens // (kv_heads * (quantized + residual))))
-    key_bits = 4 if rng.random() < 0.25 else 2
+    key_bits = rng.choices(SUPPORTED_WIDTHS, weights=[2 if bits == 2 else 1 for bits in SUPPORTED_WIDTHS])[0]
     return Case(
         batch=batch,
         kv_heads=kv_heads,
@@ -205,7 +205,7 @@ def random_decode_case(rng: random.Random, max_tokens: int, max_batch: int = 64,
         residual=residual,
         dtype=rng.choice((torch.bfloat16, torch.float16)),
         key_bits=key_bits,
-        value_bits=key_bits if rng.random() < 0.7 else 6 - key_bits,  # 2 and 4 bits, or 4 and 2
+        value_bits=key_bits if rng.random() < 0.7 else rng.choice([b for b in SUPPORTED_WIDTHS if b != key_bits]),
         rotation=paper or rng.random() < 0.5,
         token_scaling=paper or rng.random() < 0.5,
         group_size=group_size,

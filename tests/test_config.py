@@ -15,9 +15,9 @@ from oscar_hf.reference import round_trip_kv
 @pytest.mark.parametrize(
     "field,value,message",
     [
-        ("bits", 3, r"bits=3 is not supported; use 'auto' \(default: layer-wise widths under avg_bits\), 2 or 4"),
+        ("bits", 5, r"bits=5 is not supported; use 'auto' \(default: layer-wise widths under avg_bits\), 2, 3 or 4"),
         ("bits", 2.0, "bits must be an int"),
-        ("key_bits", 8, r"key_bits=8 is not supported; use 2 or 4 \(default 2\)"),
+        ("key_bits", 8, r"key_bits=8 is not supported; use 2, 3 or 4 \(default 2\)"),
         ("value_bits", True, "value_bits must be an int"),
         ("group_size", 48, "group_size=48 is not supported"),
         ("residual_length", 100, "residual_length=100 must be a positive multiple of group_size=32"),

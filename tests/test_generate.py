@@ -344,8 +344,8 @@ def test_bad_generate_arguments_are_refused(tiny_llama):
     ids = torch.randint(3, 97, (1, 5))
     with pytest.raises(ValueError, match=r"Unknown OscarCache option\(s\) \['nbits'\]; valid options are"):
         model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"nbits": 2})
-    with pytest.raises(ValueError, match="bits=3"):
-        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"bits": 3})
+    with pytest.raises(ValueError, match="bits=5"):
+        model.generate(ids, max_new_tokens=2, cache_implementation="oscar", cache_config={"bits": 5})
     with pytest.raises(ValueError, match="past_key_values"):
         model.generate(ids, max_new_tokens=2, cache_implementation="oscar", **cache_kwargs(DynamicCache()))
 

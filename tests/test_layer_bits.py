@@ -98,9 +98,9 @@ def test_layer_bit_costs_match_the_attention_error_model():
     assert key_costs[1] < key_costs[0] and value_costs[1] < value_costs[0]
 
 
-def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
+def test_a_layer_with_outlier_key_channels_gets_wider_keys_first():
     """Three layers of random keys and values; the middle one's keys carry outlier channels that its queries read.
-    With the budget of one key upgrade, it is that layer's keys that get 4 bits."""
+    With the budget of one key upgrade, it is that layer's keys that get the next width (3 bits)."""
     config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
     key_costs, value_costs = [], []
     for layer in range(3):
@@ -116,23 +116,25 @@ def test_a_layer_with_outlier_key_channels_gets_4_bit_keys_first():
     bits, weights = _bits_table(3, 64, 2), torch.full((3,), 128.0)
     one_upgrade = (2 * bits[0, 0, 0] + bits[0, 1, 0]) / 3
     chosen = choose_layer_bits(torch.stack(key_costs), torch.stack(value_costs), bits, weights, float(one_upgrade))
-    assert chosen == [(2, 2), (4, 2), (2, 2)]
+    assert chosen == [(2, 2), (3, 2), (2, 2)]
 
 
 def test_a_budget_that_affords_a_fixed_config_keeps_every_layer_at_it_or_wider():
-    """Three layers whose costs make a mix attractive (the last layer's values cost most): at the bits of K4V2
-    everywhere the greedy starts from it (`uniform_start`) and has no bit left for the mix it would have taken from
-    K2V2 (K4V2, K2V2, K4V4: the same bits); with a little more, it upgrades that layer's values on top."""
-    key_costs = torch.tensor([[90.0, 4.0], [12.0, 0.5], [60.0, 2.0]])
-    value_costs = torch.tensor([[25.0, 1.0], [7.0, 0.3], [30.0, 1.0]])
+    """Three layers whose costs make a mix attractive (the values of the first and last layers cost most): at the
+    bits of K3V2 everywhere the greedy starts from it (`uniform_start`) and has no bit left for the mix it would have
+    taken from K2V2; with a little more, it upgrades those layers' values on top. The start chain is K2V2, K3V2,
+    K3V3, K4V3, K4V4."""
+    key_costs = torch.tensor([[90.0, 20.0, 4.0], [12.0, 3.0, 0.5], [60.0, 12.0, 2.0]])
+    value_costs = torch.tensor([[25.0, 6.0, 1.0], [7.0, 2.0, 0.3], [30.0, 8.0, 1.0]])
     bits, weights = _bits_table(3, 256, 1), torch.full((3,), 256.0)
-    k4v2 = _average([(4, 2)] * 3, bits, weights)
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2) == [(4, 2)] * 3
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 + 0.4) == [(4, 2), (4, 2), (4, 4)]
-    # below K4V2's bits it starts from K2V2: keys where they pay most
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k4v2 - 0.1) == [(4, 2), (2, 2), (4, 2)]
-    assert uniform_start(bits, weights, 3 * 256 * k4v2) == (1, 0)
-    assert uniform_start(bits, weights, 3 * 256 * _average([(4, 4)] * 3, bits, weights)) == (1, 1)
+    k3v2 = _average([(3, 2)] * 3, bits, weights)
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2) == [(3, 2)] * 3
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 + 0.4) == [(3, 3), (3, 2), (3, 3)]
+    # below K3V2's bits it starts from K2V2: keys where they pay most
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 - 0.1) == [(3, 2), (2, 2), (3, 2)]
+    for start, widths in enumerate([(2, 2), (3, 2), (3, 3), (4, 3), (4, 4)]):
+        index = ((start + 1) // 2, start // 2)
+        assert uniform_start(bits, weights, 3 * 256 * _average([widths] * 3, bits, weights)) == index, widths
     assert uniform_start(bits, weights, 0.0) == (0, 0)
 
 
@@ -140,8 +142,10 @@ def test_a_budget_that_affords_a_fixed_config_keeps_every_layer_at_it_or_wider()
 def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits(seed):
     generator = torch.Generator().manual_seed(seed)
     layers = 7
-    key_costs = torch.rand(layers, 2, generator=generator).sort(dim=1, descending=True).values
-    value_costs = torch.rand(layers, 2, generator=generator).sort(dim=1, descending=True).values
+    widths = len(SUPPORTED_WIDTHS)
+    key_costs = torch.rand(layers, widths, generator=generator).sort(dim=1, descending=True).values
+    value_costs = torch.rand(layers, widths, generator=generator).sort(dim=1, descending=True).values
+    wider = dict(zip(SUPPORTED_WIDTHS, SUPPORTED_WIDTHS[1:]))  # each width's next one up
     kv_heads = torch.randint(1, 9, (layers,), generator=generator)
     bits = torch.stack([_bits_table(1, 128, int(h))[0] for h in kv_heads])
     weights = (kv_heads * 128).double()
@@ -150,9 +154,9 @@ def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits
         chosen = choose_layer_bits(key_costs, value_costs, bits, weights, budget)
         spent = _average(chosen, bits, weights)
         assert spent <= budget + 1e-9
-        for layer, (k, v) in enumerate(chosen):  # every upgrade left out would break the budget
-            for upgraded in ((4, v), (k, 4)):
-                if upgraded != (k, v):
+        for layer, (k, v) in enumerate(chosen):  # every upgrade left out (one half one width up) breaks the budget
+            for upgraded in ((wider.get(k), v), (k, wider.get(v))):
+                if None not in upgraded:
                     trial = chosen[:layer] + [upgraded] + chosen[layer + 1 :]
                     assert _average(trial, bits, weights) > budget
     assert choose_layer_bits(key_costs, value_costs, bits, weights, high) == [(4, 4)] * layers
@@ -209,7 +213,7 @@ def _filled(model, prompt, **options):
 
 def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Four layers' K/V (head_dim 64) put in by hand, with the queries handed over: layers whose outlier key channels
-    differ, the first with quiet keys and loud values, so that a budget between K2V2's and K4V2's bits mixes the widths
+    differ, the first with quiet keys and loud values, so that a budget between K3V3's and K4V4's bits mixes the widths
     (4-bit values first, then the loudest keys). Drawn on the CPU (the same inputs, and widths, on either device);
     returns each layer's keys and values."""
     torch.manual_seed(0)
@@ -239,7 +243,7 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
-    options = dict(bits="auto", avg_bits=4.0, residual_length=32, method=method, attention=attention)
+    options = dict(bits="auto", avg_bits=4.5, residual_length=32, method=method, attention=attention)
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
     prompts = _fill_by_hand(cache, 100, device)
@@ -250,8 +254,9 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     assert all(layer.config.key_bits == layer.config.value_bits == 4 for layer in cache.layers)
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
-    assert {(2, 4), (4, 2)} <= set(widths), widths  # each half converted while the other stays
-    assert cache.average_bits() <= 4.0
+    # each half converted while the other stays, and both converted
+    assert {(3, 4), (4, 3), (3, 3)} <= set(widths), widths
+    assert cache.average_bits() <= 4.5
     four = OscarConfig(bits=4, method=method, sink_tokens=0)
     for layer, (stored, rotated), (exact_keys, exact_values) in zip(cache.layers, before, prompts):
         quantize = quantize_kv_triton if attention == "fused" else quantize_kv
@@ -287,12 +292,12 @@ def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama)
     widths chosen, with the key rotation chosen (the reference's quantization, on the portable path)."""
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.0, residual_length=32, attention="portable"))
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.5, residual_length=32, attention="portable"))
     prompts = _fill_by_hand(cache, 20)
     assert all(layer.quantized_length == 0 for layer in cache.layers)
     cache.choose_bits()
     widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
-    assert (4, 2) in widths and (2, 2) in widths, widths  # keys kept and values changed; both changed
+    assert (4, 3) in widths and (3, 3) in widths, widths  # keys kept and values changed; both changed
     for index, (layer, (keys, values)) in enumerate(zip(cache.layers, prompts)):
         more_keys, more_values = torch.randn(1, 2, 80, 64), torch.randn(1, 2, 80, 64)
         cache.update(more_keys, more_values, index)
@@ -404,7 +409,7 @@ def test_a_reserved_length_is_allocated_once_the_widths_are_chosen(tiny_llama):
     with the prompt (reserved at 4 bits, the whole length would be the prefill's peak); the choice allocates the
     reserved length at each layer's widths, and after a reset the next prompt again grows until its choice."""
     config = tiny_llama(num_hidden_layers=3).config
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=3.9, residual_length=32, sink_tokens=0))
+    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.1, residual_length=32, sink_tokens=0))
     cache.reserve(1000)
     for _ in range(2):
         for idx in range(3):

@@ -47,8 +47,8 @@ def gemma(tiny_gemma3):
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"sink_tokens": 0}, {"key_bits": 4, "value_bits": 2, "sink_tokens": 2}],
-    ids=["2bit", "nosinks", "k4v2"],
+    [{}, {"sink_tokens": 0}, {"key_bits": 4, "value_bits": 2, "sink_tokens": 2}, {"key_bits": 3, "value_bits": 2}],
+    ids=["2bit", "nosinks", "k4v2", "k3v2"],
 )
 def test_llama_tokens_equal_generate(llama, options):
     """All prompts fit one batch's token budget (no prompt is split: split prompts have a test of their own)."""

@@ -100,6 +100,7 @@ class Driver:
         {},
         {"sink_tokens": 0},
         {"key_bits": 4, "value_bits": 2},
+        {"key_bits": 3, "value_bits": 2},
         {"bits": 4, "residual_length": 64},
         {"sink_tokens": 7, "residual_length": 64, "token_scaling": False},
         {"rotation": False, "scale_dtype": "float32"},

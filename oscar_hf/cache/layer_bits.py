@@ -16,14 +16,14 @@ follows a prompt (a decode step) makes it, before that step is stored; and any u
 chunk by chunk, is not stored at 4 bits beyond them. A compiled step refuses an open choice
 (`OscarLayer.update`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
 that width: method="oscar"'s choice is made again at the width stored), `layer_widths.choose_layer_bits` starts every
-layer at the widest fixed config the budget affords (K2V2, K4V2, K4V4) and spends the rest greedily, and each layer
-stores its quantized region again at its widths (`OscarLayer.set_widths`: the 4-bit blocks dequantized and quantized
-again, the keys from the query rule's exact copies while it holds them, prompts up to its horizon; the 4-bit round
-trip adds little next to a 2-bit one: tests/test_layer_bits.py measures it). From then on the layer's storage layout,
-codec, kernel config and compiled buffers are those widths.
+layer at the widest fixed config the budget affords (K2V2, K3V2, K3V3, K4V3, K4V4) and spends the rest greedily, and
+each layer stores its quantized region again at its widths (`OscarLayer.set_widths`: the 4-bit blocks dequantized and
+quantized again, the keys from the query rule's exact copies while it holds them, prompts up to its horizon; the 4-bit
+round trip adds little next to a 2-bit one: tests/test_layer_bits.py measures it). From then on the layer's storage
+layout, codec, kernel config and compiled buffers are those widths.
 
-Memory beyond the 4-bit cache while the choice is open: per layer, 2 (widths) x 2 (rotations, method="oscar") float32
-D x D matrices per row and KV head (2 MiB per layer at 8 KV heads, head_dim 128, batch 1); during the
+Memory beyond the 4-bit cache while the choice is open: per layer, 3 (widths) x 2 (rotations, method="oscar") float32
+D x D matrices per row and KV head (3 MiB per layer at 8 KV heads, head_dim 128, batch 1); during the
 conversion, one slice of float32 K/V (`CONVERT_SLICE_BYTES`).
 """
 

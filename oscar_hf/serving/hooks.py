@@ -77,7 +77,7 @@ def pool_config(cache_config: dict | OscarConfig | None) -> OscarConfig:
     if config.auto_bits:
         raise ValueError(
             "The 2-bit pool stores one width per layer for every request, so bits='auto' (widths chosen per prompt) "
-            "and avg_bits do not apply; pass fixed widths: bits=2 (the pool's default), bits=4, or key_bits=4, "
+            "and avg_bits do not apply; pass fixed widths: bits=2 (the pool's default), bits=4, or key_bits=4 (or 3), "
             "value_bits=2."
         )
     if config.method == "oscar" and config.rotation:

@@ -59,8 +59,10 @@ CASES = [
     replace(BASE, rotation=False, token_scaling=False),
     replace(BASE, rotation=False),
     replace(BASE, scale_dtype="float32", quantized=64),
-    # key and value bit widths of their own (a 4-bit and a 2-bit tile order their tokens differently)
-    *(replace(BASE, key_bits=k, value_bits=v, left_pad=13) for k, v in ((4, 4), (4, 2), (2, 4))),
+    # key and value bit widths of their own (2-, 3- and 4-bit tiles order their tokens differently)
+    *(replace(BASE, key_bits=k, value_bits=v, left_pad=13) for k, v in ((4, 4), (4, 2), (2, 4), (3, 2))),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=3, left_pad=13)),
+    replace(BASE, key_bits=2, value_bits=3, method="oscar", head_dim=128),
 ]
 
 
@@ -121,8 +123,9 @@ def test_chunk_attention_matches_reference(case: Case):
 
 
 def test_chunk_attention_fuzzed():
-    """A seeded draw over chunk lengths, history (quantized and window) lengths, padding, GQA 1/4, head_dim 64/128
-    and the model dtypes; small 32-row tiles of 16-token steps, so that every draw crosses tiles and blocks."""
+    """A seeded draw over chunk lengths, history (quantized and window) lengths, padding, GQA 1/4, head_dim 64/128,
+    the model dtypes and bit widths; small 32-row tiles of 16-token steps (32 with 3-bit planes, whole 32-token words),
+    so that every draw crosses tiles and blocks."""
     rng = random.Random(37)
     for seed in range(6):
         quantized = 32 * rng.randrange(0, 5)
@@ -136,12 +139,13 @@ def test_chunk_attention_fuzzed():
             left_pad=rng.choice((0, rng.randrange(0, quantized + window + 1))),
             dtype=rng.choice((torch.bfloat16, torch.float16, torch.float32)),
             method=rng.choice(("paper", "oscar")),
-            key_bits=rng.choice((2, 4)),
-            value_bits=rng.choice((2, 4)),
+            key_bits=rng.choice((2, 3, 4)),
+            value_bits=rng.choice((2, 3, 4)),
             batch=2,
             kv_heads=1,
         )
-        _check(case, seed, ChunkTuning(block_m=32, block_n=16, num_warps=4))
+        block_n = 32 if 3 in (case.key_bits, case.value_bits) else 16
+        _check(case, seed, ChunkTuning(block_m=32, block_n=block_n, num_warps=4))
 
 
 def test_chunk_attention_refuses_a_mask_of_the_wrong_width():
@@ -244,8 +248,8 @@ def test_chunk_attention_flash_fuzzed():
             head_dim=rng.choice((64, 128)),
             dtype=rng.choice((torch.bfloat16, torch.float16)),
             method=rng.choice(("paper", "oscar")),
-            key_bits=rng.choice((2, 4)),
-            value_bits=rng.choice((2, 4)),
+            key_bits=rng.choice((2, 3, 4)),
+            value_bits=rng.choice((2, 3, 4)),
             kv_heads=rng.choice((1, 2)),
         )
         piece_tokens = rng.choice((None, 32, 64))

@@ -17,8 +17,9 @@ import triton.language as tl
 from devices import DEVICE, slow_on_cpu
 from oscar_hf.kernels import decode_attention as launcher
 from oscar_hf.kernels import decode_attention_triton, decode_workspace
+from oscar_hf.kernels.common import word_tokens
 from oscar_hf.kernels.decode_attention import decode_plan
-from oscar_hf.kernels.decode_tiles import unpack_codes_t
+from oscar_hf.kernels.decode_tiles import keys_to_values_order, load_codes_t, word_offsets
 from oscar_hf.kernels.decode_tuning import DecodeTuning, default_tuning, few_heads, num_splits
 
 from oscar_hf.layout import QuantizedKV, StorageLayout
@@ -50,6 +51,14 @@ CASES = [
     replace(BASE, key_bits=4, value_bits=2, q_len=3, residual=7, gqa=8, batch=1, quantized=160),
     replace(BASE, key_bits=2, value_bits=4, scale_dtype="float32"),
     replace(BASE, key_bits=4, value_bits=2, method="oscar", kv_heads=3, gqa=2, left_pad=5),
+    # 3-bit bit planes (32 tokens a word group): K3V2 (a partial last block), alone and against 2 and 4 bits, with
+    # padding across a block, speculative queries at D=256, per-head key rotation, fp32 scales, 64-token groups
+    replace(BASE, key_bits=3, value_bits=2, head_dim=128),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=3, quantized=320, left_pad=77)),
+    replace(BASE, key_bits=2, value_bits=3, q_len=3, residual=7, head_dim=256, batch=1),
+    replace(BASE, key_bits=4, value_bits=3, method="oscar", kv_heads=3, gqa=2, left_pad=5),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=4, scale_dtype="float32", dtype=torch.float32)),
+    slow_on_cpu(replace(BASE, key_bits=3, value_bits=2, group_size=64, quantized=192, head_dim=128, views=True)),
     # residual lengths 1 .. residual_length
     *(replace(BASE, residual=r, batch=1) for r in (1, 127, 128)),
     # quantized lengths: none, one group, two blocks, across block and split boundaries
@@ -84,26 +93,49 @@ def test_decode_attention_matches_reference(case: Case):
 
 
 @triton.jit
-def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, ROWS: tl.constexpr, BITS: tl.constexpr):
-    o_d = tl.arange(0, D)[:, None]
-    words = tl.load(words_ptr + o_d * ROWS + tl.arange(0, ROWS)[None, :])
-    codes = unpack_codes_t(words, D, ROWS, BITS)
-    tl.store(out_ptr + o_d * (ROWS * 32 // BITS) + tl.arange(0, ROWS * 32 // BITS)[None, :], codes)
+def _unpack_kernel(words_ptr, out_ptr, D: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+    offsets = word_offsets(D, 1, D, BLOCK_N, BITS)  # words [rows, D], as the storage's rows
+    codes = load_codes_t(words_ptr + offsets, offsets >= 0, D, D, BLOCK_N, BITS)
+    tl.store(out_ptr + tl.arange(0, D)[:, None] * BLOCK_N + tl.arange(0, BLOCK_N)[None, :], codes)
 
 
-@pytest.mark.parametrize("bits", [2, 4])
+def _token_of_column(columns: int, per_word: int) -> torch.Tensor:
+    """Column c of a tile of `per_word` tokens a word holds token (c // W) W + (c % 2) W / 2 + (c % W) // 2."""
+    col = torch.arange(columns)
+    return (col // per_word) * per_word + (col % 2) * (per_word // 2) + (col % per_word) // 2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4])
 def test_unpack_codes_order(bits: int):
-    """The code tile decoding of the kernel's inner loop, alone: column (r * H + j) * 2 + t of the [D, ROWS * W]
-    tile holds token r * W + t * H + j (W codes per word, H = W / 2), on random words with every bit pattern."""
-    per_word, rows, dim = StorageLayout.codes_per_word(bits), 4, 32
+    """The code tile decoding of the kernel's inner loop, alone: column (r * H + j) * 2 + t of the [D, BLOCK_N] tile
+    holds token r * W + t * H + j (W = `word_tokens`: codes per word, or 32 for 3-bit planes; H = W / 2), on random
+    words with every bit pattern, read from the storage's rows (3 bits: planes 3 g + p)."""
+    block_n, dim = 64, 32
+    rows = block_n * bits // 32
     words = torch.randint(-(2**31), 2**31, (rows, dim), dtype=torch.int64).to(torch.int32).to(DEVICE)
     tokens = StorageLayout.unpack_codes(words, bits).T  # [D, tokens]
-    col = torch.arange(rows * per_word)
-    half = per_word // 2
-    token_of_col = (col // per_word) * per_word + (col % 2) * half + (col % per_word) // 2
-    out = torch.empty(dim, rows * per_word, dtype=torch.float16, device=DEVICE)
-    _unpack_kernel[(1,)](words.T.contiguous(), out, dim, rows, bits)
-    torch.testing.assert_close(out.float().cpu(), tokens[:, token_of_col].float().cpu(), rtol=0, atol=0)
+    out = torch.empty(dim, block_n, dtype=torch.float16, device=DEVICE)
+    _unpack_kernel[(1,)](words, out, dim, block_n, bits)
+    want = tokens[:, _token_of_column(block_n, word_tokens(bits))]
+    torch.testing.assert_close(out.float().cpu(), want.float().cpu(), rtol=0, atol=0)
+
+
+@triton.jit
+def _shuffle_kernel(p_ptr, out_ptr, M: tl.constexpr, N: tl.constexpr, KW: tl.constexpr, VW: tl.constexpr):
+    offsets = tl.arange(0, M)[:, None] * N + tl.arange(0, N)[None, :]
+    tl.store(out_ptr + offsets, keys_to_values_order(tl.load(p_ptr + offsets), M, N, KW, VW))
+
+
+@pytest.mark.parametrize(("key_bits", "value_bits"), [(k, v) for k in (2, 3, 4) for v in (2, 3, 4) if k != v])
+def test_keys_to_values_order(key_bits: int, value_bits: int):
+    """The probabilities' shuffle from the key tile's token order to the value tile's, for every pair of widths:
+    a tile whose column c holds the token of column c in the key order holds, shuffled, the value order's."""
+    m, n = 4, 64
+    kw, vw = word_tokens(key_bits), word_tokens(value_bits)
+    p = _token_of_column(n, kw).float().expand(m, n).contiguous().to(DEVICE)
+    out = torch.empty_like(p)
+    _shuffle_kernel[(1,)](p, out, m, n, kw, vw)
+    assert torch.equal(out.cpu(), _token_of_column(n, vw).float().expand(m, n))
 
 
 def test_merge_over_several_steps():
@@ -128,6 +160,7 @@ def test_merge_over_several_steps():
         (replace(BASE, quantized=192, residual=64, q_len=3, head_dim=128, dtype=torch.float16), 0, 128, 7),
         (replace(BASE, quantized=128, residual=32, method="oscar", kv_heads=3, gqa=2, left_pad=9), 0, 64, 12),
         (replace(BASE, quantized=160, residual=32, key_bits=4, value_bits=2, left_pad=40), 0, 96, 32),
+        (replace(BASE, quantized=160, residual=36, key_bits=3, value_bits=2, left_pad=9), 4, 96, 4 + 12),
         # sinks: the residual holds `sinks` sink slots, then the window
         (replace(BASE, quantized=128, residual=36, left_pad=9), 4, 64, 4 + 12),  # 4 sinks, a 32-token window
         (replace(BASE, quantized=128, residual=36, batch=1), 4, 0, 3),  # the sinks still filling: 3 held
@@ -208,6 +241,10 @@ def test_rejects_bad_inputs():
     with pytest.raises(ValueError, match=r"key_padding_mask must be bool \[B, W >= capacity \+ R"):
         short = torch.ones(1, 32, dtype=torch.bool, device=DEVICE)  # covers the storage, not the window after it
         decode_attention_triton(query, quantized, rk, rv, short, scaling, config, None, torch.tensor(33, device=DEVICE))
+    three_bits = decode_inputs(replace(BASE, quantized=32, batch=1, key_bits=3))
+    halves = replace(default_tuning(BASE.head_dim, BASE.gqa, torch.float16), block_n=16)
+    with pytest.raises(ValueError, match="block_n=16 splits the code words of 3-bit keys"):
+        decode_attention_triton(*three_bits, tuning=halves)
     groups_major = quantized.value_min.transpose(2, 3).contiguous().transpose(2, 3)  # same values, other strides
     with pytest.raises(ValueError, match=r"value_min must be contiguous over its last two dims"):
         decode_attention_triton(query, quantized._replace(value_min=groups_major), rk, rv, None, scaling, config)
@@ -222,6 +259,8 @@ GPU_CASES = [
     Case(batch=1, kv_heads=2, gqa=4, head_dim=256, quantized=4096, residual=31, q_len=4),
     Case(batch=3, kv_heads=8, gqa=1, head_dim=64, quantized=2048, residual=64, views=True),
     Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=50, method="oscar"),
+    Case(batch=4, kv_heads=8, gqa=4, head_dim=128, quantized=8192, residual=77, key_bits=3, value_bits=2),
+    Case(batch=2, kv_heads=2, gqa=8, head_dim=256, quantized=4096 + 32, residual=9, key_bits=2, value_bits=3),
 ]
 
 
@@ -293,6 +332,18 @@ def test_what_the_gluon_kernel_is_not_compiled_for_decodes_with_the_triton_kerne
     assert plan.gluon is None and "groups of 32, fp16 scales" in plan.why_not_gluon, plan.why_not_gluon
     ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
     assert_close_to_reference(decode_attention_triton(*inputs, tuning=tuning), ref, case.dtype, case.id)
+
+
+def test_three_bit_blocks_are_read_by_the_triton_kernel():
+    """The Gluon kernel unpacks codes that fill whole bytes: it declines 3-bit planes, naming the widths, on any
+    device (the reason comes first), and the Triton kernel reads every block of a K3V2 step the Gluon kernel would
+    otherwise take (D=128, fp16 scales, full 128-token blocks)."""
+    case = replace(GLUON, key_bits=3, value_bits=2, quantized=256, batch=1)
+    inputs = decode_inputs(case, seed=2)
+    plan = decode_plan(*inputs[:5], inputs[6], inputs[7], tuning=_gluon_tuning(GLUON))
+    assert plan.gluon is None and "got 3-bit keys, 2-bit values" in plan.why_not_gluon, plan.why_not_gluon
+    ref = decode_attention_reference(*inputs, compute_dtype=torch.float64, out_dtype=torch.float64)
+    assert_close_to_reference(decode_attention_triton(*inputs, tuning=_gluon_tuning(GLUON)), ref, case.dtype, case.id)
 
 
 def _gluon_tuning(case: Case) -> DecodeTuning:

@@ -144,6 +144,9 @@ CASES = [
     replace(BASE, seed=2, key_bits=4, value_bits=2, gqa=1, kv_heads=3),
     replace(BASE, seed=3, key_bits=2, value_bits=4, sinks=0, window=64, max_pages=6, splits=4),
     replace(BASE, seed=4, key_bits=4, value_bits=4, gqa=8, batch=2),
+    # 3-bit planes: keys (the K3V2 config, 128-token pages) and values against 4-bit keys
+    replace(BASE, seed=15, key_bits=3, value_bits=2, head_dim=128, batch=2),
+    replace(BASE, seed=16, key_bits=4, value_bits=3, sinks=0, window=64, max_pages=4, splits=2),
     replace(BASE, seed=5, rotation=False, token_scaling=False, scale_dtype="float32"),
     replace(BASE, seed=6, dtype=torch.float32, max_pages=1, splits=1),
     # token-norm imbalance: a key token 40x larger in every page (2-bit keys; with 4-bit keys and fp16 the tile's fp16
@@ -182,7 +185,7 @@ def test_paged_decode_matches_reference(case: Case):
 
 def random_case(seed: int) -> Case:
     rng = random.Random(seed)
-    bits = rng.choice([(2, 2), (4, 2), (2, 4), (4, 4)])
+    bits = rng.choice([(2, 2), (4, 2), (2, 4), (4, 4), (3, 2), (3, 3), (2, 3), (4, 3), (3, 4)])
     return Case(
         seed=seed,
         batch=rng.randint(1, 4),
@@ -196,6 +199,10 @@ def random_case(seed: int) -> Case:
         window=rng.choice([64, 128]),
         max_pages=rng.randint(1, 5),
         splits=rng.randint(1, 4),
+        # the 10x key token with 2-bit keys only: with wider keys the tile's fp16 dequantization can pass the fp16
+        # tolerance there (seed 124, K3V2 fp16: 3.1e-3 relative RMSE; the same draw with fp32 scales 2e-7), as seed 7's
+        # case says of 4-bit keys
+        outlier=10.0 if bits[0] == 2 else 1.0,
         gluon=rng.random() < 0.5,
     )
 

@@ -40,7 +40,10 @@ def _flags(config):
 
 
 # (key_bits, value_bits, head_dim): both widths at every head dim, keys and values at different widths at one each
-WIDTHS_AND_HEAD_DIMS = [*((b, b, d) for b in (2, 4) for d in (64, 128, 256)), (4, 2, 128), (2, 4, 64)]
+# (3-bit planes of 32 tokens: a D=256 tile of 16 tokens reads half of each plane word)
+WIDTHS_AND_HEAD_DIMS = [*((b, b, d) for b in (2, 3, 4) for d in (64, 128, 256)), (4, 2, 128), (2, 4, 64), (3, 2, 256)]
+# more mixed widths with 3-bit planes, in the slow run on a CPU
+MORE_WIDTHS = [(3, 2, 128), (2, 3, 64), (4, 3, 256)]
 # (method, token_scaling, scale_dtype, group_size)
 OPTIONS = [(m, *storage) for m in ("oscar", "paper") for storage in ((True, "float16", 32), (False, "float32", 64))]
 # Every width and head dim with every method and storage options; on a CPU the default run takes each width and head
@@ -49,7 +52,7 @@ DEQUANTIZE_CASES = [
     (*widths, *options) if j == i % len(OPTIONS) else slow_on_cpu(*widths, *options)
     for i, widths in enumerate(WIDTHS_AND_HEAD_DIMS)
     for j, options in enumerate(OPTIONS)
-]
+] + [slow_on_cpu(*widths, *options) for widths in MORE_WIDTHS for options in OPTIONS]
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from devices import DEVICE
+from devices import DEVICE, slow_on_cpu
 from transformers import Gemma3nForCausalLM, LlamaConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -115,7 +115,39 @@ def test_per_head_key_rotation_on_the_fused_path_matches_portable(model_on_devic
     )
 
 
-@pytest.mark.parametrize("bits", [{"bits": 2}, {"key_bits": 4, "value_bits": 2}], ids=["K2V2", "K4V2"])
+def test_three_bit_keys_through_generate_match_portable(model_on_device, teacher_forcing):
+    """K3V2 by name (`cache_implementation="oscar"`, `cache_config`), with 4 sinks and a left-padded row: the fused
+    path (3-bit key planes quantized, then read by the split kernel's tiles) emits the portable path's tokens, and
+    every step's logits match it as `_assert_fused_matches_portable` requires (a one-layer model: the CPU's time)."""
+    model = model_on_device(torch.bfloat16, num_hidden_layers=1)
+    ids = torch.randint(3, 101, (2, 150), device=DEVICE)
+    mask = torch.ones_like(ids)
+    ids[1, :37], mask[1, :37] = 0, 0
+
+    def generate(attention, logits_processor=None):
+        return model.generate(
+            ids, attention_mask=mask, cache_implementation="oscar",
+            cache_config={"key_bits": 3, "value_bits": 2, "sink_tokens": 4, "attention": attention},
+            do_sample=False, max_new_tokens=4, min_new_tokens=4, output_logits=True, return_dict_in_generate=True,
+            logits_processor=logits_processor,
+        )  # fmt: skip
+
+    fused = generate(FUSED)
+    layers = fused.past_key_values.layers
+    assert all(layer.use_kernels and (layer.config.key_bits, layer.config.value_bits) == (3, 2) for layer in layers)
+    assert layers[0].quantized().key_codes.shape[2] * 32 == 3 * layers[0].quantized_length  # 3 plane rows a group
+    tokens = fused.sequences[:, ids.shape[1] :]
+    portable = generate("portable", teacher_forcing(tokens, ids.shape[1]))
+    assert torch.equal(portable.sequences, fused.sequences)
+    for step, (a, b) in enumerate(zip(fused.logits, portable.logits)):
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 2e-2, step
+
+
+@pytest.mark.parametrize(
+    "bits",
+    [{"bits": 2}, {"key_bits": 4, "value_bits": 2}, slow_on_cpu({"key_bits": 3, "value_bits": 2})],
+    ids=["K2V2", "K4V2", "K3V2"],
+)
 def test_fused_decode_across_a_flush_matches_portable(model_on_device, teacher_forcing, bits):
     model = model_on_device(torch.bfloat16, num_hidden_layers=1)
     ids = torch.randint(3, 101, (1, 250), device=DEVICE)

@@ -23,8 +23,11 @@ BLOCK = Case(batch=1, quantized=64)  # the K/V of 64 tokens to quantize
 
 
 CASES = [
-    *(replace(BLOCK, head_dim=d, key_bits=b, value_bits=b) for d in (64, 128, 256) for b in (2, 4)),
+    *(replace(BLOCK, head_dim=d, key_bits=b, value_bits=b) for d in (64, 128, 256) for b in (2, 3, 4)),
     replace(BLOCK, head_dim=128, key_bits=4, value_bits=2, batch=2, kv_heads=3, quantized=96),
+    replace(BLOCK, head_dim=128, key_bits=3, value_bits=2, batch=2, kv_heads=3, quantized=96),
+    replace(BLOCK, key_bits=4, value_bits=3, group_size=64, quantized=128),
+    replace(BLOCK, key_bits=2, value_bits=3, group_size=128, head_dim=128, quantized=128),
     replace(BLOCK, key_bits=2, value_bits=4, dtype=torch.float16, quantized=96),
     replace(BLOCK, dtype=torch.float16, batch=2, kv_heads=3),
     replace(BLOCK, dtype=torch.float32),
@@ -82,6 +85,17 @@ def test_quantize_matches_reference(case: Case):
     out = quantize_kv_triton(keys, values, config)
     ref = quantize_kv(keys, values, config)
     assert_matches_reference(out, ref, config, case.id)
+
+
+@pytest.mark.parametrize("bits", [(3, 3), (3, 2), (2, 4)], ids=["K3V3", "K3V2", "K2V4"])
+def test_words_are_the_layouts_packing(bits):
+    """Without the rotation and the token norm no summation order can move a rounding tie, so the kernel's words are
+    bit for bit `StorageLayout.pack_codes` of the reference's codes: 3-bit planes in rows 3 g + p (the layout's)."""
+    case = replace(BLOCK, key_bits=bits[0], value_bits=bits[1], rotation=False, token_scaling=False, quantized=96)
+    keys, values, config = make_inputs(replace(case, dtype=torch.float32), seed=5)
+    out, ref = quantize_kv_triton(keys, values, config), quantize_kv(keys, values, config)
+    assert torch.equal(out.key_codes, ref.key_codes) and torch.equal(out.value_codes, ref.value_codes)
+    assert StorageLayout.unpack_codes(out.key_codes, bits[0]).max() == 2 ** bits[0] - 1  # every bit plane written
 
 
 def test_rejects_bad_inputs():
@@ -158,6 +172,8 @@ def _random_storage(layout: StorageLayout, batch: int, heads: int, head_dim: int
         (32, True, "oscar", (4, 2)),
         (96, False, "paper", (4, 2)),
         (64, False, "paper", (2, 4)),
+        (32, True, "oscar", (3, 2)),
+        (64, False, "paper", (2, 3)),
     ],
 )
 def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, padded, method, bits):
@@ -188,7 +204,9 @@ def test_flush_writes_a_complete_window_at_the_counter_and_nothing_else(held, pa
             assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), f"held={held}: {name}"
 
 
-@pytest.mark.parametrize(("method", "bits", "padded"), [("paper", (2, 2), False), ("oscar", (4, 2), True)])
+@pytest.mark.parametrize(
+    ("method", "bits", "padded"), [("paper", (2, 2), False), ("oscar", (4, 2), True), ("paper", (3, 3), False)]
+)
 def test_quantize_into_storage_writes_its_rows_and_nothing_else(method, bits, padded):
     """`out`/`start`: the block goes straight to rows [start, start + N) of a storage, bit for bit the new block
     `quantize_kv_triton` returns (padding columns are the block's tokens), and every other bit stays as it was."""
@@ -278,6 +296,7 @@ GPU_CASES = [
     Case(batch=2, kv_heads=8, quantized=4096, head_dim=128),
     Case(batch=1, kv_heads=8, quantized=2048, head_dim=128, key_bits=4, value_bits=4, dtype=torch.float16),
     Case(batch=2, kv_heads=8, quantized=2048, head_dim=128, key_bits=4, value_bits=2),
+    Case(batch=2, kv_heads=8, quantized=2048, head_dim=128, key_bits=3, value_bits=2),
     Case(batch=1, kv_heads=4, quantized=1024, head_dim=256, extreme_norms=True),
     Case(batch=3, kv_heads=2, quantized=512, head_dim=64, views=True),
 ]
