@@ -5,10 +5,8 @@ take it).
 Runs long_prompt_ppl.py's protocol into its own records (benchmarks/results/three_bit_probe_<model>.json, the runs
 layout of long_prompt_<model>.json) with the probe's methods added to `METHODS`: the 3-bit fixed configs
 (`oscar-k3v2-sinks4` and `oscar-k3v3-sinks4` are `METHODS`' own) and the rows named `...-w234`, bits="auto" choosing
-among widths (2, 3, 4) (start chain K2V2, K3V2, K3V3, K4V3, K4V4). Since width 3 is built every bits="auto" method
-chooses among those widths, so a `-w234` row is its `oscar-auto-...-sinks4` twin under the name its records carry;
-the records' rows of bits="auto" without the suffix were measured with widths (2, 4), which no config chooses from
-now.
+among widths (2, 3, 4) (`auto_widths`; start chain K2V2, K3V2, K3V3, K4V3, K4V4), beside their `oscar-auto-...`
+twins, which choose among the default (2, 4).
 
     python benchmarks/three_bit_probe.py --models qwen2.5-0.5b --docs 2
 """
@@ -25,7 +23,10 @@ from oscar_hf.methods import METHODS
 PROBE_METHODS = {
     "oscar-k4v3-sinks4": ("oscar", {"key_bits": 4, "value_bits": 3, "sink_tokens": 4}),
     **{
-        f"oscar-auto-{budget}-sinks4-w234": ("oscar", {"bits": "auto", "avg_bits": budget, "sink_tokens": 4})
+        f"oscar-auto-{budget}-sinks4-w234": (
+            "oscar",
+            {"bits": "auto", "avg_bits": budget, "auto_widths": (2, 3, 4), "sink_tokens": 4},
+        )
         for budget in (3.2, 3.4, 3.6, 3.7, 3.9)  # 3.7: K3V2 and a bit
     },
 }

@@ -32,10 +32,13 @@ Where the cache's decode runs its Gluon kernel over full 128-token blocks (`deco
 D = 128, groups of 32, fp16 scales; and here R = 128, so that a page is one of its blocks), that kernel reads the pages
 (`decode_gluon.launch_paged`: each block's words and parameters copied from the page the table names) with two
 partials per program, and this kernel runs the tails only, its tail programs writing the query operand the Gluon
-kernel reads; as for the cache, the Triton kernel reads everything elsewhere.
+kernel reads; as for the cache, the Triton kernel reads everything elsewhere. (By default only once `GLUON_PAGES`
+says so, below.)
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import triton
@@ -58,6 +61,11 @@ _LOG2E = 1.4426950408889634
 # the tables' sections start 16-byte aligned (`history.PagedBatch`), and the merge reads the partials in tiles of a
 # fixed count (looping over more).
 MERGE_SLOTS = 16
+# Whether the Gluon kernel reads the pages by default (a call's own `tuning` decides otherwise: the tests pass
+# `default_tuning`'s). Off until it has run on a GPU: built and compiled for sm_90 on a CPU (Triton 3.6 and 3.9:
+# `count_sass.py --paged`), its launch tested around a float64 stand-in, its GPU tests and fuzz not yet run
+# (docs/serving.md).
+GLUON_PAGES = False
 
 
 @triton.jit(do_not_specialize=["num_splits", "num_parts", "stride_table"])
@@ -248,7 +256,8 @@ def paged_decode_attention(
 ) -> torch.Tensor:
     """Attention of each request's decode query over its pages and its tail (see the module docstring); `splits`:
     the Triton kernel's programs over each request's pages, else chosen from the batch, the table's width and the
-    device; `tuning`: `default_tuning`'s for these shapes unless given (`gluon_programs_per_sm=0`: no Gluon kernel)."""
+    device; `tuning`: `default_tuning`'s for these shapes unless given (`gluon_programs_per_sm=0`: no Gluon kernel;
+    without `GLUON_PAGES` the default runs none)."""
     batch, q_heads, q_len, head_dim = query.shape
     kv_heads = pages.key_codes.shape[1]
     if q_len != 1 or q_heads % kv_heads:
@@ -260,7 +269,10 @@ def paged_decode_attention(
         if tensor.stride()[-2:] != (head_dim // config.group_size, 1):
             raise ValueError(f"paged_decode_attention: pages.{name} must be contiguous over its last two axes")
     gqa = q_heads // kv_heads
-    tuning = tuning or default_tuning(head_dim, gqa, config.scale_torch_dtype)
+    if tuning is None:
+        tuning = default_tuning(head_dim, gqa, config.scale_torch_dtype)
+        if not GLUON_PAGES:
+            tuning = replace(tuning, gluon_programs_per_sm=0)
     block_n = tuning.block_n
     if config.residual_length % block_n:
         block_n = config.group_size  # a divisor of the page (residual_length is a multiple of group_size)

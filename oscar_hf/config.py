@@ -19,6 +19,10 @@ _METHODS = ("auto", "oscar", "paper")
 # bits="auto"'s default budget: a little above the 2-bit cache's memory (3.125 at head_dim 128); with 4 sinks it is the
 # default docs/accuracy.md measures.
 DEFAULT_AVG_BITS = 3.2
+# The widths bits="auto" chooses among unless `auto_widths` says otherwise. Not 3: 3-bit codes are read by the Triton
+# split kernel only (the Gluon kernel reads whole-byte codes), whose decode speed on a GPU is not measured yet, and with
+# it the default's choices at 3.2 bits were within a standard error of these (docs/accuracy.md: "3-bit keys").
+DEFAULT_AUTO_WIDTHS = (2, 4)
 
 logger = logging.get_logger(__name__)
 
@@ -35,11 +39,16 @@ class OscarConfig:
         avg_bits (`float`, *optional*):
             The budget of bits="auto" (refused with fixed widths; given alone it implies bits="auto"): the average
             stored bits per K/V element over the layers, counted as `oscar_hf.average_bits` counts them (at head_dim
-            128: all 2-bit 3.125, 3-bit keys 3.625, all 4-bit 5.125). Every layer starts at the widest fixed config
-            of the chain K2V2, K3V2, K3V3, K4V3, K4V4 the budget affords, then layers whose prompt shows the largest
-            attention error per added bit are upgraded until it is spent (`layer_widths.choose_layer_bits`). None:
-            `DEFAULT_AVG_BITS`, or the model's all-2-bit cost where its head shape stores more (`budget`). A budget
-            below the all-2-bit cost is an error naming the minimum; above the all-4-bit cost every layer is 4-bit.
+            128: all 2-bit 3.125, 4-bit keys 4.125, all 4-bit 5.125). Every layer starts at the widest fixed config
+            of the chain of `auto_widths` the budget affords (K2V2, K4V2, K4V4 by default), then layers whose prompt
+            shows the largest attention error per added bit are upgraded until it is spent
+            (`layer_widths.choose_layer_bits`). None: `DEFAULT_AVG_BITS`, or the model's all-2-bit cost where its head
+            shape stores more (`budget`). A budget below the all-2-bit cost is an error naming the minimum; above the
+            all-4-bit cost every layer is 4-bit.
+        auto_widths (`tuple[int, ...]`, *optional*):
+            The widths bits="auto" chooses among, narrowest first, from `SUPPORTED_WIDTHS` (refused with fixed widths).
+            None: `DEFAULT_AUTO_WIDTHS` (2, 4). `(2, 3, 4)` adds 3-bit keys and values: the start chain becomes K2V2,
+            K3V2, K3V3, K4V3, K4V4 (keys one step ahead of values).
         key_bits (`int`, *optional*), value_bits (`int`, *optional*):
             Bits per stored key and per stored value where they differ (keys are the sensitive half: `key_bits=3,
             value_bits=2` or `key_bits=4, value_bits=2`). One given alone fixes the other at 2; given with `bits`, they
@@ -89,6 +98,7 @@ class OscarConfig:
     attention: str = "auto"
     method: str = "auto"
     avg_bits: float | None = None
+    auto_widths: tuple[int, ...] | None = None
 
     def __post_init__(self):
         def check(ok: bool, message: str) -> None:
@@ -119,11 +129,12 @@ class OscarConfig:
         if self.bits == "auto":
             self._check_auto(check)
         else:
-            check(
-                self.avg_bits is None,
-                f"avg_bits={self.avg_bits} is the budget of bits='auto' (layer-wise widths); pass bits='auto' with it, "
-                "or drop it (otherwise every layer stores key_bits and value_bits).",
-            )
+            for name in ("avg_bits", "auto_widths"):
+                check(
+                    getattr(self, name) is None,
+                    f"{name}={getattr(self, name)} belongs to bits='auto' (layer-wise widths); pass bits='auto' with "
+                    "it, or drop it (otherwise every layer stores key_bits and value_bits).",
+                )
             self._resolve_bits(check)
         check(
             self.group_size in (32, 64, 128),
@@ -170,11 +181,27 @@ class OscarConfig:
             f"all 2-bit layers cost 3.125 and all 4-bit 5.125), or None for the default ({DEFAULT_AVG_BITS}); got "
             f"avg_bits={value!r}.",
         )
+        widths = self.auto_widths
+        if widths is not None:
+            check(
+                isinstance(widths, (tuple, list))
+                and len(widths) > 0
+                and list(widths) == sorted(set(widths))
+                and set(widths) <= set(SUPPORTED_WIDTHS),
+                f"auto_widths={widths!r} must list widths of {SUPPORTED_WIDTHS}, narrowest first, each once "
+                f"(e.g. (2, 3, 4)), or be None for {DEFAULT_AUTO_WIDTHS}.",
+            )
+            object.__setattr__(self, "auto_widths", tuple(widths))  # a tuple: configs are hashed (a list is not)
 
     def budget(self, all_2bit_cost: float) -> float:
         """bits="auto": the average stored bits the layers may spend, on a model whose layers cost `all_2bit_cost`
         at 2 bits everywhere: `avg_bits`, else `DEFAULT_AVG_BITS` or that cost where a head shape stores more."""
         return max(DEFAULT_AVG_BITS, all_2bit_cost) if self.avg_bits is None else self.avg_bits
+
+    @property
+    def chooser_widths(self) -> tuple[int, ...]:
+        """The widths bits="auto" chooses among: `auto_widths`, else `DEFAULT_AUTO_WIDTHS`."""
+        return DEFAULT_AUTO_WIDTHS if self.auto_widths is None else self.auto_widths
 
     @property
     def auto_bits(self) -> bool:
@@ -191,7 +218,9 @@ class OscarConfig:
 
     def with_widths(self, key_bits: int, value_bits: int) -> OscarConfig:
         """This config with fixed widths (a layer's config under bits="auto")."""
-        return dataclasses.replace(self, bits=None, avg_bits=None, key_bits=key_bits, value_bits=value_bits)
+        return dataclasses.replace(
+            self, bits=None, avg_bits=None, auto_widths=None, key_bits=key_bits, value_bits=value_bits
+        )
 
     def _resolve_bits(self, check) -> None:
         """Set `key_bits` and `value_bits` (from `bits`, else 2 each) and `bits` (their common width, or None)."""

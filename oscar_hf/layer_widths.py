@@ -10,13 +10,13 @@ from typing import NamedTuple
 
 import torch
 
-from .config import SUPPORTED_WIDTHS, OscarConfig
+from .config import OscarConfig
 from .reference import error_sums, fake_quantize_kv, query_weighted_key_error, whole_key_groups
 
 
 class BitCostSums(NamedTuple):
     """bits="auto": the sums over a prompt's tokens (additive over its chunks, `add_bit_cost_sums`) from which
-    `layer_bit_costs` costs each width of a layer. W = len(SUPPORTED_WIDTHS), R the key rotations costed."""
+    `layer_bit_costs` costs each width of a layer. W = len(config.chooser_widths), R the key rotations costed."""
 
     key_gram: torch.Tensor  # [W, R, B, Hkv, D, D]: sum_t e_t e_t^T of the key round trip's error
     key_total: torch.Tensor  # [W, R, B, Hkv, D]: sum_t e_t
@@ -34,11 +34,11 @@ def bit_cost_sums(
     valid: torch.Tensor | None = None,
     round_trip: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None,
 ) -> BitCostSums:
-    """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width of `SUPPORTED_WIDTHS`,
-    keys with and without rotation as `rotations` lists (method="oscar": both; the paper's: (True,); no rotation:
-    (False,)), in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool): padding counts nowhere.
-    `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (a backend's `fake_quantize_kv`),
-    called once per width on the K/V repeated along the batch axis, once per rotation."""
+    """`BitCostSums` of these post-RoPE keys and values `[B, Hkv, N, D]` (any N) at every width the config chooses
+    among (`chooser_widths`), keys with and without rotation as `rotations` lists (method="oscar": both; the paper's:
+    (True,); no rotation: (False,)), in `config`'s groups, token scaling and scale dtype. `valid` (`[B, N]` bool):
+    padding counts nowhere. `round_trip`: `reference.fake_quantize_kv` (None) or an implementation of it (a backend's
+    `fake_quantize_kv`), called once per width on the K/V repeated along the batch axis, once per rotation."""
     v, _ = whole_key_groups(values, valid, config.group_size)
     k, valid = whole_key_groups(keys, valid, config.group_size)
     rows, heads = k.shape[:2]
@@ -47,7 +47,7 @@ def bit_cost_sums(
     k_all, v_all = k.repeat(repeat, 1, 1, 1), v.repeat(repeat, 1, 1, 1)
     valid_all = None if valid is None else valid.repeat(repeat, 1)
     key_gram, key_total, value_error = [], [], []
-    for bits in SUPPORTED_WIDTHS:
+    for bits in config.chooser_widths:
         k_hat, v_hat = (round_trip or fake_quantize_kv)(k_all, v_all, flags, config.with_widths(bits, bits), valid_all)
         gram, total, tokens = error_sums(k_hat - k_all, valid_all)
         key_gram.append(gram.unflatten(0, (repeat, rows)))
@@ -70,7 +70,7 @@ def add_bit_cost_sums(a: BitCostSums | None, b: BitCostSums) -> BitCostSums:
 def layer_bit_costs(
     sums: BitCostSums, moment: torch.Tensor, rotations: tuple[bool, ...], scaling: float
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """bits="auto": what each key width and each value width of `SUPPORTED_WIDTHS` costs a layer's attention,
+    """bits="auto": what each key width and each value width of the config's `auto_widths` costs a layer's attention,
     `(key_costs [W], value_costs [W], key_rotated [W, B, Hkv] bool)`, from its prompt's `bit_cost_sums` and `moment`
     (`[B, Hkv, D, D]`: the mean of q q^T over the query rows that read a KV head, i.e. its group's query heads at each
     query position; the identity where the queries are unknown; `rotations` as given to `bit_cost_sums`; `scaling`
@@ -95,17 +95,22 @@ def layer_bit_costs(
 
 
 def choose_layer_bits(
-    key_costs: torch.Tensor, value_costs: torch.Tensor, bits: torch.Tensor, weights: torch.Tensor, avg_bits: float
+    key_costs: torch.Tensor,
+    value_costs: torch.Tensor,
+    bits: torch.Tensor,
+    weights: torch.Tensor,
+    avg_bits: float,
+    widths: tuple[int, ...],
 ) -> list[tuple[int, int]]:
-    """bits="auto"'s greedy rule: each layer's `(key_bits, value_bits)`, from `SUPPORTED_WIDTHS`.
+    """bits="auto"'s greedy rule: each layer's `(key_bits, value_bits)`, from `widths` (the config's `auto_widths`).
 
     `key_costs`, `value_costs` (`[L, W]`, `layer_bit_costs`): what each width costs each layer; `bits` (`[L, W, W]`):
     the stored bits per K/V element of layer l at key width i and value width j (`oscar_hf.average_bits`); `weights`
     (`[L]`): the K/V elements per token of each layer (KV heads x head_dim). Every layer starts at the widest fixed
-    config within the budget of the chain K2V2, K3V2, K3V3, K4V3, K4V4 (keys first: `uniform_start`); then, of the
+    config within the budget of the widths' chain (keys first: `uniform_start`); then, of the
     upgrades that keep the weighted average of `bits` within `avg_bits` (one layer's keys or values to the next width),
     the one that lowers the cost most per added bit is taken, until none fits or none lowers the cost."""
-    layers, widths = key_costs.shape
+    layers = key_costs.shape[0]
     costs = key_costs.double().cpu()[:, :, None] + value_costs.double().cpu()[:, None, :]  # [L, key width, value width]
     bits, weights = bits.double().cpu(), weights.double().cpu()
     limit = avg_bits * float(weights.sum()) * (1 + 1e-12)  # rounding must not refuse a budget met exactly
@@ -117,7 +122,7 @@ def choose_layer_bits(
         best = None
         for layer, (k, v) in enumerate(chosen):
             for nk, nv in ((k + 1, v), (k, v + 1)):
-                if nk >= widths or nv >= widths:
+                if nk >= len(widths) or nv >= len(widths):
                     continue
                 added = weights[layer] * (bits[layer][nk][nv] - bits[layer][k][v])
                 gain = costs[layer][k][v] - costs[layer][nk][nv]
@@ -126,7 +131,7 @@ def choose_layer_bits(
                 if best is None or gain / added > best[0]:
                     best = (gain / added, layer, nk, nv, added)
         if best is None:
-            return [(SUPPORTED_WIDTHS[k], SUPPORTED_WIDTHS[v]) for k, v in chosen]
+            return [(widths[k], widths[v]) for k, v in chosen]
         _, layer, nk, nv, added = best
         chosen[layer] = [nk, nv]
         spent += added
@@ -134,8 +139,9 @@ def choose_layer_bits(
 
 def uniform_start(bits: torch.Tensor, weights: torch.Tensor, limit: float) -> tuple[int, int]:
     """Where `choose_layer_bits` starts every layer: the (key, value) width indices of the widest config of the chain
-    K2V2, K3V2, K3V3, K4V3, K4V4 (each step one width up, keys one step ahead of values: keys the sensitive half; no
-    K4V2, which costs K3V3's bits and scored no better, docs/accuracy.md) whose weighted bits
+    of the widths (each step one width up, keys one step ahead of values: keys the sensitive half; with widths 2, 3
+    and 4 K2V2, K3V2, K3V3, K4V3, K4V4: no K4V2, which costs K3V3's bits and scored no better, docs/accuracy.md;
+    with the default 2 and 4, K2V2, K4V2, K4V4) whose weighted bits
     (`bits` `[L, W, W]` times `weights` `[L]`) stay within `limit` (K2V2 if none does; the budget's check refuses
     that). The greedy's upgrades, priced by a per-layer model of the attention error, only add bits to this, so the
     choice never stores less than the best fixed config it could afford: that model does not see what a layer's error

@@ -1,6 +1,7 @@
 """bits="auto": layer-wise key/value widths chosen from the prompt under an average-bits budget (cache/layer_bits.py):
 the costs and the greedy of the reference, the config, the conversion of each layer's storage, and generate."""
 
+import dataclasses
 import logging
 
 import pytest
@@ -10,7 +11,7 @@ from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
 from oscar_hf.cache import layer_bits
 from oscar_hf.cache.key_rotation import CHOICE_TOKENS
-from oscar_hf.config import DEFAULT_AVG_BITS, SUPPORTED_WIDTHS
+from oscar_hf.config import DEFAULT_AUTO_WIDTHS, DEFAULT_AVG_BITS, SUPPORTED_WIDTHS
 from oscar_hf.layer_widths import (
     add_bit_cost_sums,
     bit_cost_sums,
@@ -62,7 +63,7 @@ def test_cost_sums_of_chunks_add_up_to_the_whole_prompts():
     keys, values = torch.randn(2, 2, 96, 32, dtype=torch.float64), torch.randn(2, 2, 96, 32, dtype=torch.float64)
     valid = torch.ones(2, 96, dtype=torch.bool)
     valid[1, :7] = False
-    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
+    config = OscarConfig(method="oscar", auto_widths=SUPPORTED_WIDTHS, sink_tokens=0)
     whole = bit_cost_sums(keys, values, config, (True, False), valid)
     parts = None
     for start, end in ((0, 32), (32, 96)):
@@ -80,7 +81,7 @@ def test_layer_bit_costs_match_the_attention_error_model():
     wider width costs less; each head takes its cheaper rotation."""
     keys, values = torch.randn(1, 2, 64, 32, dtype=torch.float64), torch.randn(1, 2, 64, 32, dtype=torch.float64)
     moment = query_moment(torch.randn(1, 4, 16, 32, dtype=torch.float64), 2) / (16 * 2)
-    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
+    config = OscarConfig(method="oscar", auto_widths=SUPPORTED_WIDTHS, sink_tokens=0)
     key_costs, value_costs, rotated = layer_bit_costs(
         bit_cost_sums(keys, values, config, (True, False)), moment, (True, False), 32**-0.5
     )
@@ -101,7 +102,7 @@ def test_layer_bit_costs_match_the_attention_error_model():
 def test_a_layer_with_outlier_key_channels_gets_wider_keys_first():
     """Three layers of random keys and values; the middle one's keys carry outlier channels that its queries read.
     With the budget of one key upgrade, it is that layer's keys that get the next width (3 bits)."""
-    config = OscarConfig(method="oscar", bits=2, sink_tokens=0)
+    config = OscarConfig(method="oscar", auto_widths=SUPPORTED_WIDTHS, sink_tokens=0)
     key_costs, value_costs = [], []
     for layer in range(3):
         keys, values = torch.randn(1, 2, 128, 64), torch.randn(1, 2, 128, 64)
@@ -115,7 +116,9 @@ def test_a_layer_with_outlier_key_channels_gets_wider_keys_first():
         value_costs.append(v)
     bits, weights = _bits_table(3, 64, 2), torch.full((3,), 128.0)
     one_upgrade = (2 * bits[0, 0, 0] + bits[0, 1, 0]) / 3
-    chosen = choose_layer_bits(torch.stack(key_costs), torch.stack(value_costs), bits, weights, float(one_upgrade))
+    chosen = choose_layer_bits(
+        torch.stack(key_costs), torch.stack(value_costs), bits, weights, float(one_upgrade), SUPPORTED_WIDTHS
+    )
     assert chosen == [(2, 2), (3, 2), (2, 2)]
 
 
@@ -128,10 +131,18 @@ def test_a_budget_that_affords_a_fixed_config_keeps_every_layer_at_it_or_wider()
     value_costs = torch.tensor([[25.0, 6.0, 1.0], [7.0, 2.0, 0.3], [30.0, 8.0, 1.0]])
     bits, weights = _bits_table(3, 256, 1), torch.full((3,), 256.0)
     k3v2 = _average([(3, 2)] * 3, bits, weights)
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2) == [(3, 2)] * 3
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 + 0.4) == [(3, 3), (3, 2), (3, 3)]
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2, SUPPORTED_WIDTHS) == [(3, 2)] * 3
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 + 0.4, SUPPORTED_WIDTHS) == [
+        (3, 3),
+        (3, 2),
+        (3, 3),
+    ]
     # below K3V2's bits it starts from K2V2: keys where they pay most
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 - 0.1) == [(3, 2), (2, 2), (3, 2)]
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, k3v2 - 0.1, SUPPORTED_WIDTHS) == [
+        (3, 2),
+        (2, 2),
+        (3, 2),
+    ]
     for start, widths in enumerate([(2, 2), (3, 2), (3, 3), (4, 3), (4, 4)]):
         index = ((start + 1) // 2, start // 2)
         assert uniform_start(bits, weights, 3 * 256 * _average([widths] * 3, bits, weights)) == index, widths
@@ -151,7 +162,7 @@ def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits
     weights = (kv_heads * 128).double()
     low, high = _average([(2, 2)] * layers, bits, weights), _average([(4, 4)] * layers, bits, weights)
     for budget in torch.linspace(low, high, 9, dtype=torch.float64).tolist():
-        chosen = choose_layer_bits(key_costs, value_costs, bits, weights, budget)
+        chosen = choose_layer_bits(key_costs, value_costs, bits, weights, budget, SUPPORTED_WIDTHS)
         spent = _average(chosen, bits, weights)
         assert spent <= budget + 1e-9
         for layer, (k, v) in enumerate(chosen):  # every upgrade left out (one half one width up) breaks the budget
@@ -159,8 +170,8 @@ def test_the_greedy_never_exceeds_the_budget_and_stops_only_when_no_upgrade_fits
                 if None not in upgraded:
                     trial = chosen[:layer] + [upgraded] + chosen[layer + 1 :]
                     assert _average(trial, bits, weights) > budget
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, high) == [(4, 4)] * layers
-    assert choose_layer_bits(key_costs, value_costs, bits, weights, low) == [(2, 2)] * layers
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, high, SUPPORTED_WIDTHS) == [(4, 4)] * layers
+    assert choose_layer_bits(key_costs, value_costs, bits, weights, low, SUPPORTED_WIDTHS) == [(2, 2)] * layers
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -172,7 +183,7 @@ def test_auto_bits_config_is_validated():
     assert config.with_widths(4, 2) == OscarConfig(key_bits=4, value_bits=2, sink_tokens=0)
     with pytest.raises(ValueError, match="avg_bits is the average stored bits.*got avg_bits=nan"):
         OscarConfig(bits="auto", avg_bits=float("nan"), sink_tokens=0)
-    with pytest.raises(ValueError, match="avg_bits=3.6 is the budget of bits='auto'"):
+    with pytest.raises(ValueError, match="avg_bits=3.6 belongs to bits='auto'"):
         OscarConfig(bits=2, avg_bits=3.6, sink_tokens=0)
     with pytest.raises(ValueError, match="drop key_bits=4"):
         OscarConfig(bits="auto", avg_bits=3.6, key_bits=4, sink_tokens=0)
@@ -243,7 +254,9 @@ def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, me
     monkeypatch.setattr(layer_bits, "CONVERT_SLICE_BYTES", 1 * 2 * 64 * 2 * 4 * 32)
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config  # a head_dim the kernels take
     config._attn_implementation = "sdpa"
-    options = dict(bits="auto", avg_bits=4.5, residual_length=32, method=method, attention=attention)
+    options = dict(
+        bits="auto", avg_bits=4.5, auto_widths=SUPPORTED_WIDTHS, residual_length=32, method=method, attention=attention
+    )
     cache = OscarCache(config, OscarConfig(**options))
     device = "cuda" if torch.cuda.is_available() else "cpu"  # the fused path: the kernels, or Triton's interpreter
     prompts = _fill_by_hand(cache, 100, device)
@@ -292,7 +305,8 @@ def test_a_prompt_held_exact_chooses_the_widths_its_next_blocks_take(tiny_llama)
     widths chosen, with the key rotation chosen (the reference's quantization, on the portable path)."""
     config = tiny_llama(num_hidden_layers=4, head_dim=64).config
     config._attn_implementation = "sdpa"
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.5, residual_length=32, attention="portable"))
+    options = dict(avg_bits=4.5, auto_widths=SUPPORTED_WIDTHS, residual_length=32, attention="portable")
+    cache = OscarCache(config, OscarConfig(**options))
     prompts = _fill_by_hand(cache, 20)
     assert all(layer.quantized_length == 0 for layer in cache.layers)
     cache.choose_bits()
@@ -409,7 +423,8 @@ def test_a_reserved_length_is_allocated_once_the_widths_are_chosen(tiny_llama):
     with the prompt (reserved at 4 bits, the whole length would be the prefill's peak); the choice allocates the
     reserved length at each layer's widths, and after a reset the next prompt again grows until its choice."""
     config = tiny_llama(num_hidden_layers=3).config
-    cache = OscarCache(config, OscarConfig(bits="auto", avg_bits=4.1, residual_length=32, sink_tokens=0))
+    options = dict(avg_bits=4.1, auto_widths=SUPPORTED_WIDTHS, residual_length=32, sink_tokens=0)
+    cache = OscarCache(config, OscarConfig(**options))
     cache.reserve(1000)
     for _ in range(2):
         for idx in range(3):
@@ -462,3 +477,36 @@ def test_a_long_prompt_fed_in_chunks_chooses_once_the_costs_are_complete(tiny_ll
             assert chosen == (start + 1024 > CHOICE_TOKENS)
     assert cache.average_bits() <= 3.5
     assert any(layer.config.key_bits == 2 or layer.config.value_bits == 2 for layer in cache.layers)
+
+
+def test_auto_widths_default_and_refusals():
+    """bits="auto" chooses among `DEFAULT_AUTO_WIDTHS` (2 and 4 bits) unless told; `auto_widths` is refused with fixed
+    widths and where it is not a subset of the supported widths, narrowest first; a list becomes a tuple."""
+    assert OscarConfig().chooser_widths == DEFAULT_AUTO_WIDTHS == (2, 4)
+    assert OscarConfig(auto_widths=[2, 3, 4]).auto_widths == (2, 3, 4)
+    assert OscarConfig(auto_widths=(2, 3, 4)).with_widths(3, 2).auto_widths is None
+    assert dataclasses.replace(OscarConfig(), bits=2).key_bits == 2  # the default's widths are not a given field
+    for bad, message in (((4, 2), "narrowest first"), ((2, 5), "narrowest first"), ((), "narrowest first")):
+        with pytest.raises(ValueError, match=message):
+            OscarConfig(auto_widths=bad)
+    with pytest.raises(ValueError, match="auto_widths=.* belongs to bits='auto'"):
+        OscarConfig(bits=2, auto_widths=(2, 4))
+
+
+@pytest.mark.parametrize("auto_widths", [None, (2, 3, 4)])
+def test_the_chooser_picks_only_its_widths(tiny_llama, auto_widths):
+    """Three layers filled by hand under the budget of K3V2 everywhere (less than K4V2's): every layer's widths are
+    among the config's `auto_widths`, so the default never stores 3 bits; with (2, 3, 4) the chain starts every layer
+    at K3V2 (`uniform_start`)."""
+    model_config = tiny_llama(num_hidden_layers=3).config
+    dim, heads = model_config.head_dim, model_config.num_key_value_heads
+    k3v2 = average_bits(OscarConfig(key_bits=3, sink_tokens=0), dim, heads)
+    config = OscarConfig(avg_bits=k3v2, auto_widths=auto_widths, residual_length=32, sink_tokens=0)
+    cache = OscarCache(model_config, config)
+    for tokens in (100, 1):  # a prompt, then the first decode step, which chooses
+        for idx in range(3):
+            cache.update(torch.randn(1, heads, tokens, dim) * (1 + 3 * idx), torch.randn(1, heads, tokens, dim), idx)
+    widths = [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers]
+    assert all(k in config.chooser_widths and v in config.chooser_widths for k, v in widths), widths
+    if auto_widths:
+        assert widths == [(3, 2)] * 3, widths

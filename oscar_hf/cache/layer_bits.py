@@ -16,15 +16,16 @@ follows a prompt (a decode step) makes it, before that step is stored; and any u
 chunk by chunk, is not stored at 4 bits beyond them. A compiled step refuses an open choice
 (`OscarLayer.update`). `layer_widths.layer_bit_costs` prices each width (with each head's key rotation the cheaper at
 that width: method="oscar"'s choice is made again at the width stored), `layer_widths.choose_layer_bits` starts every
-layer at the widest fixed config the budget affords (K2V2, K3V2, K3V3, K4V3, K4V4) and spends the rest greedily, and
+layer at the widest fixed config the budget affords (with the default `auto_widths` (2, 4): K2V2, K4V2, K4V4; with
+(2, 3, 4): K2V2, K3V2, K3V3, K4V3, K4V4) and spends the rest greedily, and
 each layer stores its quantized region again at its widths (`OscarLayer.set_widths`: the 4-bit blocks dequantized and
 quantized again, the keys from the query rule's exact copies while it holds them, prompts up to its horizon; the 4-bit
 round trip adds little next to a 2-bit one: tests/test_layer_bits.py measures it). From then on the layer's storage
 layout, codec, kernel config and compiled buffers are those widths.
 
-Memory beyond the 4-bit cache while the choice is open: per layer, 3 (widths) x 2 (rotations, method="oscar") float32
-D x D matrices per row and KV head (3 MiB per layer at 8 KV heads, head_dim 128, batch 1); during the
-conversion, one slice of float32 K/V (`CONVERT_SLICE_BYTES`).
+Memory beyond the 4-bit cache while the choice is open: per layer, W (`auto_widths`) x 2 (rotations, method="oscar")
+float32 D x D matrices per row and KV head (1 MiB per width and layer at 8 KV heads, head_dim 128, batch 1); during
+the conversion, one slice of float32 K/V (`CONVERT_SLICE_BYTES`).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from collections.abc import Callable
 import torch
 from transformers.utils import logging
 
-from ..config import SUPPORTED_WIDTHS, OscarConfig
+from ..config import OscarConfig
 from ..layer_widths import (
     BitCostSums,
     add_bit_cost_sums,
@@ -67,10 +68,9 @@ class LayerBits:
     """One layer's side of bits="auto": the cost sums of the prompt's first `CHOICE_TOKENS` tokens (`observe`), until
     `OscarCache.choose_bits` reads them (`costs`)."""
 
-    widest = (SUPPORTED_WIDTHS[-1], SUPPORTED_WIDTHS[-1])  # what a layer stores while the choice is open
-
     def __init__(self, config: OscarConfig):
         self.config = config
+        self.widest = (config.chooser_widths[-1],) * 2  # what a layer stores while the choice is open
         # the key rotations each width is costed with: both where the query rule chooses, else the one stored
         self.rotations = (True, False) if config.rotation and config.method == "oscar" else (config.rotation,)
         self.reset()
@@ -130,10 +130,10 @@ class LayerBits:
 
 def bits_table(config: OscarConfig, shapes: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
     """For layers of `shapes` (KV heads, head_dim), the stored bits per K/V element at each key and value width of
-    `SUPPORTED_WIDTHS` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
+    `config.chooser_widths` (`[L, W, W]`, `average_bits`) and each layer's K/V elements per token (`[L]`)."""
+    widths = config.chooser_widths
     bits = [
-        [[average_bits(config.with_widths(k, v), dim, heads) for v in SUPPORTED_WIDTHS] for k in SUPPORTED_WIDTHS]
-        for heads, dim in shapes
+        [[average_bits(config.with_widths(k, v), dim, heads) for v in widths] for k in widths] for heads, dim in shapes
     ]
     weights = [heads * dim for heads, dim in shapes]
     return torch.tensor(bits, dtype=torch.float64), torch.tensor(weights, dtype=torch.float64)
@@ -174,10 +174,10 @@ def choose_widths(layers: dict, config: OscarConfig, query_group: int) -> bool:
     totals = totals.cpu()  # the costs' one trip to the host
     shapes = [layer.kv_shape for layer in layers.values()]
     budget, bits, weights = check_budget(config, shapes)
-    chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, budget)
+    chosen = choose_layer_bits(totals[:, 0], totals[:, 1], bits, weights, budget, config.chooser_widths)
     names = {}
     for (index, layer), (key_bits, value_bits), (_, _, rotated) in zip(layers.items(), chosen, costs):
-        flags = rotated[SUPPORTED_WIDTHS.index(key_bits)] if layer.rotation.active else None
+        flags = rotated[config.chooser_widths.index(key_bits)] if layer.rotation.active else None
         layer.set_widths(key_bits, value_bits, flags)
         names.setdefault(f"K{key_bits}V{value_bits}", []).append(index)
     stored = [average_bits(layer.config, dim, heads) for layer, (heads, dim) in zip(layers.values(), shapes)]

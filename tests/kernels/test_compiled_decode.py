@@ -511,12 +511,13 @@ def test_compiled_decode_with_sinks_matches_eager(tiny_llama):
 
 def _auto_bits_llama(tiny_llama):
     """A random two-layer Llama for bits="auto" (sdpa, head_dim 64), and the budget of one upgrade of one layer's keys
-    or values (2 to 3 bits) over 2-bit everywhere, so that the layers end with different widths."""
+    or values (2 to 4 bits: the default `auto_widths`) over 2-bit everywhere, so that the layers end with different
+    widths."""
     model = tiny_llama(
         torch.bfloat16, vocab_size=101, hidden_size=256, intermediate_size=256, head_dim=64, num_hidden_layers=2
     )
     model.config._attn_implementation = "sdpa"
-    low, one = (average_bits(OscarConfig(key_bits=k, sink_tokens=0), 64, 2) for k in (2, 3))
+    low, one = (average_bits(OscarConfig(key_bits=k, sink_tokens=0), 64, 2) for k in (2, 4))
     return model.to(DEVICE), (low + one) / 2
 
 
