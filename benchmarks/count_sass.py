@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
 import re
 import subprocess
@@ -60,17 +61,25 @@ def _paged_launch_arguments(tuning, gqa: int, head_dim: int, key_bits: int, valu
     query = torch.randn(batch, kv_heads * gqa, 1, head_dim, dtype=torch.bfloat16)
     recorded = {}
     gluon_kernel = decode_gluon._gluon_split_kernel
-    with (
-        mock.patch.object(decode_paged, "paged_split_kernel", _recorder(decode_paged.paged_split_kernel, recorded)),
-        mock.patch.object(decode_paged, "merge_kernel", _recorder(decode_paged.merge_kernel, recorded)),
-        mock.patch.object(decode_gluon, "_gluon_split_kernel", _recorder(gluon_kernel, recorded)),
-        mock.patch.object(decode_paged, "gluon_splits_for", lambda *args: (4, "")),
-    ):
+    with _recording(decode_paged, "paged_split_kernel", (4, ""), recorded):
         decode_paged.paged_decode_attention(
             query, pages, tail_keys, tail_values, table, counts, torch.arange(batch, dtype=torch.int32),
             torch.full((batch,), 70, dtype=torch.int32), head_dim**-0.5, config, tuning=tuning,
         )  # fmt: skip
     return gluon_kernel, recorded[gluon_kernel]
+
+
+@contextlib.contextmanager
+def _recording(launcher, split_kernel: str, gluon_splits: tuple[int, str], recorded: dict):
+    """`launcher`'s Triton kernels (`split_kernel` and the merge) and the Gluon kernel swapped for recorders
+    (`_recorder`), and the Gluon kernel's split count fixed at `gluon_splits` (0: not run)."""
+    with (
+        mock.patch.object(launcher, split_kernel, _recorder(getattr(launcher, split_kernel), recorded)),
+        mock.patch.object(launcher, "merge_kernel", _recorder(launcher.merge_kernel, recorded)),
+        mock.patch.object(decode_gluon, "_gluon_split_kernel", _recorder(decode_gluon._gluon_split_kernel, recorded)),
+        mock.patch.object(launcher, "gluon_splits_for", lambda *args: gluon_splits),
+    ):
+        yield
 
 
 def _recorder(kernel, recorded: dict):
@@ -101,10 +110,7 @@ def _launch_arguments(
     recorded = {}
     gluon_kernel = decode_gluon._gluon_split_kernel
     with (
-        mock.patch.object(decode_attention, "split_kernel", _recorder(decode_attention.split_kernel, recorded)),
-        mock.patch.object(decode_attention, "merge_kernel", _recorder(decode_attention.merge_kernel, recorded)),
-        mock.patch.object(decode_gluon, "_gluon_split_kernel", _recorder(gluon_kernel, recorded)),
-        mock.patch.object(decode_attention, "gluon_splits_for", lambda *args: (16, "") if gluon else (0, "not asked")),
+        _recording(decode_attention, "split_kernel", (16, "") if gluon else (0, "not asked"), recorded),
         mock.patch.object(decode_attention, "interpreting", lambda: True),
         mock.patch.object(decode_attention, "_PLANS", {}),  # plans made with these stand-ins are not kept
     ):
