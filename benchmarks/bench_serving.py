@@ -9,7 +9,9 @@ prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random
 each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
 (the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
 "oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
-`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`). Every pool is sized by transformers' memory
+`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`); `oscar-gluon`: the same with its pages read by the
+Gluon kernel (`decode_paged.GLUON_PAGES` on for that row: the A/B of the paged decode kernels in one process; its row's
+`cache` is "oscar", its `variant` "oscar-gluon"). Every pool is sized by transformers' memory
 handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the CPU). Models:
 bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700 tokens and 8 new tokens, to check the
 path (no timing means anything there).
@@ -39,11 +41,13 @@ import json
 import statistics
 import time
 from pathlib import Path
+from unittest import mock
 
 import bench_generate as bench
 import profile_generate
 import records
 import torch
+from oscar_hf.kernels import decode_paged
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import (
@@ -51,7 +55,7 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchProcessor,
 )
 
-CACHES = ("bf16", "oscar", "oscar-eager")
+CACHES = ("bf16", "oscar", "oscar-eager", "oscar-gluon")
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
 PROFILE_KINDS = ("decode", "prompt")
@@ -191,6 +195,12 @@ def pool_tokens(cache) -> int:
     return max(allocator.tokens_per_page * allocator.num_blocks for allocator in cache.cache_allocators.values())
 
 
+def paged_kernel(cache: str):
+    """What reads the 2-bit pool's pages for `cache`'s row: the Gluon kernel for "oscar-gluon" (`GLUON_PAGES` on while
+    the row runs), else the library's default."""
+    return mock.patch.object(decode_paged, "GLUON_PAGES", cache == "oscar-gluon" or decode_paged.GLUON_PAGES)
+
+
 def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     """One `generate_batch` of the request set with `cache`; its row's measurements."""
     device = model.device
@@ -209,7 +219,7 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     bench.release(device)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    with StepClock(device, args.profile_steps, args.profile_kind) as clock, torch.inference_mode():
+    with StepClock(device, args.profile_steps, args.profile_kind) as clock, torch.inference_mode(), paged_kernel(cache):
         start = time.perf_counter()
         outputs = model.generate_batch(
             prompts,
@@ -301,7 +311,8 @@ def main(argv: list[str] | None = None) -> Path:
     )
     rows = []
     for cache in args.caches:
-        row = {"run": run, "cache": cache, "variant": cache, **{k: getattr(args, k) for k in keys}}
+        kind = "oscar" if cache == "oscar-gluon" else cache  # the Gluon kernel's row is the 2-bit pool's (ratios)
+        row = {"run": run, "cache": kind, "variant": cache, **{k: getattr(args, k) for k in keys}}
         if time.perf_counter() - started > args.budget_s:
             row["error"] = f"not started: --budget-s {args.budget_s} passed"
         else:
@@ -329,11 +340,11 @@ def bench_json(text: str) -> dict:
 
 def summary(row: dict) -> str:
     if row.get("error"):
-        return f"{row['cache']}: {row['error']}"
+        return f"{row['variant']}: {row['error']}"
     peak = "" if row["peak_gib"] is None else f", peak {row['peak_gib']:.1f} GiB"
     roof = "" if row["roof_fraction"] is None else f", {100 * row['roof_fraction']:.0f} % of roof"
     return (
-        f"{row['cache']}: {row['output_tokens_per_s']:.1f} tokens/s, pool {row['pool_tokens']} tokens, "
+        f"{row['variant']}: {row['output_tokens_per_s']:.1f} tokens/s, pool {row['pool_tokens']} tokens, "
         f"{row['peak_concurrent']} at once, first token p50 {row['ttft_p50_s']:.2f} s, "
         f"p99 {row['ttft_p99_s']:.2f} s{peak}{roof}; setup {row['setup_s']:.1f} s, prompt steps "
         f"{row['prompt_steps_s']:.1f} s"

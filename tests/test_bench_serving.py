@@ -53,3 +53,18 @@ def test_request_set_is_seeded(serving):
     first = serving.request_set(5, 10, 20, vocab=50, seed=3)
     assert first == serving.request_set(5, 10, 20, vocab=50, seed=3) != serving.request_set(5, 10, 20, 50, seed=4)
     assert all(10 <= len(p) <= 20 and max(p) < 50 for p in first)
+
+
+def test_the_gluon_row_runs_the_pool_with_gluon_pages(serving, tmp_path):
+    """`oscar-gluon`: the 2-bit pool's row (its ratios against bf16 as the default pool's), run with
+    `decode_paged.GLUON_PAGES` on, and only that row."""
+    default = serving.decode_paged.GLUON_PAGES
+    with serving.paged_kernel("oscar-gluon"):
+        assert serving.decode_paged.GLUON_PAGES
+    with serving.paged_kernel("oscar"):
+        assert serving.decode_paged.GLUON_PAGES is default  # the library's default
+    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--out", str(tmp_path)]
+    record = json.loads(serving.main([*args, "--caches", "bf16", "oscar-gluon"]).read_text())
+    assert [(row["cache"], row["variant"]) for row in record["rows"]] == [("bf16", "bf16"), ("oscar", "oscar-gluon")]
+    assert [(r["oscar"], r["baseline"]) for r in record["ratios"]] == [("oscar-gluon", "bf16")]
+    assert serving.decode_paged.GLUON_PAGES is default  # the row's setting is undone
