@@ -46,6 +46,9 @@ tokens, so that only the unpacking differs (last item below).
 - Hopper: launched as a programmatic dependent of the Triton split kernel (PDL): the programs start and copy their
   first block while that kernel runs, then wait for the query operand it writes.
 
+The same kernel reads the serving pool's pages (`launch_paged`, `PAGED`: a page is one 128-token block, copied from
+where the request's row of the block table says; `kernels/decode_paged.py`).
+
 Gluon has no CPU interpreter: the CPU CI runs the Triton kernel and the launch around this one (a float64 stand-in);
 tests/kernels/test_decode_attention.py checks this one against the float64 reference on the GPU, and
 benchmarks/fuzz_kernels.py on random cases. Measured: docs/kernels.md.
