@@ -15,15 +15,21 @@ def serving():
 
 
 def test_quick_run_records_both_pools(serving, tmp_path):
+    """The default caches (bf16 and the 2-bit pool) and `oscar-gluon` (the 2-bit pool's row, run with the Gluon kernel
+    reading its pages where it applies: not on a CPU), rows of one run with their ratios."""
     args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--out", str(tmp_path)]
-    path = serving.main(args)
+    path = serving.main([*args, "--caches", "bf16", "oscar", "oscar-gluon"])
     assert path == tmp_path / "serving_cpu.json"
     record = json.loads(path.read_text())
     [(run, header)] = record["runs"].items()
     assert record["benchmark"] == "serving" and header["device"] == "cpu" and header["commit"] is not None
     assert header["requests"] == 8 and header["cache_config"] == {"bits": 2} and "versions" in header
     assert header["copy_bandwidth"]["GBps"] > 0
-    assert [row["cache"] for row in record["rows"]] == ["bf16", "oscar"]
+    assert [(row["cache"], row["variant"]) for row in record["rows"]] == [
+        ("bf16", "bf16"),
+        ("oscar", "oscar"),
+        ("oscar", "oscar-gluon"),
+    ]
     for row in record["rows"]:
         assert row["run"] == run and "error" not in row, row
         assert all(field in row for field in (*MEASURED, "roof_ms", "roof_fraction")), row
@@ -32,10 +38,12 @@ def test_quick_run_records_both_pools(serving, tmp_path):
         assert row["roof_ms"] > 0 and row["roof_fraction"] > 0  # the CPU's own copy bandwidth (records.py)
         assert 0 < row["prompt_step_ms"] <= 1000 * row["prompt_steps_s"] < 1000 * row["wall_s"]
         assert 0 <= row["setup_s"] < row["wall_s"] and row["profile"] is None
-    rows = {row["cache"]: row for row in record["rows"]}
-    [ratio] = record["ratios"]
-    assert ratio["run"] == run and (ratio["oscar"], ratio["baseline"]) == ("oscar", "bf16")
-    assert ratio["pool_tokens_ratio"] == rows["oscar"]["pool_tokens"] / rows["bf16"]["pool_tokens"]
+    rows = {row["variant"]: row for row in record["rows"]}
+    assert [(r["oscar"], r["baseline"]) for r in record["ratios"]] == [("oscar", "bf16"), ("oscar-gluon", "bf16")]
+    ratio = record["ratios"][0]
+    assert (
+        ratio["run"] == run and ratio["pool_tokens_ratio"] == rows["oscar"]["pool_tokens"] / rows["bf16"]["pool_tokens"]
+    )
 
 
 def test_profiles_prompt_steps(serving, tmp_path):
@@ -55,16 +63,12 @@ def test_request_set_is_seeded(serving):
     assert all(10 <= len(p) <= 20 and max(p) < 50 for p in first)
 
 
-def test_the_gluon_row_runs_the_pool_with_gluon_pages(serving, tmp_path):
-    """`oscar-gluon`: the 2-bit pool's row (its ratios against bf16 as the default pool's), run with
-    `decode_paged.GLUON_PAGES` on, and only that row."""
+def test_the_gluon_row_sets_gluon_pages_for_itself(serving):
+    """`paged_kernel`: `decode_paged.GLUON_PAGES` on while an `oscar-gluon` row runs, the library's default for the
+    others, undone afterwards."""
     default = serving.decode_paged.GLUON_PAGES
     with serving.paged_kernel("oscar-gluon"):
         assert serving.decode_paged.GLUON_PAGES
     with serving.paged_kernel("oscar"):
-        assert serving.decode_paged.GLUON_PAGES is default  # the library's default
-    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--out", str(tmp_path)]
-    record = json.loads(serving.main([*args, "--caches", "bf16", "oscar-gluon"]).read_text())
-    assert [(row["cache"], row["variant"]) for row in record["rows"]] == [("bf16", "bf16"), ("oscar", "oscar-gluon")]
-    assert [(r["oscar"], r["baseline"]) for r in record["ratios"]] == [("oscar-gluon", "bf16")]
-    assert serving.decode_paged.GLUON_PAGES is default  # the row's setting is undone
+        assert serving.decode_paged.GLUON_PAGES is default
+    assert serving.decode_paged.GLUON_PAGES is default

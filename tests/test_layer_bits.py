@@ -6,6 +6,7 @@ import logging
 
 import pytest
 import torch
+from devices import slow_on_cpu
 from oscar_hf.kernels import dequantize_kv_triton, quantize_kv_triton
 
 from oscar_hf import OscarCache, OscarConfig, average_bits, cache_kwargs
@@ -241,8 +242,10 @@ def _fill_by_hand(cache, tokens: int, device="cpu") -> list[tuple[torch.Tensor, 
     return prompts
 
 
-@pytest.mark.parametrize("attention", ["portable", "fused"])
-@pytest.mark.parametrize("method", ["oscar", "paper"])
+@pytest.mark.parametrize(
+    "method, attention",
+    [("oscar", "portable"), ("paper", "portable"), ("paper", "fused"), slow_on_cpu("oscar", "fused")],
+)  # the query rule on the fused path: 12 s in the interpreter
 def test_choosing_converts_each_layers_4_bit_blocks_to_its_widths(tiny_llama, method, attention, monkeypatch):
     """The stored region after the choice is dequantize(4-bit) -> quantize(width) (the reference's on the portable
     path, the Triton kernels' on the fused one), with the key rotation the choice made at that width; a half whose
