@@ -289,7 +289,8 @@ def paged_decode_attention(
             tiles = max_pages * (config.residual_length // block_n)
             splits = num_splits(heads, tiles, query.device, tuning, few_heads(heads, query.device))
         splits = max(1, min(splits, max_pages))  # at most one a page
-    num_parts = gluon_splits * (decode_gluon.WARPS if gluon_splits else 0) + splits + 1
+    gluon_parts = gluon_splits * decode_gluon.WARPS if gluon_splits else 0  # a partial per warp
+    num_parts = gluon_parts + splits + 1
     part_o = query.new_empty(heads, num_parts, gqa, head_dim, dtype=torch.float32)
     part_ml = query.new_empty(heads, num_parts, gqa, 2, dtype=torch.float32)
     q_op = query.new_empty((heads, head_dim, block_m) if gluon_splits else (0,), dtype=torch.float16)
