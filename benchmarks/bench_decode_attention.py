@@ -1,7 +1,7 @@
 """Decode attention per layer on the GPU: bf16 SDPA vs the portable path vs the fused OScaR kernel.
 
     python benchmarks/bench_decode_attention.py [--out benchmarks/results] [--quick | --shapes 8x32768 ...] [--sweep]
-        [--head-dim 128]
+        [--widths] [--paged] [--sinks S ...] [--head-dim 128]
 
 Shape: Hq=32 / Hkv=8 / D=128 (Llama-3.1-8B, Qwen3-8B; `--head-dim 256`: Gemma 3's head dim), one query token,
 residual window of 64 exact tokens, B in {1, 8, 32}, quantized context in {4K, 32K, 128K} plus the largest that fits
@@ -28,7 +28,8 @@ within 1.2x of INT4's), and again with the Triton kernel reading every block (`t
 the INT2 kernel with that many exact sink tokens read with the window, relative to none (issue 39: within 3 %), at one
 window fill and, for the first count, averaged over a decode's cycle through the window (`window_cycle`), launched both
 as an eager step launches it (the sinks as residual tokens) and as compiled decode does (a device `length`, the sinks in
-their own slots).
+their own slots). `--paged` times the serving pool's decode kernel on the same data as pages against the cache's
+call (`paged`).
 
 Correctness is checked in the same run: fused vs the float32 reference where it fits in memory, else vs portable.
 Writes `decode_attention_<gpu>.json` under --out and prints a table last.
@@ -47,12 +48,14 @@ import records
 import torch
 import torch.nn.functional as F
 from oscar_hf.kernels import decode_attention_triton, quantize_kv_triton
+from oscar_hf.kernels.decode_paged import paged_decode_attention
 from oscar_hf.kernels.decode_tuning import default_tuning
 from triton.testing import do_bench, do_bench_cudagraph
 
 from oscar_hf.config import OscarConfig
 from oscar_hf.reference import decode_attention as decode_attention_reference
 from oscar_hf.reference import dequantize_kv
+from oscar_hf.serving.pages import PageLayout, TailLayout
 
 Q_HEADS, KV_HEADS, HEAD_DIM, RESIDUAL = 32, 8, 128, 64
 BATCHES = (1, 8, 32)
@@ -452,6 +455,70 @@ def window_cycle(gen, l2_bytes, batch: int, context: int, count: int, stride: in
             "time_vs_no_sinks_compiled": mean["compiled", count] / mean["compiled", 0]}  # fmt: skip
 
 
+def as_pages(one: dict, config: OscarConfig, gen: torch.Generator) -> tuple:
+    """Input set `one` in the serving pool's layout: each request's quantized blocks as pages at shuffled blocks of one
+    buffer (`PageLayout.views`), its residual tokens as its tail (`TailLayout.views`); `paged_decode_attention`'s
+    arguments up to `scaling`."""
+    query, quantized, batch = one["q"], one["quantized"], one["q"].shape[0]
+    count = quantized.value_scale.shape[2] // config.residual_length  # pages a request
+    layout = PageLayout.of(config, KV_HEADS, HEAD_DIM)
+    pages = layout.views(torch.empty(batch * count * layout.bytes, dtype=torch.uint8, device="cuda"), layout.bytes, 0)
+    order = torch.randperm(batch * count, device="cuda", generator=gen)  # request b's page i at block order[b P + i]
+    for view, field in zip(pages, quantized):
+        if view is not None:  # the token axis (rows of a 4-d field, the last of the norms) cut into pages
+            axis = 2 if field.dim() == 4 else -1
+            view[order] = field.unflatten(axis, (count, -1)).transpose(1, 2).flatten(0, 1)
+    exact = one["rk"].shape[2]
+    tail = TailLayout(1, config.sink_tokens, config.residual_length, KV_HEADS, HEAD_DIM, DTYPE)
+    keys, values = tail.views(torch.empty(batch * tail.bytes, dtype=torch.uint8, device="cuda"), tail.bytes, 0)
+    keys[:, :exact], values[:, :exact] = one["rk"].transpose(1, 2), one["rv"].transpose(1, 2)
+    as_int = {"dtype": torch.int32, "device": "cuda"}
+    table = order.view(batch, count).to(torch.int32)
+    counts, requests = torch.full((batch,), count, **as_int), torch.arange(batch, **as_int)
+    return query, pages, keys, values, table, counts, requests, torch.full((batch,), exact, **as_int)
+
+
+def paged(gen, l2_bytes, shapes, copy_gbps: float) -> list:
+    """The serving pool's decode kernel (`paged_decode_attention`) against the cache's (`decode_attention_triton`) on
+    the same quantized data, in one run: the same blocks, as pages at shuffled places of a buffer and the residual
+    tokens as a tail. Rows: `contiguous` (the cache's call), `paged` (the Gluon kernel reading the pages where the
+    cache's call runs it, as `GLUON_PAGES` would launch it) and `paged_triton` (the Triton kernel reading every page);
+    graph medians, each row's share of the copy bandwidth for the bytes the cache's call reads, and its time over
+    `contiguous`'s. Every kernel is checked against the float32 reference first."""
+    rows = []
+    for batch, context in shapes:
+        rows.append(paged_shape(batch, context, gen, l2_bytes, copy_gbps))
+        print("paged", json.dumps(rows[-1]), flush=True)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def paged_shape(batch: int, context: int, gen, l2_bytes, copy_gbps: float) -> dict:
+    """`paged`'s row for one shape."""
+    config, scale = OscarConfig(bits=2, sink_tokens=0, method="paper"), 1 / math.sqrt(HEAD_DIM)
+    tuning = default_tuning(HEAD_DIM, Q_HEADS // KV_HEADS, torch.float16)
+    data, fused_bytes, _ = timed_sets(batch, context, config, l2_bytes, gen)
+    pool = [as_pages(one, config, gen) for one in data]
+    calls = {
+        "contiguous": lambda i: fused(data[i], config, scale),
+        "paged": lambda i: paged_decode_attention(*pool[i], scale, config, tuning=tuning),
+        "paged_triton": lambda i: paged_decode_attention(
+            *pool[i], scale, config, tuning=dataclasses.replace(tuning, gluon_programs_per_sm=0)
+        ),
+    }
+    row = {"batch": batch, "context": context, "bytes": fused_bytes}
+    for name, call in calls.items():
+        if batch * context <= REFERENCE_TOKENS:
+            row[f"{name}_rel_err_vs_fp32_reference"] = checked_error(call(0), data[0], config, scale)
+        row[name] = timed(lambda c=call: [c(i) for i in range(len(data))], len(data))
+        us = row[name]["us_graph"] or row[name]["us"]
+        row[name]["fraction_of_copy_bandwidth"] = fused_bytes / us / 1e3 / copy_gbps
+    base = row["contiguous"]["us_graph"] or row["contiguous"]["us"]
+    for name in ("paged", "paged_triton"):
+        row[f"{name}_vs_contiguous"] = (row[name]["us_graph"] or row[name]["us"]) / base
+    return row
+
+
 # Why the fused kernel misses its speed targets, from the SASS/ncu reading summarised in docs/kernels.md.
 _WHY_MISSED = (
     "The decode kernel (the Gluon kernel at these shapes: D=128, fp16 scales, up to 8 query rows per KV head) is "
@@ -510,6 +577,7 @@ def main() -> None:
     parser.add_argument("--variants", help='with --sweep: a JSON list of launch changes, e.g. [{"num_warps": 2}]')
     parser.add_argument("--widths", action="store_true", help="also time each of WIDTHS (see the docstring)")
     parser.add_argument("--sinks", type=int, nargs="+", metavar="S", help="also time the kernel with S sink tokens")
+    parser.add_argument("--paged", action="store_true", help="also time the serving pool's kernel (see `paged`)")
     parser.add_argument("--profile-once", action="store_true", help="one fused call at B=8, 32K (for ncu), then exit")
     parser.add_argument("--head-dim", type=int, default=HEAD_DIM, help="64, 128 (default) or 256")
     args = parser.parse_args()
@@ -574,6 +642,11 @@ def main() -> None:
     if args.widths:
         record["widths"] = widths(gen, l2, shapes if args.shapes else [(8, 32768), (1, 32768)])
         print("mixed widths vs K4V4, time per byte:", record["widths"]["mixed_time_per_byte_vs_K4V4"], flush=True)
+        save()
+
+    if args.paged:
+        copy = record["copy_bandwidth"]["GBps"]
+        record["paged"] = paged(gen, l2, shapes if args.shapes else [(8, 32768), (1, 32768)], copy)
         save()
 
     if args.sinks:
