@@ -3,7 +3,7 @@
 import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, MistralConfig
-from transformers.cache_utils import DynamicSlidingWindowLayer
+from transformers.cache_utils import DynamicSlidingWindowLayer, QuantizedCache
 
 from oscar_hf import OscarCache, OscarConfig, OscarLayer, average_bits, effective_bits, kv_memory
 from oscar_hf.reference import dequantize_kv, quantize_kv, query_moment, query_rotation_choice
@@ -287,6 +287,26 @@ def test_memory_reports_whole_cache_ratios_vs_model_dtype_and_bf16():
     dynamic = DynamicCache()
     dynamic.update(torch.randn(1, 2, 10, 64), torch.randn(1, 2, 10, 64), 0)
     assert kv_memory(dynamic).ratio_vs_model_dtype == 1.0 and "quantized" not in str(kv_memory(dynamic))
+
+
+@pytest.mark.parametrize("backend", ["quanto", "hqq"])
+def test_memory_counts_transformers_quantized_cache(backend):
+    """transformers' QuantizedCache: its quantized states counted by their stored bytes (2-bit codes, and a float32
+    scale and shift per group of 32 elements: 4 bits an element), beside its exact window."""
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=128)
+    cache = QuantizedCache(backend, config, nbits=2, q_group_size=32, residual_length=16)
+    for tokens in (40, 1, 1, 1):  # the prompt is quantized at once; the decode tokens wait in the window
+        for layer_idx in range(2):
+            cache.update(*torch.randn(2, 1, 2, tokens, 32), layer_idx)
+    mem = kv_memory(cache)
+    quantized, exact = 2 * 2 * 2 * 32 * 40, 2 * 2 * 2 * 32 * 3  # layers, K and V, heads, head_dim, tokens
+    assert (mem.quantized_bf16_bytes, mem.exact_bytes, mem.model_dtype_bytes) == (
+        2 * quantized,
+        4 * exact,
+        4 * (quantized + exact),
+    )
+    assert mem.quantized_bytes == quantized * 4 // 8
+    assert mem.quantized_ratio_vs_bf16 == 4.0
 
 
 def test_memory_counts_layers_left_in_full_precision(gemma3_config):

@@ -8,7 +8,8 @@ import math
 from dataclasses import dataclass, fields
 
 import torch
-from transformers.cache_utils import Cache
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+from transformers.cache_utils import BaseQuantizedLayer, Cache
 
 from ..config import OscarConfig
 from ..layout import QuantizedKV, StorageLayout
@@ -90,7 +91,8 @@ class KVMemory:
 
 
 def kv_memory(cache: Cache) -> KVMemory:
-    """Bytes a cache holds now (any transformers `Cache`; OScaR layers report their quantized region separately)."""
+    """Bytes a cache holds now (any transformers `Cache`; OScaR layers and transformers' quantized layers report their
+    quantized region separately)."""
     total = KVMemory()
     for layer in cache.layers:
         if callable(getattr(layer, "memory", None)):  # an OscarLayer (transformers' layers have no `memory`)
@@ -100,7 +102,47 @@ def kv_memory(cache: Cache) -> KVMemory:
         held = sum(t.nbytes for t in tensors)
         bf16 = sum(2 * t.numel() for t in tensors)
         total += KVMemory(exact_bytes=held, exact_bf16_bytes=bf16, allocated_bytes=held, model_dtype_bytes=held)
+        if isinstance(layer, BaseQuantizedLayer) and layer._quantized_keys is not None:
+            total += _quantized_layer_memory(layer)
     return total
+
+
+def _quantized_layer_memory(layer: BaseQuantizedLayer) -> KVMemory:
+    """The quantized states of a transformers `QuantizedCache` layer (quanto, HQQ or FP8 backend): their stored bytes,
+    and the bytes of the tokens they stand for in the model's dtype and in bf16 (the exact window is counted apart)."""
+    stored = _stored_bytes(layer._quantized_keys) + _stored_bytes(layer._quantized_values)
+    elements = _logical_elements(layer._quantized_keys) + _logical_elements(layer._quantized_values)
+    return KVMemory(
+        quantized_bytes=stored,
+        quantized_bf16_bytes=2 * elements,
+        allocated_bytes=stored,
+        model_dtype_bytes=layer.keys.element_size() * elements,
+    )
+
+
+def _stored_bytes(states) -> int:
+    """Bytes of every tensor in a backend's quantized states: a tensor (a wrapper subclass, as optimum-quanto's, by
+    its inner tensors: codes, scales, shifts), or a tuple, list or dict of them (HQQ's codes and metadata, FP8's codes
+    and scale)."""
+    if torch.is_tensor(states):
+        if is_traceable_wrapper_subclass(states):
+            names, _ = states.__tensor_flatten__()
+            return sum(_stored_bytes(getattr(states, name)) for name in names)
+        return states.nbytes
+    if isinstance(states, (tuple, list)):
+        return sum(_stored_bytes(item) for item in states)
+    if isinstance(states, dict):
+        return sum(_stored_bytes(item) for item in states.values())
+    return 0
+
+
+def _logical_elements(states) -> int:
+    """The K or V elements a backend's quantized states stand for: HQQ's (codes, meta) by its meta's shape, FP8's
+    (codes, scale) by its codes, a quanto tensor by its own (logical) shape."""
+    if isinstance(states, tuple):
+        codes, meta = states
+        return math.prod(meta["shape"]) if isinstance(meta, dict) else codes.numel()
+    return states.numel()
 
 
 def average_bits(config: OscarConfig, head_dim: int, kv_heads: int = 1) -> float:
