@@ -133,11 +133,18 @@ def chosen_widths(cache: OscarCache) -> list[tuple[int, int]]:
     return [(layer.config.key_bits, layer.config.value_bits) for layer in cache.layers if isinstance(layer, OscarLayer)]
 
 
+def parse_widths(name: str) -> tuple[int, int]:
+    """A diagnosis row's widths: `K4V2` is (4, 2)."""
+    key_bits, value_bits = (int(x) for x in name.removeprefix("K").split("V"))
+    return key_bits, value_bits
+
+
 def document_nll(model, method: str, ids: torch.Tensor, prompt: int, chunk: int):
     """One document through `method`'s cache (`continuation_nll`). A diagnosis row names a bits="auto" method and a
     suffix: `@K2V2`, `@K4V2`, ...: every layer at those widths, through the 4-bit prompt and its requantization as the
-    method runs; `@direct`: the widths the method chooses for this prompt (from one prefill and `choose_bits`), the
-    prompt quantized at them directly."""
+    method runs (`@K2V2/9=K4V2`: but OScaR layer 9 at K4V2, the per-layer sweep of docs/accuracy.md); `@direct`: the
+    widths the method chooses for this prompt (from one prefill and `choose_bits`), the prompt quantized at them
+    directly."""
     name, _, variant = method.partition("@")
     options = METHODS[name][1]
     widths = None
@@ -149,9 +156,12 @@ def document_nll(model, method: str, ids: torch.Tensor, prompt: int, chunk: int)
             model(ids[:, :prompt], **cache_kwargs(probe), logits_to_keep=1)
             probe.choose_bits()
             widths = chosen_widths(probe)
-        else:
-            key_bits, value_bits = (int(x) for x in variant.removeprefix("K").split("V"))
-            widths = [(key_bits, value_bits)] * sum(isinstance(layer, OscarLayer) for layer in probe.layers)
+        else:  # "K2V2": every layer; "K2V2/9=K4V2": every layer but the 10th OScaR layer, at K4V2
+            every, *exceptions = variant.split("/")
+            widths = [parse_widths(every)] * sum(isinstance(layer, OscarLayer) for layer in probe.layers)
+            for exception in exceptions:
+                layer, _, chosen = exception.partition("=")
+                widths[int(layer)] = parse_widths(chosen)
     cache = make_cache(name, options, model.config)
     before = chunk if variant == "direct" else None
     with pinned_widths(widths):
@@ -225,7 +235,8 @@ def main() -> None:
     parser.add_argument("--models", nargs="+", default=MODELS[:3], choices=MODELS)
     parser.add_argument(
         "--methods", nargs="+", default=DEFAULT_METHODS, help="names of oscar_hf.methods.METHODS; diagnosis rows: "
-        "a bits='auto' method with @direct (its widths, no 4-bit round trip) or @K2V2, @K4V2, ... (widths pinned)",
+        "a bits='auto' method with @direct (its widths, no 4-bit round trip) or @K2V2, @K4V2, ... (widths pinned; "
+        "@K2V2/9=K4V2: one layer apart)",
     )  # fmt: skip
     parser.add_argument("--docs", type=int, default=4, help="documents (the first of the suite's 4k texts)")
     parser.add_argument("--prompt", type=int, default=1536, help="tokens prefilled in one call")

@@ -66,3 +66,14 @@ def test_the_protocol_scores_the_continuation_through_each_cache(tiny_llama):
     auto = rows["oscar-auto-3.6"]
     assert len(auto["widths"]) == len(docs) and all(len(w) == model.config.num_hidden_layers for w in auto["widths"])
     assert auto["stored_bits"] <= 3.6 and auto["effective_bits"] > auto["stored_bits"]
+
+
+def test_a_diagnosis_row_pins_every_layer_and_one_apart(tiny_llama):
+    """`@K2V2/1=K4V2`: bits="auto" stores every layer at K2V2 but layer 1, at K4V2, whatever its costs say."""
+    torch.manual_seed(0)
+    model = tiny_llama()
+    ids = torch.randint(3, model.config.vocab_size, (1, PROMPT + SCORED + 1))
+    layers = model.config.num_hidden_layers
+    for variant, expected in (("K4V2", ["K4V2"] * layers), ("K2V2/1=K4V2", ["K2V2", "K4V2"] + ["K2V2"] * (layers - 2))):
+        _, cache = long_prompt_ppl.document_nll(model, f"oscar-auto-3.6@{variant}", ids, PROMPT, CHUNK)
+        assert long_prompt_ppl.widths(cache) == expected
