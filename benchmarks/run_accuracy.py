@@ -464,17 +464,20 @@ def plot(model_names: list[str]) -> Path:
 def long_prompt_rows(model_name: str) -> tuple[dict, dict[str, dict]] | None:
     """The long-prompt protocol's rows of a model (`long_prompt_ppl.py`'s record): the latest run's fields, and by
     method, of the runs with its protocol (documents, prompt, scored tokens, chunk), each method's latest row;
-    diagnosis rows (`@`) left out. None where the model has no record."""
+    diagnosis rows (`@`), and runs of nothing else (but their bf16 reference), left out. None where the model has no
+    record."""
     path = RESULTS / f"long_prompt_{model_name}.json"
     if not path.exists():
         return None
     record = json.loads(path.read_text())
+    runs = {row["run"] for row in record["rows"] if "@" not in row["method"] and row["method"] != "bf16"}
+    table = [row for row in record["rows"] if row["run"] in runs and "@" not in row["method"]]
     protocol = ("docs", "prompt", "scored", "chunk")
-    latest = record["runs"][max(record["runs"])]
+    latest = record["runs"][max(row["run"] for row in table)]
     same = {run for run, fields in record["runs"].items() if all(fields[k] == latest[k] for k in protocol)}
     rows = {}
-    for row in sorted(record["rows"], key=lambda row: row["run"]):  # run ids start with the time: the latest wins
-        if row["run"] in same and "@" not in row["method"]:
+    for row in sorted(table, key=lambda row: row["run"]):  # run ids start with the time: the latest wins
+        if row["run"] in same:
             rows[row["method"]] = row
     return latest, rows
 

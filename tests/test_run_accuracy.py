@@ -92,11 +92,12 @@ def test_the_pareto_front_keeps_the_points_nothing_beats_on_both_counts(tmp_path
 
 def test_the_long_prompt_rows_are_the_latest_of_the_latest_protocol_and_plot(tmp_path, monkeypatch):
     """Rows of runs with the latest run's protocol, the latest per method; an older protocol's (other documents) and
-    diagnosis rows (`@`) left out; accuracy.png drawn from them."""
+    diagnosis rows (`@`) left out, and a later run of diagnosis rows alone (its bf16 reference beside them) decides
+    no protocol; accuracy.png drawn from them."""
     run_accuracy = _run_accuracy(tmp_path, monkeypatch)
     protocol = {"prompt": 1536, "scored": 1536, "chunk": 64}
     runs = {"20260101T000000Z-a": {"docs": 2, **protocol}, "20260102T000000Z-b": {"docs": 3, **protocol},
-            "20260103T000000Z-c": {"docs": 3, **protocol}}  # fmt: skip
+            "20260103T000000Z-c": {"docs": 3, **protocol}, "20260104T000000Z-d": {"docs": 2, **protocol}}  # fmt: skip
 
     def row(run, method, change):
         bits = {"stored_bits": 4.08, "effective_bits": 4.4, "effective_bits_4k": 4.3}
@@ -109,6 +110,8 @@ def test_the_long_prompt_rows_are_the_latest_of_the_latest_protocol_and_plot(tmp
         row("20260102T000000Z-b", "oscar-auto-3.2-sinks4", 3.0),
         row("20260103T000000Z-c", "oscar-auto-3.2-sinks4", 2.0),
         row("20260103T000000Z-c", "oscar-auto-3.2-sinks4@direct", 1.0),
+        row("20260104T000000Z-d", "bf16", 0.0),
+        row("20260104T000000Z-d", "oscar-auto-3.2-sinks4@K2V2/0=K4V2", 7.0),
     ]
     (tmp_path / "long_prompt_tiny.json").write_text(json.dumps({"runs": runs, "rows": rows}))
     latest, chosen = run_accuracy.long_prompt_rows("tiny")
