@@ -9,12 +9,12 @@ prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random
 each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
 (the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
 "oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
-`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`); `oscar-gluon`: the same with its pages read by the
-Gluon kernel (`decode_paged.GLUON_PAGES` on for that row: the A/B of the paged decode kernels in one process; its row's
-`cache` is "oscar", its `variant` "oscar-gluon"). Every pool is sized by transformers' memory
-handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the CPU). Models:
-bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700 tokens and 8 new tokens, to check the
-path (no timing means anything there).
+`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`); `oscar-gluon`, `oscar-triton`: the same with its
+pages read by the Gluon kernel where it applies, or by the Triton kernel alone (`decode_paged.GLUON_PAGES` on or off for
+that row: the A/B of the paged decode kernels in one process; the row's `cache` is "oscar", its `variant` the name).
+Every pool is sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or
+`--num-blocks` blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests
+of 100-700 tokens and 8 new tokens, to check the path (no timing means anything there).
 
 Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
 (the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
@@ -55,7 +55,8 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchProcessor,
 )
 
-CACHES = ("bf16", "oscar", "oscar-eager", "oscar-gluon")
+CACHES = ("bf16", "oscar", "oscar-eager", "oscar-gluon", "oscar-triton")
+PAGED_KERNELS = {"oscar-gluon": True, "oscar-triton": False}  # a variant's `decode_paged.GLUON_PAGES`
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
 PROFILE_KINDS = ("decode", "prompt")
@@ -196,9 +197,9 @@ def pool_tokens(cache) -> int:
 
 
 def paged_kernel(cache: str):
-    """What reads the 2-bit pool's pages for `cache`'s row: the Gluon kernel for "oscar-gluon" (`GLUON_PAGES` on while
-    the row runs), else the library's default."""
-    return mock.patch.object(decode_paged, "GLUON_PAGES", cache == "oscar-gluon" or decode_paged.GLUON_PAGES)
+    """What reads the 2-bit pool's pages for `cache`'s row: `GLUON_PAGES` on for "oscar-gluon" and off for
+    "oscar-triton" while the row runs, else the library's default."""
+    return mock.patch.object(decode_paged, "GLUON_PAGES", PAGED_KERNELS.get(cache, decode_paged.GLUON_PAGES))
 
 
 def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
@@ -311,7 +312,7 @@ def main(argv: list[str] | None = None) -> Path:
     )
     rows = []
     for cache in args.caches:
-        kind = "oscar" if cache == "oscar-gluon" else cache  # the Gluon kernel's row is the 2-bit pool's (ratios)
+        kind = "oscar" if cache in PAGED_KERNELS else cache  # a paged kernel's row is the 2-bit pool's (ratios)
         row = {"run": run, "cache": kind, "variant": cache, **{k: getattr(args, k) for k in keys}}
         if time.perf_counter() - started > args.budget_s:
             row["error"] = f"not started: --budget-s {args.budget_s} passed"

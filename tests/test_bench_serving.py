@@ -63,12 +63,14 @@ def test_request_set_is_seeded(serving):
     assert all(10 <= len(p) <= 20 and max(p) < 50 for p in first)
 
 
-def test_the_gluon_row_sets_gluon_pages_for_itself(serving):
-    """`paged_kernel`: `decode_paged.GLUON_PAGES` on while an `oscar-gluon` row runs, the library's default for the
-    others, undone afterwards."""
+def test_the_paged_kernel_rows_set_gluon_pages_for_themselves(serving):
+    """`paged_kernel`: `decode_paged.GLUON_PAGES` on while an `oscar-gluon` row runs, off while an `oscar-triton` row
+    runs, the library's default for the others, undone afterwards."""
     default = serving.decode_paged.GLUON_PAGES
     with serving.paged_kernel("oscar-gluon"):
-        assert serving.decode_paged.GLUON_PAGES
+        assert serving.decode_paged.GLUON_PAGES is True
+    with serving.paged_kernel("oscar-triton"):
+        assert serving.decode_paged.GLUON_PAGES is False
     with serving.paged_kernel("oscar"):
         assert serving.decode_paged.GLUON_PAGES is default
     assert serving.decode_paged.GLUON_PAGES is default
