@@ -474,8 +474,8 @@ def as_pages(one: dict, config: OscarConfig, gen: torch.Generator) -> tuple:
     keys[:, :exact], values[:, :exact] = one["rk"].transpose(1, 2), one["rv"].transpose(1, 2)
     as_int = {"dtype": torch.int32, "device": "cuda"}
     table = order.view(batch, count).to(torch.int32)
-    counts, requests = torch.full((batch,), count, **as_int), torch.arange(batch, **as_int)
-    return query, pages, keys, values, table, counts, requests, torch.full((batch,), exact, **as_int)
+    counts, tail_blocks = torch.full((batch,), count, **as_int), torch.arange(batch, **as_int)
+    return query, pages, keys, values, table, counts, tail_blocks, torch.full((batch,), exact, **as_int)
 
 
 def paged(gen, l2_bytes, shapes, copy_gbps: float) -> list:
