@@ -343,6 +343,8 @@ def _any_masked(mask_ptr, start, end, stride_mt):
     return found != 0
 
 
+# Each field's stride from one page to the next (PAGED: the serving pool's pages, `launch_paged`).
+PAGE_STRIDES = ("stride_kcp", "stride_ksp", "stride_kmp", "stride_knp", "stride_vcp", "stride_vsp", "stride_vmp")
 _NOT_SPECIALISED = (
     "num_quantized", "num_residual", "num_sinks", "blocks_per_split", "num_parts", "stride_mb", "stride_table",
 )  # fmt: skip
@@ -516,11 +518,10 @@ def bind(
         **dict(zip(("stride_vsb", "stride_vsh"), vs.stride()[:2])),
         **dict(zip(("stride_vmb", "stride_vmh"), vm.stride()[:2])),
         stride_mt=mask.stride(1),
-        **block_strides(quantized, key_bits, value_bits),
     )
-    unpaged = nothing(kc.device, 1)  # no block table
+    unpaged = nothing(kc.device, 1)  # no block table, and no page strides: read only with PAGED
     constants = dict(
-        table_ptr=unpaged, count_ptr=unpaged, stride_table=0,
+        table_ptr=unpaged, count_ptr=unpaged, stride_table=0, **dict.fromkeys(PAGE_STRIDES, 0),
         num_kv_heads=kc.shape[1], num_quantized=num_quantized, num_sinks=num_sinks,
         blocks_per_split=blocks_per_split, num_parts=num_parts, **strides,
         ROWS_USED=rows, KEY_BITS=key_bits, VALUE_BITS=value_bits, TOKEN_SCALING=token_scaling, HAS_MASK=has_mask,
@@ -530,20 +531,6 @@ def bind(
         **({"ptx_options": ptxas_options} if ptxas_options else {}),
     )  # fmt: skip
     return BoundKernel(_gluon_split_kernel, grid, constants, _PER_CALL)
-
-
-def block_strides(quantized, key_bits: int, value_bits: int) -> dict[str, int]:
-    """The kernel's page strides for a cache's contiguous storage: a block's words, parameters and norms (the
-    parameters' channel pairs as int32) are the next block's less one block's rows, so that block i is "page" i."""
-    return dict(
-        stride_kcp=4 * key_bits * quantized.key_codes.stride(2),
-        stride_ksp=4 * quantized.key_scale.view(torch.int32).stride(2),
-        stride_kmp=4 * quantized.key_min.view(torch.int32).stride(2),
-        stride_knp=BLOCK.value,
-        stride_vcp=4 * value_bits * quantized.value_codes.stride(2),
-        stride_vsp=BLOCK.value * 4,
-        stride_vmp=BLOCK.value * 4,
-    )
 
 
 def launch_paged(grid, q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config) -> None:
