@@ -20,8 +20,8 @@ _METHODS = ("auto", "oscar", "paper")
 # default docs/accuracy.md measures.
 DEFAULT_AVG_BITS = 3.2
 # The widths bits="auto" chooses among unless `auto_widths` says otherwise. Not 3: 3-bit codes are read by the Triton
-# split kernel only (the Gluon kernel reads whole-byte codes), whose decode speed on a GPU is not measured yet, and with
-# it the default's choices at 3.2 bits were within a standard error of these (docs/accuracy.md: "3-bit keys").
+# split kernel only (the Gluon kernel reads whole-byte codes), at 2.5x K4V4's time per byte on an H100, and with it
+# the default's choices at 3.2 bits were within a standard error of these (docs/accuracy.md: "3-bit keys").
 DEFAULT_AUTO_WIDTHS = (2, 4)
 
 logger = logging.get_logger(__name__)
