@@ -269,14 +269,7 @@ def _make_plan(
         if splits:
             splits = triton.cdiv(num_blocks, blocks_per_split)
     gluon_parts = gluon_splits * decode_gluon.WARPS if gluon_splits else 0  # a partial per warp
-    # programmatic dependent launch (griddepcontrol) needs compute capability 9.0 (and a GPU: the CPU tests stand in
-    # for the Gluon kernel); asked only where the Gluon kernel runs
-    pdl = (
-        gluon_splits > 0
-        and tuning.gluon_pdl
-        and device.type == "cuda"
-        and torch.cuda.get_device_capability(device) >= (9, 0)
-    )
+    pdl = gluon_pdl(gluon_splits, tuning, device)
     num_parts = gluon_parts + splits + 1  # the Gluon kernel's partials, the Triton kernel's, the residual's
     inputs = _inputs(query, quantized, residual_keys, residual_values, key_padding_mask, key_rotated, length)
     key_norms, mask, key_rotated_or_mask = inputs[4], inputs[10], inputs[11]
@@ -378,6 +371,18 @@ def gluon_splits_for(
     if not ok:
         return 0, reason
     return gluon_programs_per_head(query.shape[0] * quantized.key_codes.shape[1], full_blocks, tuning, query.device), ""
+
+
+def gluon_pdl(gluon_splits: int, tuning: DecodeTuning, device: torch.device) -> bool:
+    """Whether the Gluon kernel and the merge launch as programmatic dependents of the kernel before them: asked
+    only where the Gluon kernel runs; griddepcontrol needs compute capability 9.0 (and a GPU: the CPU tests stand in
+    for the Gluon kernel)."""
+    return (
+        gluon_splits > 0
+        and tuning.gluon_pdl
+        and device.type == "cuda"
+        and torch.cuda.get_device_capability(device) >= (9, 0)
+    )
 
 
 def _validate(query, quantized, residual_keys, residual_values, key_padding_mask, config, length) -> int:

@@ -533,11 +533,12 @@ def bind(
     return BoundKernel(_gluon_split_kernel, grid, constants, _PER_CALL)
 
 
-def launch_paged(grid, q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config) -> None:
+def launch_paged(grid, q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config, pdl) -> None:
     """`_gluon_split_kernel` over the serving pool's pages (`decode_paged.paged_decode_attention`, which checked
     `supports` and wrote the query operand): program (bh, s) reads its share of request b's pages, each page one
-    block, and writes partial slots 2 s and 2 s + 1 of `part_o`'s. Launched through `kernel[grid]`: a pool's batch,
-    table and split count change from step to step (its decode steps run under CUDA graphs)."""
+    block, and writes partial slots 2 s and 2 s + 1 of `part_o`'s; `pdl`: launched as a programmatic dependent of the
+    Triton kernel that writes the query operand. Launched through `kernel[grid]`: a pool's batch, table and split
+    count change from step to step (its decode steps run under CUDA graphs)."""
     kc, vc, vs, vm = pages.key_codes, pages.value_codes, pages.value_scale, pages.value_min
     ks, km = pages.key_scale.view(torch.int32), pages.key_min.view(torch.int32)  # channel pairs
     norms = pages.key_norms if config.token_scaling else kc  # a placeholder pointer without scaling
@@ -555,8 +556,8 @@ def launch_paged(grid, q_op, q_scale, pages, block_table, page_counts, part_o, p
         stride_knp=norms.stride(0) if config.token_scaling else 0, stride_vcp=vc.stride(0), stride_vsp=vs.stride(0),
         stride_vmp=vm.stride(0),
         ROWS_USED=part_o.shape[2], KEY_BITS=config.key_bits, VALUE_BITS=config.value_bits,
-        TOKEN_SCALING=config.token_scaling, HAS_MASK=False, DEVICE_LENGTH=False, PDL=False, PAGED=True,
-        num_warps=WARPS,
+        TOKEN_SCALING=config.token_scaling, HAS_MASK=False, DEVICE_LENGTH=False, PDL=pdl, PAGED=True,
+        num_warps=WARPS, launch_pdl=pdl,
     )  # fmt: skip
 
 

@@ -49,7 +49,7 @@ from oscar_hf.config import OscarConfig
 from oscar_hf.layout import QuantizedKV
 
 from .common import code_row, on_device, word_tokens
-from .decode_attention import decode_gluon, gluon_splits_for
+from .decode_attention import decode_gluon, gluon_pdl, gluon_splits_for
 from .decode_merge import merge_kernel
 from .decode_tiles import _quantized_block, query_operand, tile_tokens, word_offsets
 from .decode_triton import _residual_part
@@ -142,11 +142,15 @@ def paged_split_kernel(
     ROTATION: tl.constexpr,
     TOKEN_SCALING: tl.constexpr,
     GLUON: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
     """Program (bh, s < num_splits) reads request b's share of its pages, program (bh, num_splits) its tail; each
     writes partial slot first + s of num_parts, first = num_parts - num_splits - 1. GLUON: `_gluon_split_kernel`
     reads every page (slots 0 .. first - 1, num_splits = 0), and the tail's program writes the query operand and
-    score scale that kernel reads."""
+    score scale that kernel reads. LAUNCH_DEPENDENTS: that kernel is a programmatic dependent, launched as this one
+    starts (it copies its first page, then waits for this one's output)."""
+    if LAUNCH_DEPENDENTS:
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bh = tl.program_id(0).to(tl.int64)
     pid_s = tl.program_id(1)
     b = pid_bh // num_kv_heads
@@ -290,6 +294,7 @@ def paged_decode_attention(
         splits = max(1, min(splits, max_pages))  # at most one a page
     gluon_parts = gluon_splits * decode_gluon.WARPS if gluon_splits else 0  # a partial per warp
     num_parts = gluon_parts + splits + 1
+    pdl = gluon_pdl(gluon_splits, tuning, query.device)  # the three launches overlap as the cache's call's do
     part_o = query.new_empty(heads, num_parts, gqa, head_dim, dtype=torch.float32)
     part_ml = query.new_empty(heads, num_parts, gqa, 2, dtype=torch.float32)
     q_op = query.new_empty((heads, head_dim, block_m) if gluon_splits else (0,), dtype=torch.float16)
@@ -354,11 +359,12 @@ def paged_decode_attention(
             ROTATION=config.rotation,
             TOKEN_SCALING=config.token_scaling,
             GLUON=gluon_splits > 0,
+            LAUNCH_DEPENDENTS=pdl,
             num_warps=tuning.num_warps,
         )
         if gluon_splits:
             decode_gluon.launch_paged(
-                (heads, gluon_splits), q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config
+                (heads, gluon_splits), q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config, pdl
             )
         merge_kernel[(batch * kv_heads * gqa,)](
             part_o,
@@ -375,7 +381,8 @@ def paged_decode_attention(
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
             BLOCK_S=MERGE_SLOTS,
-            WAIT_FOR_PARTIALS=False,
+            WAIT_FOR_PARTIALS=pdl,
             num_warps=triton.cdiv(MERGE_SLOTS * head_dim, tuning.merge_tile_per_warp),
+            launch_pdl=pdl,
         )
     return out
