@@ -59,9 +59,11 @@ _LOG2E = 1.4426950408889634
 # A pool's forwards bring new batch sizes, table widths and split counts at nearly every step (the decode rows of steps
 # with prompt chunks have their own table): nothing of them may pick a compiled variant, or a serving run would compile
 # one for each new combination while requests wait. So the split count and the table's stride are not specialised,
-# the tables' sections start 16-byte aligned (`history.PagedBatch`), and the merge reads the partials in tiles of a
-# fixed count (looping over more).
-MERGE_SLOTS = 16
+# the tables' sections start 16-byte aligned (`history.PagedBatch`), and the merge reads the partials in tiles of one of
+# two fixed counts (looping over more): the narrow one where the partials fit it, the wide one where they do not (the
+# Gluon kernel's one wave makes ~130 partials a KV head at B = 1 on an H100: one or two steps of the merge's loop,
+# each a round trip to memory, where the narrow tile would take nine).
+MERGE_SLOTS = (16, 128)
 # Whether the Gluon kernel reads the pages where it applies, by default (a call's own `tuning` decides otherwise: the
 # tests pass `default_tuning`'s); bench_serving.py's `oscar-triton` row turns it off, the A/B of the two kernels.
 GLUON_PAGES = True
@@ -321,6 +323,7 @@ def paged_decode_attention(
         stride_table=block_table.stride(0),
     )
     out = torch.empty_like(query)
+    merge_slots = MERGE_SLOTS[0] if num_parts - 1 <= MERGE_SLOTS[0] else MERGE_SLOTS[1]
     with on_device(query.device):  # Triton launches on the current device
         paged_split_kernel[(batch * kv_heads, splits + 1)](
             query,
@@ -380,9 +383,9 @@ def paged_decode_attention(
             HEAD_DIM=head_dim,
             LOG2_D=head_dim.bit_length() - 1,
             ROTATION=config.rotation,
-            BLOCK_S=MERGE_SLOTS,
+            BLOCK_S=merge_slots,
             WAIT_FOR_PARTIALS=pdl,
-            num_warps=triton.cdiv(MERGE_SLOTS * head_dim, tuning.merge_tile_per_warp),
+            num_warps=triton.cdiv(merge_slots * head_dim, tuning.merge_tile_per_warp),
             launch_pdl=pdl,
         )
     return out

@@ -44,6 +44,7 @@ class Case:
     token_scaling: bool = True
     splits: int = 2
     outlier: float = 10.0  # one key token per page this many times larger
+    tail_scale: float = 2.0  # the exact tokens' size against the pages' (unit normal before quantization)
     gluon: bool = True  # the Gluon kernel reads the pages where it supports them (a GPU, D = 128, R = 128)
 
     @property
@@ -92,7 +93,7 @@ def build(case: Case):
         for view, field in zip(pages, stored):
             if view is not None and count:
                 view[torch.tensor(ids, device=DEVICE)] = field
-        exact_kv = (torch.randn(2, held, heads, dim, device=DEVICE) * 2).to(case.dtype)
+        exact_kv = (torch.randn(2, held, heads, dim, device=DEVICE) * case.tail_scale).to(case.dtype)
         tails[0][tail_ids[b], :held], tails[1][tail_ids[b], :held] = exact_kv[0], exact_kv[1]
         counts.append(count)
         exact.append(held)
@@ -152,8 +153,24 @@ CASES = [
     # token-norm imbalance: a key token 40x larger in every page (2-bit keys; with 4-bit keys and fp16 the tile's fp16
     # dequantization is past the fp16 tolerance there, in the cache's own decode kernel as well)
     replace(BASE, seed=7, outlier=40.0, max_pages=3),
-    # more splits than the merge reads in one tile (MERGE_SLOTS): its loop over tiles (18 and 19 pages here)
-    replace(BASE, seed=14, batch=2, kv_heads=1, gqa=2, window=64, max_pages=MERGE_SLOTS + 3, splits=MERGE_SLOTS + 3),
+    # more splits than the merge's narrow tile holds (MERGE_SLOTS), then more than its wide one: the wide tile, then two
+    # steps of its loop (a request holds a page a split only up to its page count: 18 and 19 pages, then 131 and 1;
+    # no outlier tokens and a small tail, so that the weights spread over every page and a partial left out shows)
+    *(
+        replace(
+            BASE,
+            seed=seed,
+            batch=2,
+            kv_heads=1,
+            gqa=2,
+            window=64,
+            max_pages=slots + 3,
+            splits=slots + 3,
+            outlier=1.0,
+            tail_scale=0.25,
+        )  # fmt: skip
+        for seed, slots in zip((14, 29), MERGE_SLOTS)
+    ),
     # the Gluon kernel's shapes (D = 128, R = 128, fp16 scales) read by the Triton kernel
     replace(BASE, seed=15, head_dim=128, gqa=4, max_pages=5, gluon=False),
 ]
