@@ -74,9 +74,8 @@ def contiguous_launch(
 
 def paged_launch(grid, q_op, q_scale, pages, block_table, page_counts, part_o, part_ml, config, pdl) -> None:
     """`decode_gluon.launch_paged` (the serving pool's pages, a page one block): program (bh, s) over pages
-    [s * P, (s + 1) * P) of request b's row of the table, P = ceil(its pages / splits). `pdl` (the launch's order
-    on a GPU) is False off one."""
-    assert not pdl, "programmatic dependent launch asked off a GPU"
+    [s * P, (s + 1) * P) of request b's row of the table, P = ceil(its pages / splits). `pdl` (a GPU's launch order)
+    changes nothing here: the merge, launched as a programmatic dependent, waits for these torch kernels' end."""
     bh_count, splits = grid
     norms = pages.key_norms if config.token_scaling else None
     keys, values = dequantized(pages, norms, config.key_bits, config.value_bits)  # [blocks, Hkv, 128, D]
