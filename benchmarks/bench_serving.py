@@ -13,7 +13,9 @@ each (no end-of-sequence token: every request generates them all), greedy. `bf16
 pages read by the Gluon kernel where it applies, or by the Triton kernel alone (`decode_paged.GLUON_PAGES` on or off for
 that row: the A/B of the paged decode kernels in one process; the row's `cache` is "oscar", its `variant` the name).
 Every pool is sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or
-`--num-blocks` blocks each, for the CPU). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests
+`--num-blocks` blocks each, for the CPU). Each row first runs the set's first `--warmup` requests untimed, with 2 new
+tokens each (the process's first compiles of that row's kernels and its attention's plans: without it, the first 2-bit
+row paid them and the second did not). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests
 of 100-700 tokens and 8 new tokens, to check the path (no timing means anything there).
 
 Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
@@ -287,6 +289,7 @@ def main(argv: list[str] | None = None) -> Path:
         help=f"profile that many steps of --profile-kind (after {PROFILE_AFTER})",
     )
     parser.add_argument("--profile-kind", choices=PROFILE_KINDS, default="decode", help="all-decode or prompt steps")
+    parser.add_argument("--warmup", type=int, default=4, help="untimed requests each row runs first (its compiles)")
     parser.add_argument("--budget-s", type=float, default=480, help="no cache starts after this many seconds")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results", help="the records' folder")
     args = parser.parse_args(argv)
@@ -307,9 +310,11 @@ def main(argv: list[str] | None = None) -> Path:
         **{k: getattr(args, k) for k in keys},
         max_memory_percent=args.max_memory_percent,
         num_blocks=args.num_blocks,
+        warmup=args.warmup,
         cache_config=args.cache_config,
         copy_bandwidth=bandwidth,
     )
+    warmup = argparse.Namespace(**{**vars(args), "new_tokens": 2, "profile_steps": 0})
     rows = []
     for cache in args.caches:
         kind = "oscar" if cache in PAGED_KERNELS else cache  # a paged kernel's row is the 2-bit pool's (ratios)
@@ -318,6 +323,8 @@ def main(argv: list[str] | None = None) -> Path:
             row["error"] = f"not started: --budget-s {args.budget_s} passed"
         else:
             try:
+                if args.warmup:
+                    run_cache(model, cache, prompts[: args.warmup], warmup, bandwidth)
                 row.update(run_cache(model, cache, prompts, args, bandwidth))
             except Exception as error:  # a row says what failed, and the run goes on
                 row.update(bench.failure(error))

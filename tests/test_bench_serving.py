@@ -46,6 +46,26 @@ def test_quick_run_records_both_pools(serving, tmp_path):
     )
 
 
+def test_each_row_runs_its_warmup_first(serving, tmp_path, monkeypatch):
+    """`--warmup N`: before each timed row, the set's first N requests through the same cache with 2 new tokens, its
+    measurements dropped; the record names N."""
+    calls = []
+    run_cache = serving.run_cache
+    monkeypatch.setattr(
+        serving,
+        "run_cache",
+        lambda model, cache, prompts, args, *rest: (
+            calls.append((cache, len(prompts), args.new_tokens)) or run_cache(model, cache, prompts, args, *rest)
+        ),
+    )
+    args = ["--quick", "--model", "tiny-llama", "--device", "cpu", "--num-blocks", "64", "--out", str(tmp_path)]
+    record = json.loads(serving.main([*args, "--caches", "bf16", "oscar", "--warmup", "2"]).read_text())
+    new = serving.QUICK["new_tokens"]
+    assert calls == [("bf16", 2, 2), ("bf16", 8, new), ("oscar", 2, 2), ("oscar", 8, new)]
+    assert [header["warmup"] for header in record["runs"].values()] == [2]
+    assert [row["decode_steps"] >= new - 1 for row in record["rows"]] == [True, True]  # the timed runs' rows
+
+
 def test_profiles_prompt_steps(serving, tmp_path):
     """`--profile-kind prompt`: that many steps with prompt tokens under the profiler, after PROFILE_AFTER of them,
     none of them timed (small batches: a request set of many prompt steps)."""
