@@ -168,7 +168,7 @@ CASES = [
             splits=slots + 3,
             outlier=1.0,
             tail_scale=0.25,
-        )  # fmt: skip
+        )
         for seed, slots in zip((14, 29), MERGE_SLOTS)
     ),
     # the Gluon kernel's shapes (D = 128, R = 128, fp16 scales) read by the Triton kernel
