@@ -83,6 +83,11 @@ def timed(fn, sets: int) -> dict:
     return out
 
 
+def best_us(result: dict) -> float | None:
+    """A `timed` result's time: the CUDA-graph median where it was taken, else the eager one."""
+    return result.get("us_graph") or result.get("us")
+
+
 def host_time(fn, rounds: int = 11) -> float:
     """Median seconds the host spends in one call of fn, each round started on an idle GPU."""
     times = []
@@ -195,7 +200,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
     folded = timed(run_all(lambda s: sdpa_folded(s["q"], s["k"], s["v"], scale)), sets)
     results["sdpa_bf16_enable_gqa"] = gqa
     results["sdpa_bf16_folded"] = folded
-    results["sdpa_bf16"] = min((gqa, folded), key=lambda r: r["us_graph"] or r["us"])
+    results["sdpa_bf16"] = min((gqa, folded), key=best_us)
     results["fused"] = timed(run_all(lambda s: fused(s, config, scale)), sets)
     per_head = dataclasses.replace(config, method="oscar")
     key_rotated = (torch.arange(batch * KV_HEADS, device="cuda") % 2 == 0).view(batch, KV_HEADS)
@@ -207,9 +212,7 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
         ),  # fmt: skip
         sets,
     )
-    entry["per_head_vs_fused"] = (results["fused_per_head"]["us_graph"] or results["fused_per_head"]["us"]) / (
-        results["fused"]["us_graph"] or results["fused"]["us"]
-    )
+    entry["per_head_vs_fused"] = best_us(results["fused_per_head"]) / best_us(results["fused"])
     if with_portable:
         try:
             results["portable"] = timed(run_all(lambda s: portable(s, config, scale)), sets)
@@ -221,12 +224,12 @@ def bench_shape(batch, context, config, l2_bytes, gen, with_portable=True) -> di
 
     for name in ("sdpa_bf16", "fused", "portable"):
         r = results[name]
-        t = r.get("us_graph") or r.get("us")
+        t = best_us(r)
         if t:
             r["GBps"] = entry["bytes"][name] / t / 1e3
-    base = results["sdpa_bf16"].get("us_graph") or results["sdpa_bf16"]["us"]
+    base = best_us(results["sdpa_bf16"])
     for name in ("fused", "portable"):
-        t = results[name].get("us_graph") or results[name].get("us")
+        t = best_us(results[name])
         results[name]["speedup_vs_sdpa_bf16"] = base / t if t else None
     entry["results"] = results
     entry["speedup_vs_sdpa_bf16"] = results["fused"]["speedup_vs_sdpa_bf16"]
@@ -347,8 +350,8 @@ def widths(gen, l2_bytes, shapes) -> dict:
             row.update(timed(lambda d=data, c=config: [fused(s, c, scale) for s in d], len(data)))
             alone.update(timed(lambda d=data, c=config: [fused(s, c, scale, triton_only) for s in d], len(data)))
             row["triton_only"] = alone
-            row["gluon_speedup"] = (alone["us_graph"] or alone["us"]) / (row["us_graph"] or row["us"])
-            per_byte[name] = (row["us_graph"] or row["us"]) / fused_bytes
+            row["gluon_speedup"] = best_us(alone) / best_us(row)
+            per_byte[name] = best_us(row) / fused_bytes
             rows.append(row)
             print("widths", row, flush=True)
             del data
@@ -386,7 +389,7 @@ def sinks(gen, l2_bytes, shapes, counts) -> dict:
             torch.cuda.empty_cache()
         base = rows[-len(counts) - 1]
         for row in rows[-len(counts) - 1 :]:
-            row["time_vs_no_sinks"] = (row["us_graph"] or row["us"]) / (base["us_graph"] or base["us"])
+            row["time_vs_no_sinks"] = best_us(row) / best_us(base)
     measured = {
         f"S{r['sink_tokens']}-B{r['batch']}-{r['context']}": round(r["time_vs_no_sinks"], 3)
         for r in rows
@@ -511,11 +514,11 @@ def paged_shape(batch: int, context: int, gen, l2_bytes, copy_gbps: float) -> di
         if batch * context <= REFERENCE_TOKENS:
             row[f"{name}_rel_err_vs_fp32_reference"] = checked_error(call(0), data[0], config, scale)
         row[name] = timed(lambda c=call: [c(i) for i in range(len(data))], len(data))
-        us = row[name]["us_graph"] or row[name]["us"]
+        us = best_us(row[name])
         row[name]["fraction_of_copy_bandwidth"] = fused_bytes / us / 1e3 / copy_gbps
-    base = row["contiguous"]["us_graph"] or row["contiguous"]["us"]
+    base = best_us(row["contiguous"])
     for name in ("paged", "paged_triton"):
-        row[f"{name}_vs_contiguous"] = (row[name]["us_graph"] or row[name]["us"]) / base
+        row[f"{name}_vs_contiguous"] = best_us(row[name]) / base
     return row
 
 
