@@ -8,8 +8,9 @@ One process runs every cache of `--caches` (rows of one run, one `run` id) on th
 prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random token ids), `--new-tokens` new tokens
 each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
 (the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
-"oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
-`oscar-eager`: the same without CUDA graphs (`use_cuda_graph=False`); `oscar-gluon`, `oscar-triton`: the same with its
+"oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs and the next batch is prepared
+while one computes, asynchronous batching: its defaults on a GPU); `oscar-sync`: the same without asynchronous batching
+(`use_async_batching=False`); `oscar-eager`: without CUDA graphs (`use_cuda_graph=False`, so synchronous); `oscar-gluon`, `oscar-triton`: the same with its
 pages read by the Gluon kernel where it applies, or by the Triton kernel alone (`decode_paged.GLUON_PAGES` on or off for
 that row: the A/B of the paged decode kernels in one process; the row's `cache` is "oscar", its `variant` the name).
 Every pool is sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or
@@ -21,7 +22,8 @@ of 100-700 tokens and 8 new tokens, to check the path (no timing means anything 
 Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
 (the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
 `ttft_p50_s`/`ttft_p99_s` (first token's time after submission, every request submitted at once), `peak_gib`, and
-over the steps whose batch is all decode tokens: `decode_step_ms` (median), `roof_ms` (median of the bytes such a step
+over the steps whose batch is all decode tokens: `decode_step_ms` (median of the steps' times, `StepClock`: from the
+previous step's end to this one's on the GPU, so the GPU's waits on the host count), `roof_ms` (median of the bytes such a step
 must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
 `roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
 them). `prompt_step_ms` (median) and `prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the first
@@ -53,11 +55,12 @@ from oscar_hf.kernels import decode_paged
 from torch.profiler import ProfilerActivity, profile, record_function
 from transformers import ContinuousBatchingConfig, GenerationConfig
 from transformers.generation.continuous_batching.continuous_api import (
+    ContinuousBatchingAsyncIOs,
     ContinuousBatchingManager,
     ContinuousBatchProcessor,
 )
 
-CACHES = ("bf16", "oscar", "oscar-eager", "oscar-gluon", "oscar-triton")
+CACHES = ("bf16", "oscar", "oscar-sync", "oscar-eager", "oscar-gluon", "oscar-triton")
 PAGED_KERNELS = {"oscar-gluon": True, "oscar-triton": False}  # a variant's `decode_paged.GLUON_PAGES`
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
@@ -69,11 +72,12 @@ PROFILED_STEP = "bench_serving::profiled_step"  # the profiler's range around ea
 class Step:
     """One `generate_batch` step as the instrumentation saw it."""
 
-    seconds: float
     decode: bool  # every request in the batch brought one token
     used_bytes: int  # the pool's bytes in use
     active: int  # requests active (holding cache)
+    end: torch.cuda.Event | float  # its computation's end: an event on the forwards' stream, or the host's clock
     profiled: bool = False  # run under the profiler: not timed
+    seconds: float | None = None  # since the previous step's end (`StepClock.finish`); None: not timed
 
 
 def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int = 0) -> list[list[int]]:
@@ -84,16 +88,20 @@ def request_set(count: int, shortest: int, longest: int, vocab: int, seed: int =
 
 
 class StepClock:
-    """Times every continuous-batching step (device synchronised) while it is entered: wraps
-    `ContinuousBatchProcessor._generation_step` in this process, for the benchmark's instrumentation only. With
+    """Times every continuous-batching step while it is entered: wraps `ContinuousBatchProcessor._generation_step` in
+    this process, for the benchmark's instrumentation only. A step's time runs from the end of the previous step's
+    computation to the end of its own, marked by events on the forwards' stream (on a CPU, the host's clock after each
+    step): its GPU time and the time the GPU waited on the host before it (preparing the batch, and the previous
+    batch's update, which asynchronous batching overlaps with the previous computation); nothing is synchronised. With
     `profile_steps`, the steps of `profile_kind` (all-decode, or with prompt tokens) after the first `PROFILE_AFTER` are
     marked for the profiler (`PROFILED_STEP`), that many, and not timed. The profiler runs from the generation loop's
     start (after transformers' warmup) to the end, started and stopped on this thread (CUPTI refuses a start on the
-    loop's thread once it registered on this one), so the row's other timings are taken under it. `first_step`: when
-    the first step began."""
+    loop's thread once it registered on this one), so the row's other timings are taken under it; a profiled step is
+    synchronised before and after (for the profiler's windows), so neither it nor the step after it is timed.
+    `first_step`: when the first step began (the host's clock)."""
 
     def __init__(self, device: torch.device, profile_steps: int = 0, profile_kind: str = "decode"):
-        self.device, self.steps, self.pool_tokens, self.first_step = device, [], None, None
+        self.device, self.steps, self.pool_tokens, self.first_step, self.first_mark = device, [], None, None, None
         self.profile_steps, self.profile_kind, self.profiled_wall = profile_steps, profile_kind, 0.0
         self.profiler, self.profiling = None, False
         if profile_steps:  # the loop's thread's operators too
@@ -105,29 +113,52 @@ class StepClock:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def _mark(self, stream: torch.cuda.Stream | None) -> torch.cuda.Event | float:
+        """Now, on `stream` (the forwards') on a GPU, else on the host's clock."""
+        if self.device.type != "cuda":
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def finish(self) -> None:
+        """Each step's `seconds` (after the run): since the end of the previous step's computation (the first step's:
+        since it began), none for a profiled step and the one after it."""
+        self._sync()
+        previous = self.first_mark
+        for index, step in enumerate(self.steps):
+            after_profiled = index and self.steps[index - 1].profiled
+            if not (step.profiled or after_profiled):
+                cuda = isinstance(step.end, torch.cuda.Event)
+                step.seconds = previous.elapsed_time(step.end) / 1000 if cuda else step.end - previous
+            previous = step.end
+
     def __enter__(self):
         self.original = ContinuousBatchProcessor._generation_step, ContinuousBatchingManager.start
         original_step, original_start = self.original
         clock = self
 
         def timed(processor, model):
-            cache = processor.cache
+            cache, ios = processor.cache, processor.inputs_and_outputs
             clock.pool_tokens = pool_tokens(cache)
-            batch = processor.inputs_and_outputs.requests_in_batch
+            if isinstance(ios, ContinuousBatchingAsyncIOs):  # the pair the step runs on
+                ios = ios.io_pairs[ios.current_pair].host_io
             used = cache.num_sectors * cache.bytes_per_sector - cache.compute_free_capacity(relative=False)
-            decode = all(future.query_length == 1 for future in batch)
+            decode = all(future.query_length == 1 for future in ios.requests_in_batch)
             profiled = decode == (clock.profile_kind == "decode") and clock._profiled_next()
-            clock._sync()
-            start = time.perf_counter()
+            stream = processor.inputs_and_outputs.compute_stream
             if clock.first_step is None:
-                clock.first_step = start
+                clock.first_step, clock.first_mark = time.perf_counter(), clock._mark(stream)
+            if profiled:
+                clock._sync()
+            start = time.perf_counter()
             with record_function(PROFILED_STEP) if profiled else contextlib.nullcontext():
                 original_step(processor, model)
-                clock._sync()
-            seconds = time.perf_counter() - start
+                if profiled:
+                    clock._sync()
+            clock.profiled_wall += time.perf_counter() - start if profiled else 0.0
             active = len(processor.scheduler.active_requests)
-            clock.steps.append(Step(seconds, decode, int(used), active, profiled))
-            clock.profiled_wall += seconds if profiled else 0.0
+            clock.steps.append(Step(decode, int(used), active, clock._mark(stream), profiled))
 
         def start_profiled(manager):
             clock.profiler.start()
@@ -210,11 +241,13 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache != "bf16" else {}
     generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, **oscar)
     # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa);
-    # CUDA graphs as transformers and the pool choose them (none for bf16 sdpa, the decode-only forwards for the 2-bit
-    # pool), none for "oscar-eager"
+    # CUDA graphs and asynchronous batching as transformers and the pool choose them (neither for bf16 sdpa, both for
+    # the 2-bit pool), no graphs for "oscar-eager", no asynchronous batching for "oscar-sync"
     options = {"max_batch_tokens": args.max_batch_tokens, "auto_switch_to_flash": False}
     if cache == "oscar-eager":
         options["use_cuda_graph"] = False
+    if cache == "oscar-sync":
+        options["use_async_batching"] = False
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     if args.max_memory_percent is not None:
@@ -235,8 +268,9 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     if len(outputs) != len(prompts) or failed:
         raise RuntimeError(f"{len(prompts) - len(outputs)} requests missing, {len(failed)} failed: {failed[:1]}")
     ttft = sorted(o.timestamps[0] - o.created_time for o in outputs.values())
-    decode = [s for s in clock.steps if s.decode and not s.profiled]
-    prompt = [s for s in clock.steps if not s.decode and not s.profiled]
+    clock.finish()
+    decode = [s for s in clock.steps if s.decode and s.seconds is not None]
+    prompt = [s for s in clock.steps if not s.decode and s.seconds is not None]
     weights, bytes_per_s = records.weight_bytes(model), bandwidth["GBps"] * 1e9
     roofs = [(weights + s.used_bytes) / bytes_per_s for s in decode]
     return {

@@ -94,3 +94,15 @@ def test_the_paged_kernel_rows_set_gluon_pages_for_themselves(serving):
     with serving.paged_kernel("oscar"):
         assert serving.decode_paged.GLUON_PAGES is default
     assert serving.decode_paged.GLUON_PAGES is default
+
+
+def test_step_times_run_from_the_previous_steps_end(serving):
+    """`StepClock.finish`: a step's time is from the end of the previous step's computation (the first step's from
+    when it began), so the host's time between steps counts; a profiled step (synchronised) and the one after it are
+    not timed."""
+    clock = serving.StepClock(serving.torch.device("cpu"))
+    clock.first_mark = 2.0
+    ends, profiled = (3.0, 3.5, 5.0, 5.25, 7.0), (False, False, True, False, False)
+    clock.steps = [serving.Step(True, 0, 1, end, flag) for end, flag in zip(ends, profiled)]
+    clock.finish()
+    assert [step.seconds for step in clock.steps] == [1.0, 0.5, None, None, 1.75]

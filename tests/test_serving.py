@@ -73,10 +73,10 @@ def test_eager_attention_tokens_equal_generate(tiny_llama):
     batched = generate_batch(model, prompts, {})
     assert model.config._attn_implementation == "eager"
     assert batched == [generate(model, p, {}) for p in prompts]
-    with pytest.raises(ValueError, match="use_async_batching=False"):
+    with pytest.raises(ValueError, match="default_compile_level at 0"):
         model.init_continuous_batching(
             generation_config=generation_config({}, NEW_TOKENS),
-            continuous_batching_config=cb_config(use_async_batching=True),
+            continuous_batching_config=cb_config(default_compile_level=1),
         )
     assert model.config._attn_implementation == "eager"  # switched to paged|eager, then back when refused
 
@@ -193,7 +193,6 @@ def test_request_longer_than_the_pool_is_refused(llama):
         ({"method": "oscar"}, {}, {}, "pass method='paper'"),
         ({}, {"page_size": 64}, {}, "page_size=64 cannot apply"),
         ({}, {"cpu_offload_space": 1.0}, {}, "cpu_offload_space=0"),
-        ({}, {"use_async_batching": True}, {}, "use_async_batching=False"),
         ({}, {"default_compile_level": 1}, {}, "default_compile_level at 0"),
         ({}, {"use_cuda_graph": True}, {}, "pass use_cuda_graph=\\(False, True\\)"),
         ({"attention": "portable"}, {"use_cuda_graph": (False, True)}, {}, "pages in place"),

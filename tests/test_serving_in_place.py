@@ -300,7 +300,10 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
     """Under CUDA graphs (a GPU's default for the pool: the decode-only forwards replayed) transformers pads every batch
     (prompt chunks to a multiple of 64 tokens with empty sequences, decode batches to a power of two with rows of -1 in
     the block table, which read and write the trash tail) and warms the paths up with made-up requests first; tokens
-    still equal generate's. On a CPU (no graphs to capture) the padding and warmup as graphs would have them."""
+    still equal generate's, with asynchronous batching (the default with graphs: the next batch prepared while this one
+    computes, the flush on the forwards' stream) and without. On a CPU (no graphs to capture, no streams) the padding
+    and warmup as graphs would have them."""
+    from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingAsyncIOs
     from transformers.generation.continuous_batching.model_runner import ModelRunner
 
     original = ModelRunner.__init__
@@ -320,15 +323,33 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
         return from_table(table, **kwargs)
 
     monkeypatch.setattr(PagedBatch, "from_table", staticmethod(counted))
+    asynchronous, flush_streams = [], []
     if DEVICE.type == "cuda":
         replay = torch.cuda.CUDAGraph.replay
         monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", lambda graph: (replays.append(1), replay(graph))[1])
-    prompts = random_prompts((3, 140, 4 + 2 * 64 + 63), seed=5)
+        async_init, write_layers = ContinuousBatchingAsyncIOs.__init__, pool_module.PageCodec.write_layers
+
+        def counted_async(*args, **kwargs):
+            asynchronous.append(1)
+            async_init(*args, **kwargs)
+
+        def flush_stream(codec, *args):
+            flush_streams.append(torch.cuda.current_stream())
+            write_layers(codec, *args)
+
+        monkeypatch.setattr(ContinuousBatchingAsyncIOs, "__init__", counted_async)
+        monkeypatch.setattr(pool_module.PageCodec, "write_layers", flush_stream)
+    prompts = random_prompts((3, 140, 4 + 2 * 64 + 63), seed=5)  # the third request's window fills, flushed
     expected = [generate(llama, p, FUSED, 4) for p in prompts]
     options = {**IN_PLACE, "use_cuda_graph": None, "max_requests_per_batch": 8}
     assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
     if DEVICE.type == "cuda":
         assert len(replays) >= 3 and 4 in rows  # three decode steps replayed; a graph of four rows captured
+        assert asynchronous and flush_streams and torch.cuda.default_stream() not in flush_streams
+        replays.clear()
+        options["use_async_batching"] = False
+        assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
+        assert len(replays) >= 3
     else:
         assert rows[-3:] == [4, 4, 4] and padded_rows[-3:] == [1, 1, 1]  # three requests' steps padded to four rows
 

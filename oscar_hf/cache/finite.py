@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import contextlib
 
 import torch
@@ -16,17 +17,18 @@ class FiniteCheck:
 
     * the blocks quantized inside `gathered` (an update, a choice of the key rotation: a long prompt is quantized in
       several blocks) share one pair of flags, checked on leaving it;
-    * on CUDA, without waiting (`defer`): the flags go to pinned host memory behind the blocks' kernels and are read by
-      the layer's first update that finds them arrived (in `generate`, the next step's: it synchronises after every
-      token; a chunked prefill's next chunk), and at the latest by the next `defer`, which waits for them. Reading
-      device flags at once would make the host wait for the GPU, and the GPU for the host's next launches, at every
-      layer of a prefill. A non-finite block is thus refused a step or a chunk after its quantization, having been
-      read by at most that step's or chunk's attention;
+    * on CUDA, without waiting (`defer`): the flags go to pinned host memory behind the blocks' kernels and are read,
+      oldest first, by the first `gathered` or `defer` that finds them arrived (in `generate`, the next step's: it
+      synchronises after every token; a chunked prefill's next chunk; the pool's next flush). Reading device flags at
+      once would make the host wait for the GPU, and the GPU for the host's next launches, at every layer of a
+      prefill, and the continuous-batching pool's host, preparing the next batch while the GPU computes this one,
+      wait for this one at each flush. A non-finite block is thus refused a step or a chunk after its quantization
+      (a few steps under asynchronous batching), having been read by at most those steps' attention;
     * elsewhere (CPU tensors, a block quantized outside `gathered`), at once."""
 
     def __init__(self, config: OscarConfig):
         self.config = config
-        self._pending: tuple[torch.Tensor, torch.cuda.Event] | None = None
+        self._pending: collections.deque[tuple[torch.Tensor, torch.cuda.Event]] = collections.deque()  # oldest first
         self._gathered: torch.Tensor | None = None  # the flags of the blocks quantized in the open `gathered`, AND-ed
         self._depth = 0
 
@@ -65,24 +67,24 @@ class FiniteCheck:
                 raise_unless_finite(flags, self.config)
 
     def defer(self, flags: torch.Tensor) -> None:
-        """Send `flags` to the host behind the blocks' kernels (after reading the previous ones)."""
-        self.read(wait=True)
+        """Send `flags` to the host behind the blocks' kernels (after reading the earlier ones that arrived)."""
+        self.read(wait=False)
         host = torch.empty(flags.shape, dtype=flags.dtype, pin_memory=True)
         host.copy_(flags, non_blocking=True)
         arrived = torch.cuda.Event()
         arrived.record()
-        self._pending = (host, arrived)
+        self._pending.append((host, arrived))
 
     def read(self, wait: bool) -> None:
-        """Raise if the deferred blocks were not finite; without `wait`, only once their flags arrived."""
-        if self._pending is None:
-            return
-        host, arrived = self._pending
-        if not wait and not arrived.query():
-            return
-        arrived.synchronize()
-        self._pending = None
-        raise_unless_finite(host, self.config)
+        """Raise if deferred blocks were not finite: all of them, or without `wait` those whose flags arrived."""
+        while self._pending:
+            host, arrived = self._pending[0]
+            if not wait and not arrived.query():
+                return
+            arrived.synchronize()
+            self._pending.popleft()
+            raise_unless_finite(host, self.config)
 
     def reset(self) -> None:
-        self._pending, self._gathered, self._depth = None, None, 0
+        self._pending.clear()
+        self._gathered, self._depth = None, 0

@@ -10,6 +10,8 @@ supports one release line (`SUPPORTED_TRANSFORMERS`) and `register()` (run by `i
   the manager's resolved `ContinuousBatchingConfig` with the pool's config (`POOL_CONFIG`);
 * `continuous_api.PagedAttentionCache`, the name the manager builds its cache with, becomes `paged_cache`: the pool
   for a marked config, transformers' `PagedAttentionCache` otherwise;
+* a wrapper of `ContinuousBatchingManager._create_batch_processor` giving the pool the stream its forwards run on
+  (`OscarPagedCache.compute_stream`);
 * a wrapper of `ContinuousBatchingManager.add_request` refusing a request longer than an empty pool holds
   (a `ValueError`, which `transformers serve` answers with HTTP 400), where transformers' scheduler would otherwise stop
   the whole loop.
@@ -158,8 +160,6 @@ def _refuse_after(manager) -> None:
 
     cb_config = manager.continuous_batching_config
     refuse_tensor_parallel(manager.distributed_helper.tp_size)
-    if cb_config.use_async_batching:
-        raise ValueError("The 2-bit pool does not support asynchronous batching yet; pass use_async_batching=False.")
     if cb_config.varlen_compile_config is not None or cb_config.decode_compile_config is not None:
         raise ValueError(
             "The 2-bit pool's update is not compiled yet; leave default_compile_level at 0 and pass no compile configs."
@@ -187,6 +187,11 @@ def _wrap_init(original):
         graphs = _cuda_graphs(model, oscar, cb_config.use_cuda_graph)
         cb_config = copy.deepcopy(cb_config)
         cb_config.auto_switch_to_flash = False  # the pool reads through sdpa or eager attention
+        if cb_config.use_async_batching is None:
+            # transformers' rule (asynchronous with CUDA graphs), less its exception for sdpa's masks, which span
+            # the batch's tokens only where graphs apply (pages read in place): the next batch is prepared while this
+            # one computes
+            cb_config.use_async_batching = graphs[1]
         bound.arguments["continuous_batching_config"] = cb_config
         original(*bound.args, **bound.kwargs)
         try:
@@ -236,6 +241,18 @@ def _wrap_add_request(original):
     return add_request
 
 
+def _wrap_create_batch_processor(original):
+    @functools.wraps(original)
+    def _create_batch_processor(self):
+        processor = original(self)
+        if getattr(self.continuous_batching_config, POOL_CONFIG, None) is not None:
+            processor.cache.compute_stream = processor.inputs_and_outputs.compute_stream
+        return processor
+
+    setattr(_create_batch_processor, _WRAPPED_MARK, original)
+    return _create_batch_processor
+
+
 def paged_cache(*args, continuous_batching_config, **kwargs):
     """What continuous batching builds its cache with: the 2-bit pool for a config marked by the manager, transformers'
     `PagedAttentionCache` otherwise."""
@@ -254,6 +271,7 @@ def register() -> None:
     wrappers = {"__init__": _wrap_init}
     if supported():
         wrappers["add_request"] = _wrap_add_request
+        wrappers["_create_batch_processor"] = _wrap_create_batch_processor
         continuous_api.PagedAttentionCache = paged_cache
     for name, wrap in wrappers.items():
         if not hasattr(getattr(ContinuousBatchingManager, name), _WRAPPED_MARK):
@@ -264,7 +282,7 @@ def unregister() -> None:
     """Undo `register()`."""
     if ContinuousBatchingManager is None:
         return
-    for name in ("__init__", "add_request"):
+    for name in ("__init__", "add_request", "_create_batch_processor"):
         original = getattr(getattr(ContinuousBatchingManager, name), _WRAPPED_MARK, None)
         if original is not None:
             setattr(ContinuousBatchingManager, name, original)

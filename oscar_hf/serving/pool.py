@@ -16,6 +16,11 @@ reads: on the Triton backend (`in_place`) the new tokens, carrying the step that
 pages in place (`history.PagedHistory`); else dense K/V (exact sinks and window, dequantized pages, exact new tokens)
 for the model's attention. Sliding-window layers go to transformers' own update. Every quantize/dequantize call is
 `PageCodec`'s (`codec_class`: the test hook).
+
+Streams: transformers runs the forwards on a compute stream of its own and prepares the next batch on the host
+meanwhile (asynchronous batching: batch N + 1 prepared while batch N computes). The pool's only device work outside a
+forward, the flush of a filled window on the decode fast path (`fill_block_table`), runs on that stream
+(`compute_stream`, given by `hooks`), after the forward that filled the window and before the one that reads its page.
 """
 
 from __future__ import annotations
@@ -35,7 +40,12 @@ from transformers.generation.continuous_batching.cache_allocators import (
     SlidingAttentionCacheAllocator,
 )
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
-from transformers.generation.continuous_batching.utils import find_head_dim, find_num_key_value_heads, logger
+from transformers.generation.continuous_batching.utils import (
+    find_head_dim,
+    find_num_key_value_heads,
+    logger,
+    stream_context,
+)
 
 from ..cache.backends import TritonBackend, choose_backend
 from ..cache.step import FusedStep, hand_over
@@ -200,6 +210,7 @@ class OscarPagedCache(PagedAttentionCache):
         self._steps: list[tuple[str, int, int]] = []  # the requests of the forward being prepared, not planned yet
         self._plan: BatchPlan | None = None
         self._batch: PagedBatch | None = None  # the forward's in-place reads
+        self.compute_stream: torch.cuda.Stream | None = None  # transformers' (hooks set it); None: the current one
         # The longest request (prompt and new tokens) an empty pool holds, its tail included: longer ones are refused
         # when they are submitted (`hooks`), since transformers' scheduler could never place them.
         self.max_request_tokens = infer_max_single_request_tokens(self)
@@ -311,8 +322,8 @@ class OscarPagedCache(PagedAttentionCache):
             self._flush(tail, blocks[first:])
             self._quantized[request_id] = pages
         row = torch.tensor([pages, tail, exact_tokens(length, sinks, page_tokens), *blocks], dtype=torch.int32)
-        # A blocking copy from pageable memory waits for the stream's earlier work, the flush included: the forward
-        # runs on transformers' compute stream, which does not wait for this one.
+        # The host's copy of the table under asynchronous batching (transformers copies it to the device, on a stream
+        # the forward waits for), else the device's: a blocking copy, done before the forward is launched.
         block_table[self.pages.index, : len(row)].copy_(row)
 
     def _flush(self, tail: int, blocks: list[int]) -> None:
@@ -322,7 +333,9 @@ class OscarPagedCache(PagedAttentionCache):
             raise RuntimeError(f"OscarPagedCache: a decode step found {len(blocks)} pages to quantize, not one")
         sinks, page_tokens = self.oscar_config.sink_tokens, self.pages.tokens_per_page
         window = [kv[tail, :, sinks : sinks + page_tokens].transpose(1, 2) for kv in self.tails.layers]  # [L, H, R, D]
-        with self.codec.finite.gathered():  # checked behind the kernels on CUDA: the host does not wait for them
+        # On the forwards' stream (ordered after the forward that wrote the window, which may still be running), and
+        # checked behind the kernels on CUDA: the host does not wait for them
+        with stream_context(self.compute_stream), self.codec.finite.gathered():
             self.codec.write_layers(blocks[0], *window)
 
     def _batch_plan(self, cu_seq_lens_q: torch.Tensor) -> BatchPlan:
