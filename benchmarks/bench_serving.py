@@ -8,30 +8,30 @@ One process runs every cache of `--caches` (rows of one run, one `run` id) on th
 prompts of lengths drawn uniformly from [`--min-prompt`, `--max-prompt`] (random token ids), `--new-tokens` new tokens
 each (no end-of-sequence token: every request generates them all), greedy. `bf16`: transformers' `PagedAttentionCache`
 (the model's dtype, sdpa attention, no CUDA graphs: transformers' default there); `oscar`: `cache_implementation=
-"oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs and the next batch is prepared
-while one computes, asynchronous batching: its defaults on a GPU); `oscar-sync`: the same without asynchronous batching
-(`use_async_batching=False`); `oscar-eager`: without CUDA graphs (`use_cuda_graph=False`, so synchronous); `oscar-gluon`, `oscar-triton`: the same with its
-pages read by the Gluon kernel where it applies, or by the Triton kernel alone (`decode_paged.GLUON_PAGES` on or off for
-that row: the A/B of the paged decode kernels in one process; the row's `cache` is "oscar", its `variant` the name).
-Every pool is sized by transformers' memory handler from the same free memory (`--max-memory-percent`, or
-`--num-blocks` blocks each, for the CPU). Each row first runs the set's first `--warmup` requests untimed, with 2 new
-tokens each (the process's first compiles of that row's kernels and its attention's plans: without it, the first 2-bit
-row paid them and the second did not). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests
-of 100-700 tokens and 8 new tokens, to check the path (no timing means anything there).
+"oscar"` (the 2-bit pool, `--cache-config`; its decode-only forwards replay CUDA graphs, its default on a GPU);
+`oscar-async`: the same with the next batch prepared while one computes (`use_async_batching=True`); `oscar-eager`:
+without CUDA graphs (`use_cuda_graph=False`); `oscar-gluon`, `oscar-triton`: the same with its pages read by the Gluon
+kernel where it applies, or by the Triton kernel alone (`decode_paged.GLUON_PAGES` on or off for that row: the A/B of
+the paged decode kernels in one process; the row's `cache` is "oscar", its `variant` the name). Every pool is sized by
+transformers' memory handler from the same free memory (`--max-memory-percent`, or `--num-blocks` blocks each, for the
+CPU). Each row first runs the set's first `--warmup` requests untimed, with 2 new tokens each (the process's first
+compiles of that row's kernels and its attention's plans: without it, the first 2-bit row paid them and the second did
+not). Models: bench_generate.py's (random bf16 weights, sdpa). `--quick`: 8 requests of 100-700 tokens and 8 new tokens,
+to check the path (no timing means anything there).
 
-Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent`
-(the most requests active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`),
-`ttft_p50_s`/`ttft_p99_s` (first token's time after submission, every request submitted at once), `peak_gib`, and
-over the steps whose batch is all decode tokens: `decode_step_ms` (median of the steps' times, `StepClock`: from the
-previous step's end to this one's on the GPU, so the GPU's waits on the host count), `roof_ms` (median of the bytes such a step
-must read, the weights and the pool's used bytes, over the copy bandwidth measured in this process) and
-`roof_fraction` (their sums' ratio: the steps' share of their byte roof; weights as `records.weight_bytes` counts
-them). `prompt_step_ms` (median) and `prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the first
-step (transformers' warmup, its graph captures). `--profile-steps N`: N steps of `--profile-kind` (all-decode, or
-`prompt`: with prompt tokens) after the first `PROFILE_AFTER` are profiled and not timed (the row's `profile`: wall and
-GPU-busy time per step, GPU idle time and the host operators in it, the kernels by GPU time); the profiler runs over
-the whole generation loop, so such a row's other timings carry its overhead: a profile's row says where time goes, not
-how fast. Ratios: the 2-bit pool's over every other row's.
+Per cache, a row: `pool_tokens` (the tokens its pages can hold: `pool_tokens`), `peak_concurrent` (the most requests
+active at once), `output_tokens_per_s` (generated tokens over the whole `generate_batch`), `ttft_p50_s`/`ttft_p99_s`
+(first token's time after submission, every request submitted at once), `peak_gib`, and over the steps whose batch is
+all decode tokens: `decode_step_ms` (median of the steps' times, `StepClock`: from the previous step's end to this one's
+on the GPU, so the GPU's waits on the host count), `roof_ms` (median of the bytes such a step must read, the weights and
+the pool's used bytes, over the copy bandwidth measured in this process) and `roof_fraction` (their sums' ratio: the
+steps' share of their byte roof; weights as `records.weight_bytes` counts them). `prompt_step_ms` (median) and
+`prompt_steps_s` (sum) over the other steps; `setup_s`: the time before the first step (transformers' warmup, its graph
+captures). `--profile-steps N`: N steps of `--profile-kind` (all-decode, or `prompt`: with prompt tokens) after the
+first `PROFILE_AFTER` are profiled and not timed (the row's `profile`: wall and GPU-busy time per step, GPU idle time
+and the host operators in it, the kernels by GPU time); the profiler runs over the whole generation loop, so such a
+row's other timings carry its overhead: a profile's row says where time goes, not how fast. Ratios: the 2-bit pool's
+over every other row's.
 
 Record: benchmarks/results/serving_<gpu>.json (`runs: {run: header}`, `rows`, `ratios`; records.py's layout).
 """
@@ -60,7 +60,7 @@ from transformers.generation.continuous_batching.continuous_api import (
     ContinuousBatchProcessor,
 )
 
-CACHES = ("bf16", "oscar", "oscar-sync", "oscar-eager", "oscar-gluon", "oscar-triton")
+CACHES = ("bf16", "oscar", "oscar-async", "oscar-eager", "oscar-gluon", "oscar-triton")
 PAGED_KERNELS = {"oscar-gluon": True, "oscar-triton": False}  # a variant's `decode_paged.GLUON_PAGES`
 QUICK = dict(requests=8, min_prompt=100, max_prompt=700, new_tokens=8)
 PROFILE_AFTER = 2  # steps of the profiled kind run before the profiled ones (the first ones compile Triton's kernels)
@@ -241,13 +241,13 @@ def run_cache(model, cache: str, prompts, args, bandwidth: dict) -> dict:
     oscar = {"cache_implementation": "oscar", "cache_config": dict(args.cache_config)} if cache != "bf16" else {}
     generation = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=-1, **oscar)
     # sdpa for both pools (transformers would switch bf16 models to flash where installed: the 2-bit pool reads sdpa);
-    # CUDA graphs and asynchronous batching as transformers and the pool choose them (neither for bf16 sdpa, both for
-    # the 2-bit pool), no graphs for "oscar-eager", no asynchronous batching for "oscar-sync"
+    # CUDA graphs as transformers and the pool choose them (none for bf16 sdpa, the decode-only forwards for the 2-bit
+    # pool), none for "oscar-eager"; asynchronous batching for "oscar-async" only (transformers' default with sdpa)
     options = {"max_batch_tokens": args.max_batch_tokens, "auto_switch_to_flash": False}
     if cache == "oscar-eager":
         options["use_cuda_graph"] = False
-    if cache == "oscar-sync":
-        options["use_async_batching"] = False
+    if cache == "oscar-async":
+        options["use_async_batching"] = True
     if args.num_blocks is not None:
         options["num_blocks"] = args.num_blocks
     if args.max_memory_percent is not None:

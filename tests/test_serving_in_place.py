@@ -300,9 +300,9 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
     """Under CUDA graphs (a GPU's default for the pool: the decode-only forwards replayed) transformers pads every batch
     (prompt chunks to a multiple of 64 tokens with empty sequences, decode batches to a power of two with rows of -1 in
     the block table, which read and write the trash tail) and warms the paths up with made-up requests first; tokens
-    still equal generate's, with asynchronous batching (the default with graphs: the next batch prepared while this one
-    computes, the flush on the forwards' stream) and without. On a CPU (no graphs to capture, no streams) the padding
-    and warmup as graphs would have them."""
+    still equal generate's; on a GPU with asynchronous batching too (the next batch prepared while this one computes,
+    the flush on the forwards' stream). On a CPU (no graphs to capture, no streams) the padding and warmup as graphs
+    would have them."""
     from transformers.generation.continuous_batching.continuous_api import ContinuousBatchingAsyncIOs
     from transformers.generation.continuous_batching.model_runner import ModelRunner
 
@@ -345,11 +345,13 @@ def test_padded_batches_as_under_cuda_graphs(llama, monkeypatch):
     assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
     if DEVICE.type == "cuda":
         assert len(replays) >= 3 and 4 in rows  # three decode steps replayed; a graph of four rows captured
-        assert asynchronous and flush_streams and torch.cuda.default_stream() not in flush_streams
+        assert not asynchronous and flush_streams and torch.cuda.default_stream() not in flush_streams
         replays.clear()
-        options["use_async_batching"] = False
+        flush_streams.clear()
+        options["use_async_batching"] = True
         assert serving_calls.generate_batch(llama, prompts, FUSED, 4, **options) == expected
-        assert len(replays) >= 3
+        assert asynchronous and len(replays) >= 3
+        assert flush_streams and torch.cuda.default_stream() not in flush_streams
     else:
         assert rows[-3:] == [4, 4, 4] and padded_rows[-3:] == [1, 1, 1]  # three requests' steps padded to four rows
 

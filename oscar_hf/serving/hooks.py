@@ -187,11 +187,6 @@ def _wrap_init(original):
         graphs = _cuda_graphs(model, oscar, cb_config.use_cuda_graph)
         cb_config = copy.deepcopy(cb_config)
         cb_config.auto_switch_to_flash = False  # the pool reads through sdpa or eager attention
-        if cb_config.use_async_batching is None:
-            # transformers' rule (asynchronous with CUDA graphs), less its exception for sdpa's masks, which span
-            # the batch's tokens only where graphs apply (pages read in place): the next batch is prepared while this
-            # one computes
-            cb_config.use_async_batching = graphs[1]
         bound.arguments["continuous_batching_config"] = cb_config
         original(*bound.args, **bound.kwargs)
         try:
