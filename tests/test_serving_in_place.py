@@ -181,7 +181,8 @@ def test_memory_handler_charges_in_place_reads(monkeypatch):
     """At Llama-3.1-8B's shape (8 KV heads of 128, 32 layers, bf16) and 60 GiB for the cache, the in-place pool holds
     at least 4.5x the tokens of transformers' bf16 pool (sdpa, or flash attention: no mask, no repeated heads), where
     the dense path holds less than 3x sdpa's: each readable token is charged its pages and one layer's gathered
-    copy, not a dense read-back and a mask column. Built on the meta device (sizes only)."""
+    copy and its column of the decode fast path's block table, not a dense read-back and a mask column. Built on the
+    meta device (sizes only)."""
     monkeypatch.setattr(PagedAttentionMemoryHandler, "get_available_memory", lambda self: 60 * 2**30)
     config = LlamaConfig(
         hidden_size=4096,
@@ -210,8 +211,21 @@ def test_memory_handler_charges_in_place_reads(monkeypatch):
         monkeypatch.setattr(pool_module, "choose_backend", lambda *args, backend=backend: backend)
         pool = OscarPagedCache(pool_config({}), config, cb_config(), "meta", helper, torch.bfloat16, True)
         pools[pool.in_place] = tokens(pool)
+        if pool.in_place:
+            pool_sectors = pool.num_sectors
     assert pools[True] / bf16["sdpa"] > 6.4 and pools[True] / bf16["flash_attention_2"] > 5.2
     assert 2.7 < pools[False] / bf16["sdpa"] < 2.9
+    # the decode fast path's block table (1024 rows of int32 spanning the longest request's pages, 77 MB) is paid for
+    # in pages: charged nothing for it, the handler would have given the pool that many bytes more, to a sector
+    from oscar_hf.serving.memory import InPlaceMemoryHandler
+
+    monkeypatch.setattr(pool_module, "choose_backend", lambda *args: TritonBackend(4))
+    monkeypatch.setattr(InPlaceMemoryHandler, "fixed_overhead_bytes", PagedAttentionMemoryHandler.fixed_overhead_bytes)
+    monkeypatch.setattr(InPlaceMemoryHandler, "bytes_per_cache_token", property(lambda h: h.gathered_bytes_per_token))
+    uncharged = OscarPagedCache(pool_config({}), config, cb_config(), "meta", helper, torch.bfloat16, True)
+    table_bytes = 1024 * uncharged.max_blocks_per_request * torch.int32.itemsize
+    unpaid = (uncharged.num_sectors - pool_sectors) * uncharged.bytes_per_sector
+    assert abs(unpaid - table_bytes) < uncharged.bytes_per_sector, (unpaid, table_bytes)
 
 
 # ------------------------------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from transformers.generation.continuous_batching.cache_allocators import (
     CachePool,
     SlidingAttentionCacheAllocator,
 )
+from transformers.generation.continuous_batching.initialization import FALLBACK_DEFAULTS
 from transformers.generation.continuous_batching.model_runner import infer_max_single_request_tokens
 from transformers.generation.continuous_batching.utils import (
     find_head_dim,
@@ -177,7 +178,13 @@ class OscarPagedCache(PagedAttentionCache):
         bytes_per_block = sum(a.bytes_per_block for a in self.cache_allocators.values())  # R tokens of every layer
         handler = PagedAttentionMemoryHandler
         if lean:
-            handler = functools.partial(InPlaceMemoryHandler, gathered_bytes_per_token=-(-page.bytes // page.tokens))
+            rows = continuous_batching_config.max_requests_per_batch or FALLBACK_DEFAULTS["max_requests_per_batch"]
+            handler = functools.partial(
+                InPlaceMemoryHandler,
+                gathered_bytes_per_token=-(-page.bytes // page.tokens),
+                table_rows=rows,
+                page_tokens=window,
+            )
         self.max_batch_tokens, self.num_sectors = handler(
             config=config,
             cb_config=continuous_batching_config,
