@@ -254,9 +254,28 @@ def test_register_is_undone(llama):
     try:
         oscar_hf.unregister()
         assert continuous_api.PagedAttentionCache is PagedAttentionCache
-        assert not hasattr(continuous_api.ContinuousBatchingManager.__init__, "_oscar_original")
+        for name in ("__init__", "add_request", "_create_batch_processor"):
+            assert not hasattr(getattr(continuous_api.ContinuousBatchingManager, name), "_oscar_original"), name
     finally:
         oscar_hf.register()
     assert continuous_api.PagedAttentionCache is not PagedAttentionCache
     stock = llama.init_continuous_batching(generation_config=GenerationConfig(), continuous_batching_config=cb_config())
     assert type(stock._create_batch_processor().cache) is PagedAttentionCache
+
+
+def test_the_pool_runs_on_the_forwards_stream(llama, monkeypatch):
+    """The manager hands the pool the stream its forwards run on (`compute_stream`: where a flush must run, ordered
+    between the forward that filled the window and the next; a sentinel here, as a CPU has no stream)."""
+    from transformers.generation.continuous_batching.input_outputs import ContinuousBatchingIOs
+
+    stream, init = object(), ContinuousBatchingIOs.__init__
+
+    def with_stream(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.compute_stream = stream
+
+    monkeypatch.setattr(ContinuousBatchingIOs, "__init__", with_stream)
+    manager = llama.init_continuous_batching(
+        generation_config=generation_config({}, 2), continuous_batching_config=cb_config()
+    )
+    assert manager._create_batch_processor().cache.compute_stream is stream
