@@ -97,24 +97,35 @@ def _assert_pool_holds_what_the_cache_holds(pool: OscarPagedCache, request_id: s
 
 
 @pytest.mark.parametrize(
-    "options",
-    [{}, pytest.param({"sink_tokens": 0, "key_bits": 4}, marks=pytest.mark.slow)],  # ~3 s each in the interpreter
-    ids=["sinks", "nosinks-k4v2"],
+    "options, free_late",
+    [
+        ({}, False),
+        ({}, True),
+        pytest.param({"sink_tokens": 0, "key_bits": 4}, False, marks=pytest.mark.slow),  # ~3 s each in the interpreter
+    ],
+    ids=["sinks", "sinks-freed-late", "nosinks-k4v2"],
 )
-def test_in_place_attention_matches_the_history(options):
+def test_in_place_attention_matches_the_history(options, free_late):
     """Every forward and layer of the schedule: the pool holds, request by request, what an `OscarCache` on the same
     backend holds (pages and exact tokens, bit for bit); the step's attention over its pages in place, through the sdpa
     entry, equals float64 attention over its dense history (the fallback for attention features the kernels lack),
-    under the mask that fallback builds."""
+    under the mask that fallback builds. `free_late`: a finished request is freed after the next forward was prepared
+    and ran, as asynchronous batching updates batch N after launching batch N + 1."""
     oscar = pool_config({**FUSED, **options})
     pool = _pool(oscar)
     assert pool.in_place and pool.max_tokens_read == READ_COLUMNS and isinstance(pool.backend, TritonBackend)
     states, caches = {}, {}
     scaling = HEAD_DIM**-0.5
-    for forward in SCHEDULE:
-        for request_id in [r for r in states if r not in forward]:  # finished
+
+    def free(finished):
+        for request_id in finished:
             pool.free_blocks(request_id)
             del states[request_id], caches[request_id]
+
+    for forward in SCHEDULE:
+        finished = [r for r in states if r not in forward]
+        if not free_late:
+            free(finished)
         steps, table = [], None
         if all(tokens == 1 for tokens in forward.values()):  # rows of -1 after the requests: transformers' padding
             table = torch.full((1, len(forward) + 1, pool.max_blocks_per_request), -1, dtype=torch.int32, device=DEVICE)
@@ -175,6 +186,8 @@ def test_in_place_attention_matches_the_history(options):
                 assert out[:, :, new_at:].isfinite().all()  # the padding row attends to the trash tail
         for request_id, _, tokens in steps:
             states[request_id].position_offset += tokens
+        if free_late:
+            free(finished)
 
 
 def test_memory_handler_charges_in_place_reads(monkeypatch):
