@@ -169,6 +169,37 @@ def test_shared_prefix_pages(llama, monkeypatch):
     assert tokens[1] == generate(llama, prefix + second, options, prefill_chunk_size=256)
 
 
+@pytest.mark.parametrize("options", [{}, {"sink_tokens": 0}], ids=["sinks", "shared-pages"])
+def test_forked_sequences_equal_chunked_generate(llama, options, monkeypatch):
+    """`num_return_sequences` > 1: transformers prefills all but a prompt's last token, then forks the request; each
+    child gets the parent's pages (copied, or without sinks shared), a copy of its tail and its quantized count.
+    Sampling from the single best token (`top_k=1`), every sequence equals generate's with the prompt split there
+    (`prefill_chunk_size`)."""
+    copies = []
+    copy = OscarPagedCache.perform_cache_copy
+
+    def copied(pool, pairs):
+        allocators = {**pool.cache_allocators, pool.tails.layer_type: pool.tails}
+        pairs = {name: (src[:], dst[:]) for name, (src, dst) in pairs.items()}
+        copy(pool, {name: (src[:], dst[:]) for name, (src, dst) in pairs.items()})
+        for name, (src, dst) in pairs.items():  # every child's blocks hold its parent's bytes
+            view = allocators[name]._copy_view
+            assert torch.equal(view[src], view[dst]), name
+        copies.append({name: len(src) for name, (src, _) in pairs.items()})
+
+    monkeypatch.setattr(OscarPagedCache, "perform_cache_copy", copied)
+    prompts = random_prompts((134, 300), seed=6)  # one page held at the fork, two pages
+    config = generation_config(options, 6, do_sample=True, top_k=1, num_return_sequences=3)
+    outputs = llama.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config())
+    assert len(outputs) == 6 and all(o.error is None for o in outputs.values()), outputs
+    for i, prompt in enumerate(prompts):
+        expected = serving_calls.generate(llama, prompt, options, 6, prefill_chunk_size=len(prompt) - 1)
+        for child in ("", "__child#0", "__child#1"):
+            assert outputs[f"req_{i}{child}"].generated_tokens == expected, (i, child)
+    pages, tails = sum(c.get("full_attention", 0) for c in copies), sum(c.get("oscar_tail", 0) for c in copies)
+    assert tails == 4 and pages == (0 if options else 2 * (1 + 2)), copies  # two children a prompt
+
+
 def test_request_longer_than_the_pool_is_refused(llama):
     manager = llama.init_continuous_batching(
         generation_config=generation_config({}, NEW_TOKENS), continuous_batching_config=cb_config(num_blocks=8)
@@ -196,7 +227,6 @@ def test_request_longer_than_the_pool_is_refused(llama):
         ({}, {"default_compile_level": 1}, {}, "default_compile_level at 0"),
         ({}, {"use_cuda_graph": True}, {}, "pass use_cuda_graph=\\(False, True\\)"),
         ({"attention": "portable"}, {"use_cuda_graph": (False, True)}, {}, "pages in place"),
-        ({}, {}, {"num_return_sequences": 2, "do_sample": True}, "once per sequence"),
     ],
 )
 def test_refusals(llama, options, cb_options, generation, match):

@@ -96,11 +96,6 @@ def _refuse_before(model, generation_config, cb_config, oscar: OscarConfig) -> N
 
     from .pool import layer_groups
 
-    if getattr(generation_config, "num_return_sequences", None) not in (None, 1):
-        raise ValueError(
-            "The 2-bit pool cannot fork a request into several sequences (num_return_sequences > 1) yet: submit the "
-            "prompt once per sequence."
-        )
     if is_flash_attention_requested(model.config):
         raise ValueError(
             f"The 2-bit pool is read through the model's attention, which must be 'sdpa' or 'eager'; this model "

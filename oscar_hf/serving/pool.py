@@ -290,10 +290,41 @@ class OscarPagedCache(PagedAttentionCache):
             self._quantized[request_id] = prefix // self.pages.tokens_per_page  # no sinks when sharing
         return prefix
 
-    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst):
-        raise ValueError(
-            "The 2-bit pool cannot fork a request (num_return_sequences > 1) yet: submit the prompt once per sequence."
-        )
+    def prepare_fork_request(self, src_state, dst_req_ids, copy_src_and_dst) -> list[str]:
+        """transformers' fork (`num_return_sequences` > 1: a request prefilled but for its last prompt token, then
+        forked into children that each sample on), over the pool's three allocators: each child gets the parent's pages
+        (shared where pages are shared, else copied; quantizing them again would give the same bytes), a copy of its
+        tail and its count of quantized pages. Children are forked in order while the pool has room; the ids forked
+        are returned, and `perform_cache_copy` makes the copies."""
+        request_id, past = src_state.request_id, src_state.current_len()
+        allocators = {**self.cache_allocators, self.tails.layer_type: self.tails}
+        needed = {name: a.count_non_shareable_blocks(request_id, past) for name, a in allocators.items()}
+        forked = []
+        for child in dst_req_ids:
+            sectors = {
+                name: -(-max(needed[name] - self.pool.count_free_blocks(a.index), 0) // a.blocks_per_sector)
+                for name, a in allocators.items()
+            }
+            if self.pool.num_free_sectors < sum(sectors.values()):
+                break
+            for name, count in sectors.items():
+                for _ in range(count):
+                    self.pool.allocate_sector(allocators[name].index)
+            for name, allocator in allocators.items():
+                sources, destinations = copy_src_and_dst.setdefault(name, ([], []))
+                copied = allocator.fork_blocks(request_id, child, past)
+                sources.extend(copied[0])
+                destinations.extend(copied[1])
+            self._quantized[child] = self._quantized.get(request_id, 0)
+            forked.append(child)
+        return forked
+
+    def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
+        """The forks' block copies (`prepare_fork_request`), the tails' too."""
+        tails = copy_src_and_dst.pop(self.tails.layer_type, ([], []))
+        super().perform_cache_copy(copy_src_and_dst)
+        if tails[0]:
+            self.tails.copy_blocks(*tails)
 
     # ---------------------------------------------------------------------------------------------------------
     # a forward
