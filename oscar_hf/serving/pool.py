@@ -312,9 +312,9 @@ class OscarPagedCache(PagedAttentionCache):
                     self.pool.allocate_sector(allocators[name].index)
             for name, allocator in allocators.items():
                 sources, destinations = copy_src_and_dst.setdefault(name, ([], []))
-                copied = allocator.fork_blocks(request_id, child, past)
-                sources.extend(copied[0])
-                destinations.extend(copied[1])
+                copy_from, copy_to = allocator.fork_blocks(request_id, child, past)
+                sources.extend(copy_from)
+                destinations.extend(copy_to)
             self._quantized[child] = self._quantized.get(request_id, 0)
             forked.append(child)
         return forked
