@@ -293,7 +293,8 @@ def test_tokens_equal_dense_path_and_generate(llama, in_place_calls, monkeypatch
 @pytest.mark.slow  # ~1 min in the interpreter
 def test_split_prompts_and_requests_joining(llama, in_place_calls):
     """Prompts the scheduler splits (their later chunks over gathered pages), against chunked generate; requests
-    joining while others decode; no sinks."""
+    joining while others decode; no sinks; forked sequences (sampling from the best token), against generate split
+    before the last prompt token."""
     options = {**FUSED, "sink_tokens": 0}
     prompts = random_prompts((300,), seed=2)
     split = generate_batch(llama, prompts, options, 4, max_batch_tokens=128)
@@ -301,6 +302,11 @@ def test_split_prompts_and_requests_joining(llama, in_place_calls):
     prompts = random_prompts((150, 5, 70), seed=3)
     tokens = submit_while_decoding(llama, prompts, generation_config(FUSED, 6), cb_config(**IN_PLACE), timeout=60)
     assert tokens == [generate(llama, p, FUSED, 6) for p in prompts]
+    prompts = random_prompts((70, 200), seed=6)
+    config = generation_config(FUSED, 4, do_sample=True, top_k=1, num_return_sequences=2)
+    outputs = llama.generate_batch(prompts, generation_config=config, continuous_batching_config=cb_config(**IN_PLACE))
+    forked = [[o.generated_tokens for o in outputs.values() if o.request_id.startswith(f"req_{i}")] for i in (0, 1)]
+    assert forked == [[generate(llama, p, FUSED, 4, prefill_chunk_size=len(p) - 1)] * 2 for p in prompts]
 
 
 def test_gemma3_hybrid_tokens_equal_generate(in_place_calls, tiny_gemma3):
