@@ -180,8 +180,7 @@ def test_forked_sequences_equal_chunked_generate(llama, options, monkeypatch):
 
     def copied(pool, pairs):
         allocators = {**pool.cache_allocators, pool.tails.layer_type: pool.tails}
-        pairs = {name: (src[:], dst[:]) for name, (src, dst) in pairs.items()}
-        copy(pool, {name: (src[:], dst[:]) for name, (src, dst) in pairs.items()})
+        copy(pool, pairs)
         for name, (src, dst) in pairs.items():  # every child's blocks hold its parent's bytes
             view = allocators[name]._copy_view
             assert torch.equal(view[src], view[dst]), name

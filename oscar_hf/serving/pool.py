@@ -321,10 +321,11 @@ class OscarPagedCache(PagedAttentionCache):
 
     def perform_cache_copy(self, copy_src_and_dst: dict[str, tuple[list[int], list[int]]]) -> None:
         """The forks' block copies (`prepare_fork_request`), the tails' too."""
-        tails = copy_src_and_dst.pop(self.tails.layer_type, ([], []))
-        super().perform_cache_copy(copy_src_and_dst)
-        if tails[0]:
-            self.tails.copy_blocks(*tails)
+        name = self.tails.layer_type
+        super().perform_cache_copy({other: pairs for other, pairs in copy_src_and_dst.items() if other != name})
+        sources, destinations = copy_src_and_dst.get(name, ([], []))
+        if sources:
+            self.tails.copy_blocks(sources, destinations)
 
     # ---------------------------------------------------------------------------------------------------------
     # a forward
